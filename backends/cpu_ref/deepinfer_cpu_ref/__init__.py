@@ -1,0 +1,1 @@
+"""deepinfer's golden reference backend (plain torch on the CPU)."""

@@ -1,0 +1,70 @@
+"""Hook implementations of the cpu_ref backend."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from deepinfer_core.comm import TorchDistributedCommunicator
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.plugins import BackendInfo
+from deepinfer_core.topology import plan_single_host, single_host_cpu_topology
+from deepinfer_cpu_ref.ops import ALL_OPS
+
+NAME = "cpu_ref"
+
+
+def _version() -> str:
+    try:
+        return version("deepinfer-cpu-ref")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+@hookimpl
+def deepinfer_backend_info():
+    return BackendInfo(
+        name=NAME,
+        device_type="cpu",
+        version=_version(),
+        is_available=lambda: (True, ""),
+        details=lambda: {"torch": torch.__version__, "threads": str(torch.get_num_threads())},
+    )
+
+
+@hookimpl
+def deepinfer_register_ops(registry, backend):
+    if backend.name != NAME:
+        return
+    for name, fn in ALL_OPS.items():
+        registry.register(name, fn, priority=0)
+
+
+@hookimpl
+def deepinfer_init_device(local_rank):
+    return torch.device("cpu")
+
+
+@hookimpl
+def deepinfer_make_communicator(group, device):
+    return TorchDistributedCommunicator(group)
+
+
+@hookimpl
+def deepinfer_discover_topology():
+    return single_host_cpu_topology()
+
+
+@hookimpl
+def deepinfer_plan_parallel(topology, parallel_config):
+    return plan_single_host(
+        topology,
+        getattr(parallel_config, "data_parallel_size", 1),
+        getattr(parallel_config, "expert_parallel_size", 1),
+    )
+
+
+@hookimpl
+def deepinfer_collect_env():
+    return {"torch": torch.__version__, "cpu_threads": str(torch.get_num_threads())}

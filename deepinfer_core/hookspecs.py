@@ -1,0 +1,125 @@
+"""Every hook a deepinfer plugin can implement.
+
+Backends (entry-point group ``deepinfer.backends``) and kernel packs (``deepinfer.kernels``) implement
+these with ``@deepinfer_core.hookimpl``. Hooks run when an engine is built, never per token: ops are
+resolved once into an :class:`~deepinfer_core.ops.OpTable` of plain callables.
+
+``firstresult`` hooks answer "who handles this" (the first non-``None`` answer wins, kernel packs are
+asked before the backend); the other hooks collect a contribution from every plugin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer_core.comm import Communicator, EPDispatcher
+    from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig
+    from deepinfer_core.ops.registry import OpRegistry
+    from deepinfer_core.plugins import BackendInfo
+    from deepinfer_core.topology import ClusterTopology, ParallelPlan
+
+PROJECT = "deepinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --- backend ---------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def deepinfer_backend_info() -> BackendInfo:
+    """Identify the backend: name, device type, version and an ``is_available()`` probe.
+
+    Implemented by backend modules only. ``is_available`` must not raise: it returns
+    ``(False, reason)`` when the hardware or a required library is missing.
+    """
+
+
+@hookspec
+def deepinfer_configure(model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    """Adjust engine configuration before memory is planned (block size, KV dtype, ...).
+
+    Called on every plugin in registration order; implementations mutate the config objects.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_init_device(local_rank: int) -> torch.device:
+    """Select and initialise the device this process computes on (``torch.device``)."""
+
+
+# --- operators -------------------------------------------------------------------------------------
+
+
+@hookspec
+def deepinfer_register_ops(registry: OpRegistry, backend: BackendInfo) -> None:
+    """Contribute op implementations for the active ``backend``.
+
+    Call ``registry.register(op_name, fn, priority=..., predicate=...)`` for each op. The highest
+    priority implementation whose predicate accepts the build context (model config, dtype,
+    device) serves the op. Kernel packs check ``backend.name`` and register only where they apply.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig) -> Any:
+    """Describe the paged-cache layout (dtypes, page size) the backend's attention kernels read.
+
+    Returns a :class:`deepinfer_core.engine.kv_cache.KVCacheSpec` or ``None`` for the default.
+    """
+
+
+@hookspec
+def deepinfer_process_weights(
+    params: dict[str, torch.Tensor], model_config: ModelConfig
+) -> None:
+    """Post-process loaded weights in place (re-layout, quantise, keep FP8 with scales...).
+
+    Called once after loading, on every plugin; ``params`` maps engine parameter names to tensors.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_graph_runner(model: Any, cache_config: CacheConfig) -> Any:
+    """Return an object that captures and replays the model forward (CUDA/ACL graphs), or ``None``."""
+
+
+# --- communicators ---------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def deepinfer_make_communicator(group: Any, device: torch.device) -> Communicator:
+    """Wrap a ``torch.distributed`` process group in a :class:`~deepinfer_core.comm.Communicator`."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_make_ep_dispatcher(
+    communicator: Communicator, num_experts: int, hidden_size: int
+) -> EPDispatcher:
+    """Build the expert-parallel token dispatcher/combiner for MoE layers."""
+
+
+# --- cluster topology ------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def deepinfer_discover_topology() -> ClusterTopology:
+    """Describe the hosts, devices, interconnect peers and NUMA nodes this process can use."""
+
+
+@hookspec(firstresult=True)
+def deepinfer_plan_parallel(topology: ClusterTopology, parallel_config: ParallelConfig) -> ParallelPlan:
+    """Map data/expert-parallel ranks onto the devices of ``topology``."""
+
+
+# --- diagnostics -----------------------------------------------------------------------------------
+
+
+@hookspec
+def deepinfer_collect_env() -> dict[str, str]:
+    """Report versions and capabilities for bug reports (``deepinfer backends`` prints them)."""

@@ -1,0 +1,135 @@
+"""The op catalogue: every op the DeepSeek-V4 model and the sampler call, declared once.
+
+Each entry states the signature and the reference semantics; ``deepinfer_cpu_ref`` implements them
+literally and is the ground truth that ``deepinfer_core.testing.conformance`` checks other backends
+against. ``batch_invariant`` marks ops whose result for one row must not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    signature: str
+    semantics: str
+    batch_invariant: bool = True
+
+
+_SPECS = [
+    OpSpec(
+        "embedding",
+        "(ids: Long[T], weight: [V, D]) -> [T, D]",
+        "Row lookup weight[ids].",
+    ),
+    OpSpec(
+        "rms_norm",
+        "(x: [..., D], weight: [D] | None, eps: float) -> [..., D]",
+        "x * rsqrt(mean(x^2) + eps) (* weight when given), computed in at least float32, "
+        "returned in x.dtype.",
+    ),
+    OpSpec(
+        "rotary_emb",
+        "(x: [T, H, D], cos: [T, R/2], sin: [T, R/2], inverse: bool) -> [T, H, D]",
+        "Interleaved-pair RoPE on the trailing R channels of each head (pairs (2i, 2i+1) rotated by "
+        "angle i); inverse=True rotates by the negative angle. Leading D-R channels unchanged.",
+    ),
+    OpSpec(
+        "linear",
+        "(x: [..., K], weight: [N, K], bias: [N] | None) -> [..., N]",
+        "x @ weight.T + bias.",
+    ),
+    OpSpec(
+        "grouped_linear",
+        "(x: [T, G, K], weight: [G*N, K]) -> [T, G, N]",
+        "Block-diagonal projection: group g uses weight rows g*N:(g+1)*N.",
+    ),
+    OpSpec(
+        "swiglu",
+        "(gate_up: [T, 2I], limit: float) -> [T, I]",
+        "silu(min(gate, limit)) * clamp(up, -limit, limit), gate = first half, up = second half.",
+    ),
+    OpSpec(
+        "sparse_attention",
+        "(q: [T, H, D], kv: [N, D], indices: Long[T, K], sinks: [H], scale: float, "
+        "extra_kv: [M, D] | None, extra_indices: Long[T, K2] | None) -> [T, H, D]",
+        "Shared-KV MQA: for each query t the keys (= values) are kv[indices[t]] and "
+        "extra_kv[extra_indices[t]] (index -1 = unused slot, never read). softmax over the logits "
+        "q.k*scale plus a per-head sink logit that only enters the denominator; output = sum p*v.",
+    ),
+    OpSpec(
+        "compress_windows",
+        "(kv: [W, L, D], gate: [W, L, D]) -> [W, D]",
+        "Per window: sum over L of softmax_L(gate) * kv, softmax in float32 (gate -inf = empty slot).",
+    ),
+    OpSpec(
+        "indexer_topk",
+        "(q: [T, H, d], weights: [T, H], keys: [N, d], candidates: Long[T, C], topk: int, "
+        "scale: float) -> Long[T, topk]",
+        "Lightning indexer: score(t, c) = sum_h weights[t,h] * relu(q[t,h] . keys[candidates[t,c]]) * "
+        "scale over the valid candidates (-1 = none); return the candidate key ids of the topk best "
+        "scores, best first, ties broken towards the earlier candidate, padded with -1.",
+    ),
+    OpSpec(
+        "hc_pre",
+        "(streams: [T, n, D], fn: [(2+n)n, nD], base: [(2+n)n], scale: [3], sinkhorn_iters: int, "
+        "hc_eps: float, norm_eps: float) -> (post: [T, n], comb: [T, n, n], collapsed: [T, D])",
+        "mHC: mixes = fn . unweighted_rmsnorm(flatten(streams)); pre = sigmoid(m*s0+b)+eps, "
+        "post = 2 sigmoid(m*s1+b), comb = softmax(m*s2+b)+eps then column, (row, column)*(iters-1) "
+        "Sinkhorn normalisation; collapsed = sum_i pre_i streams_i. Computed in at least float32.",
+    ),
+    OpSpec(
+        "hc_post",
+        "(block_out: [T, D], streams: [T, n, D], post: [T, n], comb: [T, n, n]) -> [T, n, D]",
+        "new_streams[k] = post[k] * block_out + sum_j comb[j, k] * streams[j].",
+    ),
+    OpSpec(
+        "hc_head",
+        "(streams: [T, n, D], fn: [n, nD], base: [n], scale: [1], hc_eps: float, norm_eps: float) "
+        "-> [T, D]",
+        "Final collapse: pre = sigmoid(fn . unweighted_rmsnorm(flatten(streams)) * scale + base) + eps; "
+        "sum_i pre_i streams_i.",
+    ),
+    OpSpec(
+        "moe_route",
+        "(logits: [T, E], scoring_func: str, top_k: int, correction_bias: [E] | None, "
+        "fixed_ids: Long[T, k] | None, routed_scaling_factor: float) -> (weights: [T, k], ids: Long[T, k])",
+        "scores = sqrtsoftplus|sigmoid|softmax(logits); ids = fixed_ids (hash routing) or the top_k of "
+        "scores + correction_bias (ties towards the lower expert id); weights = scores[ids] / sum * "
+        "routed_scaling_factor.",
+    ),
+    OpSpec(
+        "moe_experts",
+        "(x: [T, D], w13: [E, 2I, D], w2: [E, D, I], topk_ids: Long[T, k], topk_weights: [T, k], "
+        "swiglu_limit: float) -> [T, D]",
+        "sum_k topk_weights[t,k] * w2[e] . swiglu(w13[e] . x[t]) with e = topk_ids[t,k] (ids < 0 skipped).",
+    ),
+    OpSpec(
+        "apply_penalties",
+        "(logits: [B, V], prompt_mask: Bool[B, V], output_counts: [B, V], repetition: [B], "
+        "presence: [B], frequency: [B]) -> [B, V]",
+        "Repetition penalty on tokens seen in prompt or output (divide positive, multiply negative "
+        "logits), then logits -= frequency*count + presence*(count>0).",
+    ),
+    OpSpec(
+        "top_k_top_p_min_p",
+        "(logits: [B, V], top_k: Long[B], top_p: [B], min_p: [B]) -> [B, V]",
+        "Set to -inf every logit outside the top_k (k<=0: off), outside the smallest set with "
+        "probability mass >= top_p (ties at the boundary kept), or with probability < min_p * max prob.",
+    ),
+    OpSpec(
+        "random_sample",
+        "(probs: [B, V], noise: [B, V]) -> Long[B]",
+        "Exponential race: argmax(probs / noise) with noise ~ Exp(1) supplied by the caller "
+        "(per-request generators keep seeded requests reproducible in any batch).",
+    ),
+    OpSpec(
+        "apply_token_bitmask",
+        "(logits: [B, V], bitmask: Int32[B, ceil(V/32)]) -> [B, V]",
+        "xgrammar layout: bit (v % 32) of word v // 32 set = token v allowed; disallowed -> -inf.",
+    ),
+]
+
+CATALOGUE: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}

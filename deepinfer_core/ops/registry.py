@@ -1,0 +1,118 @@
+"""Op registration (what plugins contribute) and resolution into an :class:`OpTable`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_core.ops.catalogue import CATALOGUE
+
+logger = logging.getLogger(__name__)
+
+
+class OpRegistrationError(ValueError):
+    """A plugin registered an op wrongly (unknown name, duplicate priority, not callable)."""
+
+
+class MissingOpError(LookupError):
+    """The chosen backend provides no implementation of an op the model needs."""
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a predicate sees when ops are resolved: decided once per engine, never per call."""
+
+    backend: str
+    dtype: Any = None
+    device: Any = None
+    model_config: Any = None
+
+
+@dataclass
+class OpImpl:
+    op: str
+    fn: Callable
+    priority: int
+    provider: str
+    predicate: Callable[[BuildContext], bool] | None = None
+
+    def applies(self, ctx: BuildContext) -> bool:
+        return self.predicate is None or bool(self.predicate(ctx))
+
+
+@dataclass
+class OpRegistry:
+    """Collects implementations; handed to ``deepinfer_register_ops`` hooks."""
+
+    impls: dict[str, list[OpImpl]] = field(default_factory=dict)
+    current_provider: str = "<unknown>"
+
+    def register(
+        self,
+        op: str,
+        fn: Callable,
+        priority: int = 0,
+        predicate: Callable[[BuildContext], bool] | None = None,
+    ) -> None:
+        who = self.current_provider
+        if op not in CATALOGUE:
+            raise OpRegistrationError(f"{who} registered unknown op {op!r}; known ops: {sorted(CATALOGUE)}")
+        if not callable(fn):
+            raise OpRegistrationError(f"{who} registered a non-callable for op {op!r}: {fn!r}")
+        for other in self.impls.get(op, []):
+            if other.priority == priority:
+                raise OpRegistrationError(
+                    f"op {op!r} registered twice at priority {priority}: by {other.provider} and by {who}; "
+                    "give one of them a different priority"
+                )
+        self.impls.setdefault(op, []).append(OpImpl(op, fn, priority, who, predicate))
+
+    def candidates(self, op: str) -> list[OpImpl]:
+        return sorted(self.impls.get(op, []), key=lambda i: -i.priority)
+
+    def select(self, op: str, ctx: BuildContext) -> OpImpl | None:
+        return next((impl for impl in self.candidates(op) if impl.applies(ctx)), None)
+
+
+class OpTable:
+    """Resolved ops as plain attributes: ``ops.rms_norm(x, w, eps)`` calls the chosen kernel directly."""
+
+    def __init__(self, chosen: dict[str, OpImpl]):
+        self.chosen = dict(chosen)
+        for name, impl in chosen.items():
+            setattr(self, name, impl.fn)
+
+    def provider(self, op: str) -> str:
+        return self.chosen[op].provider
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{k}<-{v.provider}" for k, v in sorted(self.chosen.items()))
+        return f"OpTable({rows})"
+
+
+def resolve_ops(
+    registry: OpRegistry,
+    ctx: BuildContext,
+    fallback: OpRegistry | None = None,
+) -> OpTable:
+    """Pick one implementation per catalogued op; missing ops are an error unless ``fallback`` fills them."""
+    chosen: dict[str, OpImpl] = {}
+    missing = []
+    for op in CATALOGUE:
+        impl = registry.select(op, ctx)
+        if impl is None and fallback is not None:
+            impl = fallback.select(op, ctx)
+            if impl is not None:
+                logger.warning("backend %s has no %r: using the cpu_ref reference (slow)", ctx.backend, op)
+        if impl is None:
+            missing.append(op)
+        else:
+            chosen[op] = impl
+    if missing:
+        raise MissingOpError(
+            f"backend {ctx.backend!r} provides no implementation for ops {missing}; install a kernel pack "
+            "that does, or pass allow_reference_fallback=True to use the slow cpu_ref versions"
+        )
+    return OpTable(chosen)

@@ -1,0 +1,190 @@
+"""Plugin discovery and loading: backends by name, kernel packs by allowlist, ops resolved once.
+
+Discovery reads entry-point metadata only. A backend module is imported when it is asked for by name
+(or listed by ``deepinfer backends``); kernel packs are imported when ``DEEPINFER_PLUGINS`` allows them
+(unset = all installed packs, empty string = none).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import pluggy
+
+from deepinfer_core import hookspecs
+from deepinfer_core.ops.registry import BuildContext, OpRegistry, OpTable, resolve_ops
+
+logger = logging.getLogger(__name__)
+
+BACKEND_GROUP = "deepinfer.backends"
+KERNEL_GROUP = "deepinfer.kernels"
+ALLOWLIST_ENV = "DEEPINFER_PLUGINS"
+REFERENCE_BACKEND = "cpu_ref"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be found, imported, validated or registered."""
+
+
+class BackendUnavailableError(PluginError):
+    """The backend is installed but cannot run here (no device, missing library)."""
+
+
+@dataclass
+class BackendInfo:
+    """What a backend says about itself through ``deepinfer_backend_info``."""
+
+    name: str
+    device_type: str
+    version: str = "0"
+    is_available: Callable[[], tuple[bool, str]] = lambda: (True, "")
+    details: Callable[[], dict[str, str]] = dict
+
+
+@dataclass
+class LoadedBackend:
+    info: BackendInfo
+    pm: pluggy.PluginManager
+    entry_point: EntryPoint
+    kernel_packs: list[str] = field(default_factory=list)
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+
+def _describe(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    where = f"{dist.name} {dist.version}" if dist is not None else "unknown distribution"
+    return f"entry point {ep.name!r} ({ep.value}) of {where}"
+
+
+def installed_backends() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=BACKEND_GROUP)}
+
+
+def installed_kernel_packs() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=KERNEL_GROUP)}
+
+
+def allowed_kernel_packs() -> dict[str, EntryPoint]:
+    packs = installed_kernel_packs()
+    allow = os.environ.get(ALLOWLIST_ENV)
+    if allow is None:
+        return packs
+    names = {n.strip() for n in allow.split(",") if n.strip()}
+    return {name: ep for name, ep in packs.items() if name in names}
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _import_and_register(pm: pluggy.PluginManager, ep: EntryPoint) -> Any:
+    try:
+        module = ep.load()
+    except Exception as exc:  # any import failure is reported with its origin
+        raise PluginError(f"cannot import {_describe(ep)}: {type(exc).__name__}: {exc}") from exc
+    try:
+        pm.register(module, name=f"{ep.group}:{ep.name}")
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"invalid hook implementation in {_describe(ep)}: {exc}") from exc
+    return module
+
+
+_LOADED: dict[tuple[str, tuple[str, ...]], LoadedBackend] = {}
+
+
+def load_backend(name: str, require_available: bool = True) -> LoadedBackend:
+    """Import the backend ``name`` and the allowed kernel packs; idempotent within a process."""
+    backends = installed_backends()
+    if name not in backends:
+        known = ", ".join(sorted(backends)) or "none"
+        raise PluginError(
+            f"unknown backend {name!r}; installed backends: {known} "
+            f"(entry-point group {BACKEND_GROUP!r}; e.g. pip install deepinfer[nvidia])"
+        )
+    packs = allowed_kernel_packs()
+    key = (name, tuple(sorted(packs)))
+    if key not in _LOADED:
+        ep = backends[name]
+        pm = _new_manager()
+        _import_and_register(pm, ep)
+        info = pm.hook.deepinfer_backend_info()
+        if info is None:
+            raise PluginError(f"{_describe(ep)} implements no deepinfer_backend_info hook")
+        for pack_ep in packs.values():
+            _import_and_register(pm, pack_ep)
+        _LOADED[key] = LoadedBackend(info, pm, ep, sorted(packs))
+    loaded = _LOADED[key]
+    if require_available:
+        ok, reason = loaded.info.is_available()
+        if not ok:
+            raise BackendUnavailableError(
+                f"backend {name!r} ({_describe(loaded.entry_point)}) is not available here: {reason}"
+            )
+    return loaded
+
+
+def collect_registry(loaded: LoadedBackend) -> OpRegistry:
+    """Ask every registered plugin for its ops, remembering who registered what."""
+    registry = OpRegistry()
+    for plugin_name, plugin in loaded.pm.list_name_plugin():
+        impl = getattr(plugin, "deepinfer_register_ops", None)
+        if impl is None:
+            continue
+        registry.current_provider = plugin_name
+        try:
+            impl(registry=registry, backend=loaded.info)
+        except Exception as exc:
+            dist = _dist_of(loaded, plugin_name)
+            raise PluginError(f"plugin {plugin_name} ({dist}) raised while registering ops: {exc}") from exc
+    return registry
+
+
+def _dist_of(loaded: LoadedBackend, plugin_name: str) -> str:
+    group, _, ep_name = plugin_name.partition(":")
+    eps = installed_backends() if group == BACKEND_GROUP else installed_kernel_packs()
+    ep = eps.get(ep_name)
+    return _describe(ep) if ep is not None else "unknown distribution"
+
+
+def build_op_table(
+    backend: str,
+    dtype: Any = None,
+    device: Any = None,
+    model_config: Any = None,
+    allow_reference_fallback: bool = False,
+) -> OpTable:
+    """Resolve every catalogued op for ``backend`` once; the result is called directly on the hot path."""
+    loaded = load_backend(backend)
+    ctx = BuildContext(backend=backend, dtype=dtype, device=device, model_config=model_config)
+    fallback = None
+    if allow_reference_fallback and backend != REFERENCE_BACKEND:
+        fallback = collect_registry(load_backend(REFERENCE_BACKEND))
+    return resolve_ops(collect_registry(loaded), ctx, fallback)
+
+
+def describe_backends() -> list[dict[str, str]]:
+    """One row per installed backend: available or the exact reason not (used by the CLI)."""
+    rows = []
+    for name, ep in sorted(installed_backends().items()):
+        dist = getattr(ep, "dist", None)
+        row = {"name": name, "distribution": dist.name if dist else "?", "version": dist.version if dist else "?"}
+        try:
+            info = load_backend(name, require_available=False).info
+            ok, reason = info.is_available()
+            row.update(device=info.device_type, available="yes" if ok else "no", reason=reason)
+            row.update({k: str(v) for k, v in info.details().items()})
+        except PluginError as exc:
+            row.update(device="?", available="no", reason=str(exc))
+        rows.append(row)
+    return rows
