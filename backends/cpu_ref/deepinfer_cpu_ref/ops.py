@@ -189,7 +189,8 @@ def moe_route(
     if fixed_ids is not None:
         ids = fixed_ids.long()
     else:
-        choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
+        acc = _acc(scores.dtype)
+        choice = scores.to(acc) if correction_bias is None else scores.to(acc) + correction_bias.to(acc)
         ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

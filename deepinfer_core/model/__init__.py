@@ -1,0 +1,35 @@
+"""DeepSeek-V4 built from resolved ops: loader, cache tensors, per-step metadata, forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.loader import load_weights
+from deepinfer_core.plugins import build_op_table
+
+
+def load_model(
+    path: str | Path,
+    backend: str = "cpu_ref",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    allow_reference_fallback: bool = False,
+    show_progress: bool = False,
+) -> DeepseekV4Model:
+    """Read the config and weights in ``path`` and build the model on ``backend``'s ops."""
+    from deepinfer_core.plugins import load_backend
+
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
+                         allow_reference_fallback=allow_reference_fallback)
+    params = load_weights(cfg, path, dtype, device, show_progress=show_progress)
+    load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
+    return DeepseekV4Model(cfg, params, ops, dtype)
+
+
+__all__ = ["DeepseekV4Model", "ModelConfig", "load_model"]

@@ -1,0 +1,133 @@
+"""The model's cache tensors: paged pools and per-sequence state slots, one set per layer.
+
+* window pool (every layer): ``[num_window_blocks * block_size, head_dim]``, one row per source token;
+  only blocks the sliding window still covers need to be resident.
+* compressed pool (CSA/HCA layers): ``[num_blocks * block_size // rate, head_dim]``, one row per
+  compressed entry, kept for the whole sequence; CSA layers also keep indexer keys the same way.
+* state slots (CSA/HCA layers): the projected ``kv`` and ``gate`` (position bias added) of the last
+  ``rows`` source tokens, where rows = 2 x rate with overlapping windows (CSA) and rate without (HCA).
+
+A block id addresses the same span of ``block_size`` source tokens in every layer of its pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """One compressed branch of a layer: main compressor or CSA indexer."""
+
+    rate: int
+    dim: int  # width of one compressed entry
+    overlap: bool
+
+    @property
+    def rows(self) -> int:
+        return (2 if self.overlap else 1) * self.rate
+
+    @property
+    def source_dim(self) -> int:
+        return (2 if self.overlap else 1) * self.dim
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    compressor: CompressorSpec | None
+    indexer: CompressorSpec | None
+
+
+def layer_cache_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:
+    """Per attention layer (MTP blocks appended after the main layers)."""
+    specs = []
+    for layer in range(cfg.num_hidden_layers):
+        rate = cfg.compress_rate(layer)
+        if not rate:
+            specs.append(LayerCacheSpec(None, None))
+            continue
+        csa = cfg.is_csa(layer)
+        comp = CompressorSpec(rate, cfg.head_dim, overlap=csa)
+        idx = CompressorSpec(rate, cfg.index_head_dim, overlap=True) if csa else None
+        specs.append(LayerCacheSpec(comp, idx))
+    specs += [LayerCacheSpec(None, None)] * (cfg.num_nextn_predict_layers or 0)
+    return specs
+
+
+def check_block_size(cfg: ModelConfig, block_size: int) -> None:
+    for spec in layer_cache_specs(cfg):
+        if spec.compressor is not None and block_size % spec.compressor.rate:
+            raise ValueError(
+                f"block_size {block_size} must be a multiple of every compression rate "
+                f"(found rate {spec.compressor.rate})"
+            )
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(compressed-pool bytes, window-pool bytes) that one block costs across all layers."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    window = comp = 0
+    for spec in layer_cache_specs(cfg):
+        window += block_size * cfg.head_dim * elt
+        for branch in (spec.compressor, spec.indexer):
+            if branch is not None:
+                comp += block_size // branch.rate * branch.dim * elt
+    return comp, window
+
+
+def bytes_per_state_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    elt = torch.empty((), dtype=state_dtype(dtype)).element_size()
+    total = 0
+    for spec in layer_cache_specs(cfg):
+        for branch in (spec.compressor, spec.indexer):
+            if branch is not None:
+                total += 2 * branch.rows * branch.source_dim * elt
+    return total
+
+
+class ModelCache:
+    """Allocates and owns every cache tensor; the engine's BlockManager decides which rows are whose."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        num_window_blocks: int,
+        num_state_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        fill: float = 0.0,
+    ):
+        check_block_size(cfg, block_size)
+        self.block_size = block_size
+        self.num_blocks, self.num_window_blocks, self.num_state_slots = num_blocks, num_window_blocks, num_state_slots
+        self.specs = layer_cache_specs(cfg)
+        sdt = state_dtype(dtype)
+
+        def pool(rows: int, dim: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.full((rows, dim), fill, dtype=dt, device=device)
+
+        self.window_kv = [pool(num_window_blocks * block_size, cfg.head_dim) for _ in self.specs]
+        self.comp_kv: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+        self.comp_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.index_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, spec in enumerate(self.specs):
+            for branch, pools, states in (
+                (spec.compressor, self.comp_kv, self.comp_state),
+                (spec.indexer, self.index_keys, self.index_state),
+            ):
+                if branch is None:
+                    continue
+                pools[layer] = pool(num_blocks * block_size // branch.rate, branch.dim)
+                shape = (num_state_slots * branch.rows, branch.source_dim)
+                states[layer] = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))

@@ -1,0 +1,245 @@
+"""Safetensors loading in DeepSeek's tensor layout, lazily, tensor by tensor.
+
+Accepted names: DeepSeek's own (``layers.N.attn.wq_a.weight``, ``layers.N.ffn.experts.E.w1.weight``,
+``hc_head_fn``, ``mtp.0.*``), with or without a leading ``model.``, and the few leaf names transformers
+keeps when it saves (``embed_tokens``, ``hc_head.hc_fn``). Routed experts are stacked on load into
+``experts.w13`` [E, 2I, D] (gate rows then up rows) and ``experts.w2`` [E, D, I]. FP8 E4M3 weights with
+128x128 block scales (``.scale`` or ``.weight_scale_inv``) are dequantised unless ``keep_fp8``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from deepinfer_core.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is malformed: a missing file or tensor, or a tensor of the wrong shape."""
+
+
+_LEAF_RENAMES = [
+    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^lm_head\.weight$"), "head.weight"),
+    (re.compile(r"(^|\.)hc_head\.hc_(fn|base|scale)$"), r"\1hc_head_\2"),
+]
+_FP32_PARAM = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias|norm\.weight$)")
+_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+FP8_BLOCK = 128
+
+
+def canonical_name(name: str) -> str:
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    for pattern, repl in _LEAF_RENAMES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def block_prefixes(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(prefix, attention-layer index) of every decoder block, MTP blocks included."""
+    blocks = [(f"layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
+    blocks += [(f"mtp.{j}.", -1) for j in range(cfg.num_nextn_predict_layers or 0)]
+    return blocks
+
+
+def expected_shapes(cfg: ModelConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Every parameter the engine needs, with its shape (after expert stacking)."""
+    d, h, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    qr, g, olr, e, inter = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    mix = (2 + n) * n
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed.weight": (cfg.vocab_size, d),
+        "head.weight": (cfg.vocab_size, d),
+        "norm.weight": (d,),
+        "hc_head_fn": (n, n * d),
+        "hc_head_base": (n,),
+        "hc_head_scale": (1,),
+    }
+    for prefix, layer in block_prefixes(cfg):
+        if layer < 0 and not with_mtp:
+            continue
+        p = prefix
+        shapes.update({
+            p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+            p + "hc_attn_fn": (mix, n * d), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
+            p + "hc_ffn_fn": (mix, n * d), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
+            p + "attn.wq_a.weight": (qr, d), p + "attn.q_norm.weight": (qr,),
+            p + "attn.wq_b.weight": (h * hd, qr), p + "attn.wkv.weight": (hd, d),
+            p + "attn.norm.weight": (hd,), p + "attn.attn_sink": (h,),
+            p + "attn.wo_a.weight": (g * olr, h * hd // g), p + "attn.wo_b.weight": (d, g * olr),
+            p + "ffn.gate.weight": (e, d),
+            p + "ffn.experts.w13": (e, 2 * inter, d), p + "ffn.experts.w2": (e, d, inter),
+            p + "ffn.shared_experts.w1.weight": (inter, d), p + "ffn.shared_experts.w3.weight": (inter, d),
+            p + "ffn.shared_experts.w2.weight": (d, inter),
+        })
+        rate = cfg.compress_rate(layer) if layer >= 0 else mtp_compress_rate(cfg)
+        is_csa = layer >= 0 and cfg.is_csa(layer)
+        if rate:
+            c = 2 if is_csa else 1
+            shapes.update({
+                p + "attn.compressor.wkv.weight": (c * hd, d), p + "attn.compressor.wgate.weight": (c * hd, d),
+                p + "attn.compressor.ape": (rate, c * hd), p + "attn.compressor.norm.weight": (hd,),
+            })
+        if is_csa:
+            ih, idim = cfg.index_n_heads, cfg.index_head_dim
+            shapes.update({
+                p + "attn.indexer.wq_b.weight": (ih * idim, qr), p + "attn.indexer.weights_proj.weight": (ih, d),
+                p + "attn.indexer.compressor.wkv.weight": (2 * idim, d),
+                p + "attn.indexer.compressor.wgate.weight": (2 * idim, d),
+                p + "attn.indexer.compressor.ape": (rate, 2 * idim),
+                p + "attn.indexer.compressor.norm.weight": (idim,),
+            })
+        if layer >= 0 and cfg.mlp_layer_types[layer] == "hash_moe":
+            shapes[p + "ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
+        else:
+            shapes[p + "ffn.gate.bias"] = (e,)
+        if layer < 0:
+            shapes.update({
+                p + "e_proj.weight": (d, d), p + "h_proj.weight": (d, d), p + "enorm.weight": (d,),
+                p + "hnorm.weight": (d,), p + "norm.weight": (d,),
+                p + "hc_head_fn": (n, n * d), p + "hc_head_base": (n,), p + "hc_head_scale": (1,),
+            })
+    return shapes
+
+
+def mtp_compress_rate(cfg: ModelConfig) -> int:
+    """MTP blocks use plain sliding-window attention (no compressor weights are published for them)."""
+    return 0
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} listed in {index.name} is missing from {path}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    return found
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """E4M3 weight [N, K] with one scale per ``block`` x ``block`` tile -> float32."""
+    n, k = weight.shape
+    s = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return weight.float() * s
+
+
+def load_weights(
+    cfg: ModelConfig,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    keep_fp8: bool = False,
+    show_progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Read every tensor once, rename, stack experts, cast; check names and shapes against the config."""
+    files = checkpoint_files(path)
+    raw_keys = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            raw_keys.extend(handle.keys())
+    names = {canonical_name(k) for k in raw_keys}
+    with_mtp = any(k.startswith("mtp.") for k in names)
+    shapes = expected_shapes(cfg, with_mtp)
+    params: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    pending_fp8: dict[str, torch.Tensor] = {}
+
+    def param_dtype(name: str) -> torch.dtype:
+        if name.endswith("tid2eid"):
+            return torch.long
+        if dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(name):
+            return torch.float32
+        return dtype
+
+    def store(name: str, tensor: torch.Tensor) -> None:
+        m = _EXPERT.match(name)
+        if m:
+            prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
+            inter = cfg.moe_intermediate_size
+            if which in ("w1", "w3"):
+                key = prefix + ".w13"
+                rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+            else:
+                key, rows = prefix + ".w2", slice(None)
+            if key not in shapes:
+                raise CheckpointError(f"unexpected expert tensor {name}")
+            if key not in params:
+                params[key] = torch.empty(shapes[key], dtype=param_dtype(key), device=device)
+            target = params[key][expert, rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            return
+        if name not in shapes:
+            return  # tensors the engine does not use (e.g. rotary buffers) are skipped
+        if tuple(tensor.shape) != shapes[name]:
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shapes[name]}")
+        keep = tensor.dtype == torch.float8_e4m3fn
+        params[name] = tensor.to(device=device, dtype=tensor.dtype if keep else param_dtype(name))
+
+    progress = tqdm(total=len(raw_keys), desc="loading weights", unit="tensor", disable=not show_progress)
+    for key, tensor in _iter_tensors(files):
+        progress.update(1)
+        name = canonical_name(key)
+        if name.endswith(".scale") or name.endswith(".weight_scale_inv"):
+            base = name.rsplit(".", 1)[0] + ".weight"
+            if base in pending_fp8:
+                store(base, _fp8_to(pending_fp8.pop(base), tensor, keep_fp8, params, base))
+            else:
+                scales[base] = tensor
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            if name in scales:
+                store(name, _fp8_to(tensor, scales.pop(name), keep_fp8, params, name))
+            else:
+                pending_fp8[name] = tensor
+            continue
+        store(name, tensor)
+    progress.close()
+    if pending_fp8:
+        raise CheckpointError(f"FP8 tensors without a block scale: {sorted(pending_fp8)[:5]}")
+    if "head.weight" not in params and cfg.tie_word_embeddings and "embed.weight" in params:
+        params["head.weight"] = params["embed.weight"]
+    _stack_shared_experts(params)
+    missing = [n for n in shapes if n not in params]
+    if missing:
+        raise CheckpointError(f"checkpoint in {path} lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+    return params
+
+
+def _fp8_to(weight, scale, keep_fp8, params, name):
+    if keep_fp8:
+        params[name + "_scale"] = scale.float()
+        return weight
+    return dequantize_fp8(weight, scale)
+
+
+def _stack_shared_experts(params: dict[str, torch.Tensor]) -> None:
+    for w1_name in [n for n in params if n.endswith("shared_experts.w1.weight")]:
+        prefix = w1_name[: -len("w1.weight")]
+        if prefix + "w3.weight" in params:
+            params[prefix + "w13"] = torch.cat([params[w1_name], params[prefix + "w3.weight"]], dim=0)

@@ -1,0 +1,47 @@
+"""Drive the engine's model without the engine: contiguous blocks per sequence, for golden tests."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+
+
+class SimpleRunner:
+    """Each sequence owns ``max_blocks`` consecutive blocks and one state slot; nothing is freed."""
+
+    def __init__(self, model: DeepseekV4Model, num_seqs: int, max_len: int, block_size: int = 16,
+                 fill: float = float("nan")):
+        self.model, self.block_size = model, block_size
+        self.max_blocks = -(-max_len // block_size)
+        self.cache = ModelCache(
+            model.cfg, num_seqs * self.max_blocks, num_seqs * self.max_blocks, num_seqs, block_size,
+            model.dtype, model.device, fill=fill,
+        )
+        self.lens = [0] * num_seqs
+
+    def table(self, seq: int) -> list[int]:
+        return list(range(seq * self.max_blocks, (seq + 1) * self.max_blocks))
+
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> dict[int, torch.Tensor]:
+        """Feed ``chunks[seq]`` new tokens to each listed sequence; return logits per sequence."""
+        spans, ids, rows, owners = [], [], [], []
+        for seq, toks in chunks.items():
+            spans.append(SeqSpan(self.lens[seq], len(toks), self.table(seq), self.table(seq), seq))
+            start = len(ids)
+            ids.extend(toks)
+            rows.extend(range(start, len(ids)) if all_logits else [len(ids) - 1])
+            owners.extend([seq] * (len(toks) if all_logits else 1))
+        batch = build_forward_batch(
+            ids, spans, self.model.compressor_specs(), self.block_size, self.model.cfg.sliding_window,
+            logits_indices=rows, device=self.model.device,
+        )
+        logits, _ = self.model.forward(batch, self.cache)
+        for seq, toks in chunks.items():
+            self.lens[seq] += len(toks)
+        out: dict[int, list[torch.Tensor]] = {}
+        for owner, row in zip(owners, logits):
+            out.setdefault(owner, []).append(row)
+        return {seq: torch.stack(v) for seq, v in out.items()}
