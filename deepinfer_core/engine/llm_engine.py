@@ -1,0 +1,251 @@
+"""LLMEngine: add requests, step (schedule -> run model -> sample -> post-process), collect outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.memory import plan_pools
+from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.model import load_model
+from deepinfer_core.model.cache import ModelCache, check_block_size
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.plugins import load_backend
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    model: str | Path | None = None
+    backend: str = "cpu_ref"
+    dtype: str | torch.dtype | None = None
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int = 2 << 30
+    block_size: int = 128
+    num_blocks: int | None = None
+    num_window_blocks: int | None = None
+    seed: int = 0
+    allow_reference_fallback: bool = False
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]):
+        self.request_id, self.prompt, self.prompt_token_ids, self.seqs = request_id, prompt, prompt_token_ids, seqs
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from deepinfer_core.default_model import default_model_path
+
+        self.args = args
+        path = Path(args.model) if args.model is not None else default_model_path()
+        self.model_config = ModelConfig.from_pretrained(path)
+        backend = load_backend(args.backend)
+        self.device = torch.device(args.device) if args.device else backend.hook.deepinfer_init_device(local_rank=0)
+        default_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.dtype = resolve_dtype(args.dtype, default_dtype)
+        if self.dtype == torch.float64 and self.device.type != "cpu":
+            raise ValueError("float64 is for golden runs on the CPU reference backend only")
+        cfg = self.model_config
+        max_len = args.max_model_len or min(int(cfg.max_position_embeddings), 4096)
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                                                args.enable_chunked_prefill)
+        self.cache_config = CacheConfig(args.block_size, args.num_blocks, args.num_window_blocks,
+                                        args.kv_cache_bytes, args.gpu_memory_utilization, args.enable_prefix_caching)
+        check_block_size(cfg, args.block_size)
+        backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
+        self.model = load_model(path, args.backend, self.dtype, self.device, args.allow_reference_fallback)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
+            path / "tokenizer_config.json").is_file() else None
+        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, self.device)
+        self.pool_sizes = sizes
+        self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
+                                args.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
+                                          args.block_size, cfg.sliding_window)
+        from deepinfer_core.engine.scheduler import Scheduler
+
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._counter = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(args.seed)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, request_id: str | None, prompt: str | dict | list[int],
+                    params: SamplingParams | None = None) -> str:
+        """Queue a request; raises ValueError (and queues nothing) when the request is invalid."""
+        params = params or SamplingParams()
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        self._validate(ids, params)
+        seqs = []
+        for i in range(params.n):
+            gen = torch.Generator()
+            if params.seed is not None:
+                gen.manual_seed(params.seed * 1000003 + i)
+            else:
+                gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
+            seqs.append(Sequence(request_id, i, ids, params, gen))
+        self.requests[request_id] = _Request(request_id, text, ids, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.encode(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab, max_len = self.model_config.vocab_size, self.scheduler_config.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_len} "
+                             "(prompt plus at least one generated token must fit)")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} are outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled, unfittable = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in unfittable:
+            seq.finish_reason = "error"
+            seq.stop_reason = "the KV cache pools cannot hold this sequence; raise the memory budget"
+            self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        if scheduled:
+            samplers = self._run(scheduled)
+            for seq in samplers:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for req in touched.values():
+            out = self._output(req)
+            outputs.append(out)
+            if out.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> list[Sequence]:
+        spans, ids, rows, to_sample = [], [], [], []
+        for seq, num_new in scheduled:
+            start = seq.num_computed_tokens
+            spans.append(SeqSpan(start, num_new, seq.block_table, seq.window_block_table, seq.state_slot))
+            ids.extend(seq.token_ids[start:start + num_new])
+            if start + num_new == len(seq):
+                rows.append(len(ids) - 1)
+                to_sample.append(seq)
+        batch = build_forward_batch(ids, spans, self.model.compressor_specs(), self.args.block_size,
+                                    self.model_config.sliding_window, rows, self.device)
+        logits, _ = self.model.forward(batch, self.cache)
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.trim_window(seq)
+        if to_sample:
+            tokens, logprobs = self.sampler(logits, to_sample)
+            for seq, tok, lp in zip(to_sample, tokens, logprobs):
+                self._append(seq, tok, lp)
+        return to_sample
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        params = seq.params
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        n_out = len(seq.output_token_ids)
+        may_stop = n_out >= params.min_tokens
+        if may_stop and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif may_stop and not params.ignore_eos and token in self.model_config.eos_token_ids:
+            seq.finish_reason = "stop"
+        self._detokenize(seq, drop_last=seq.finish_reason == "stop", check_stop=may_stop)
+        if seq.finish_reason is None and params.max_tokens is not None and n_out >= params.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finish_reason is None and len(seq) >= self.scheduler_config.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _detokenize(self, seq: Sequence, drop_last: bool, check_stop: bool) -> None:
+        """Text of the output; a stop token is not shown, nor anything from a stop string on."""
+        if self.tokenizer is None:
+            return
+        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if check_stop and seq.finish_reason is None:
+            for stop in seq.params.stop:
+                cut = text.find(stop)
+                if cut >= 0:
+                    text = text[:cut]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    break
+        seq.text = text
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            cum = None
+            if seq.output_logprobs:
+                cum = sum(lp[t] for lp, t in zip(seq.output_logprobs, seq.output_token_ids))
+            outs.append(CompletionOutput(
+                seq.index, seq.text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+                list(seq.output_logprobs) if seq.params.logprobs is not None else None, cum,
+            ))
+        finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)
+        error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == "error"), None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, 0, error)

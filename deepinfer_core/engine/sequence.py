@@ -1,0 +1,54 @@
+"""One generation stream: its tokens, its memory and where it stands."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from deepinfer_core.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator):
+        self.seq_id = next(Sequence._ids)
+        self.request_id, self.index = request_id, index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.window_block_table: list[int] = []
+        self.state_slot: int | None = None
+        self.text = ""
+        self.num_preemptions = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,3 @@
+from deepinfer_core.sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]

@@ -1,0 +1,76 @@
+"""Turns the last-position logits of a batch into next tokens (and logprobs) through backend ops."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.ops import OpTable
+
+
+class Sampler:
+    def __init__(self, ops: OpTable, vocab_size: int, eos_token_ids: list[int]):
+        self.ops, self.vocab_size, self.eos = ops, vocab_size, eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+        ops, device = self.ops, logits.device
+        logits = self._mask_early_stops(logits.clone(), seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(s.params.has_penalties for s in seqs):
+            logits = self._penalise(logits, seqs)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
+        temps = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs],
+                             dtype=logits.dtype, device=device)
+        scaled = logits / temps.unsqueeze(1)
+        filtered = ops.top_k_top_p_min_p(
+            scaled,
+            torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device),
+            torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype, device=device),
+            torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype, device=device),
+        )
+        probs = torch.softmax(filtered, dim=-1)
+        noise = torch.stack([
+            torch.empty(logits.shape[-1], dtype=torch.float64).exponential_(generator=s.generator)
+            for s in seqs
+        ]).to(device=device, dtype=probs.dtype)
+        sampled = ops.random_sample(probs, noise)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled).tolist()
+        logprobs: list[dict[int, float] | None] = []
+        for row, (seq, tok) in enumerate(zip(seqs, tokens)):
+            n = seq.params.logprobs
+            if n is None:
+                logprobs.append(None)
+                continue
+            top = torch.topk(raw_logprobs[row], min(n, self.vocab_size)) if n > 0 else None
+            entry = {tok: float(raw_logprobs[row, tok])}
+            if top is not None:
+                entry.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+            logprobs.append(entry)
+        return tokens, logprobs
+
+    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        for row, seq in enumerate(seqs):
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else self.eos)
+                if banned:
+                    logits[row, banned] = float("-inf")
+        return logits
+
+    def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab, device = logits.shape[-1], logits.device
+        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+        counts = torch.zeros(len(seqs), vocab, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            prompt_mask[row, seq.prompt_token_ids] = True
+            if seq.output_token_ids:
+                counts[row].index_add_(0, torch.tensor(seq.output_token_ids), torch.ones(len(seq.output_token_ids), dtype=torch.long))
+        p = [s.params for s in seqs]
+
+        def col(values):
+            return torch.tensor(values, dtype=logits.dtype, device=device)
+
+        return self.ops.apply_penalties(
+            logits, prompt_mask.to(device), counts.to(device),
+            col([x.repetition_penalty for x in p]), col([x.presence_penalty for x in p]),
+            col([x.frequency_penalty for x in p]),
+        )
