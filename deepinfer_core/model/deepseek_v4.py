@@ -52,17 +52,43 @@ class DeepseekV4Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits of ``batch.logits_indices`` rows, final hidden state of every token)."""
+        """Returns (logits of ``batch.logits_indices`` rows, last layer's hyper-connection streams [T, n, D]).
+
+        The streams are what the MTP module consumes.
+        """
         ops, cfg = self.ops, self.cfg
         x = ops.embedding(batch.input_ids, self.p["embed.weight"]).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        rope = {
-            kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")
-        }
+        rope = self._rope(batch)
         for layer in range(cfg.num_hidden_layers):
             streams = self.block(f"layers.{layer}.", layer, streams, batch, cache, rope, batch.input_ids)
-        hidden = self.final_norm(streams, "")
-        return self.logits(hidden[batch.logits_indices]), hidden
+        hidden = self.final_norm(streams[batch.logits_indices], "")
+        return self.logits(hidden), streams
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch: ForwardBatch, cache: ModelCache, streams: torch.Tensor,
+                    next_ids: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits for position t+2 from the main streams at t and token t+1 (``next_ids``).
+
+        ``batch`` is the main model's batch (same positions and window blocks); the MTP block is plain
+        sliding-window attention with its own window pool. Returns (draft logits of the
+        ``logits_indices`` rows, the MTP block's output streams).
+        """
+        if not self.has_mtp:
+            raise ValueError("this checkpoint has no mtp.* weights")
+        ops, p, cfg = self.ops, self.p, self.cfg
+        m = f"mtp.{depth}."
+        eps = cfg.rms_norm_eps
+        e = ops.rms_norm(ops.embedding(next_ids, p["embed.weight"]).to(self.dtype), p[m + "enorm.weight"], eps)
+        h = ops.rms_norm(streams, p[m + "hnorm.weight"], eps)
+        x = ops.linear(e, p[m + "e_proj.weight"]).unsqueeze(1) + ops.linear(h, p[m + "h_proj.weight"])
+        layer = cfg.num_hidden_layers + depth
+        out = self.block(m, layer, x, batch, cache, self._rope(batch), next_ids)
+        hidden = self.final_norm(out[batch.logits_indices], m)
+        return self.logits(hidden), out
+
+    def _rope(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
 
     def final_norm(self, streams: torch.Tensor, prefix: str) -> torch.Tensor:
         p, cfg = self.p, self.cfg

@@ -163,8 +163,13 @@ def build_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(path))
 
 
-def build_tiny_checkpoint(path: str | Path, name: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
-    """Write a random tiny DeepSeek-V4 (weights, config, tokenizer) into ``path``; deterministic per seed."""
+def build_tiny_checkpoint(path: str | Path, name: str = "tiny", seed: int = 0, with_mtp: bool = True,
+                          **overrides: Any) -> Path:
+    """Write a random tiny DeepSeek-V4 (weights, config, tokenizer) into ``path``; deterministic per seed.
+
+    With ``with_mtp`` the file also carries one MTP module (``mtp.0.*``, DeepSeek's layout), which
+    transformers ignores when loading.
+    """
     from transformers import DeepseekV4ForCausalLM
 
     path = Path(path)
@@ -175,9 +180,73 @@ def build_tiny_checkpoint(path: str | Path, name: str = "tiny", seed: int = 0, *
     model = DeepseekV4ForCausalLM(config)
     _randomize(model, config, gen)
     model.save_pretrained(str(path))
+    if with_mtp:
+        _add_mtp(path, config, gen)
     build_tokenizer(path, config.vocab_size)
     (path / "deepinfer_tiny.json").write_text(json.dumps({"name": name, "seed": seed}))
     return path
+
+
+def _mtp_block_config(config):
+    from transformers import DeepseekV4Config
+
+    fields = {k: v for k, v in config.to_dict().items() if k in DeepseekV4Config.__dataclass_fields__}
+    fields.update(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    return DeepseekV4Config(**fields)
+
+
+def _add_mtp(path: Path, config, gen: torch.Generator) -> None:
+    """Append random ``mtp.0.*`` tensors: a sliding-window block plus e/h projections, norms, hc head."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    block = DeepseekV4ForCausalLM(_mtp_block_config(config))
+    _randomize(block, block.config, gen)
+    with __import__("tempfile").TemporaryDirectory() as tmp:
+        block.save_pretrained(tmp)
+        block_tensors = load_file(str(Path(tmp) / "model.safetensors"))
+    tensors = load_file(str(path / "model.safetensors"))
+    d = config.hidden_size
+    for key, value in block_tensors.items():
+        if key.startswith("model.layers.0."):
+            tensors["mtp.0." + key[len("model.layers.0."):]] = value
+        elif key.startswith("model.hc_head."):
+            tensors["mtp.0.hc_head_" + key.rsplit(".hc_", 1)[1]] = value
+    tensors["mtp.0.e_proj.weight"] = torch.randn(d, d, generator=gen) / math.sqrt(d)
+    tensors["mtp.0.h_proj.weight"] = torch.randn(d, d, generator=gen) / math.sqrt(d)
+    for norm in ("enorm", "hnorm", "norm"):
+        tensors[f"mtp.0.{norm}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_hf_mtp_reference(path: str | Path, dtype: torch.dtype = torch.float64):
+    """A one-layer transformers model whose block, hc head and norm are the checkpoint's ``mtp.0``.
+
+    Returns (model, e_proj, h_proj, enorm, hnorm) so a test can compute MTP logits independently.
+    """
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+
+    path = Path(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    config = _mtp_block_config(AutoConfig.from_pretrained(str(path)))
+    config._experts_implementation = "eager"
+    ref = {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"], "head.weight": tensors["head.weight"]}
+    for key, value in tensors.items():
+        if key.startswith("mtp.0.hc_head_"):
+            ref["model.hc_head.hc_" + key.rsplit("_", 1)[1]] = value
+        elif key == "mtp.0.norm.weight":
+            ref["model.norm.weight"] = value
+        elif key.startswith("mtp.0.") and key.split(".")[2] not in ("e_proj", "h_proj", "enorm", "hnorm"):
+            ref["model.layers.0." + key[len("mtp.0."):]] = value
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        save_file(ref, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        model = DeepseekV4ForCausalLM.from_pretrained(tmp, config=config, dtype=torch.float32).to(dtype).eval()
+    extra = [tensors[f"mtp.0.{n}.weight"].to(dtype) for n in ("e_proj", "h_proj", "enorm", "hnorm")]
+    return (model, *extra)
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float64):
