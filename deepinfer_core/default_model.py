@@ -7,7 +7,7 @@ from pathlib import Path
 
 DEFAULT_NAME = "tiny"
 DEFAULT_SEED = 0
-_VERSION = "v1"
+_VERSION = "v2"
 
 
 def cache_root() -> Path:
