@@ -97,6 +97,8 @@ def _import_and_register(pm: pluggy.PluginManager, ep: EntryPoint) -> Any:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"invalid hook implementation in {_describe(ep)}: {exc}") from exc
+    except ValueError as exc:  # pluggy: the same module object is already registered (under another name)
+        raise PluginError(f"cannot register {_describe(ep)}: {exc}") from exc
     return module
 
 
@@ -118,7 +120,12 @@ def load_backend(name: str, require_available: bool = True) -> LoadedBackend:
         ep = backends[name]
         pm = _new_manager()
         _import_and_register(pm, ep)
-        info = pm.hook.deepinfer_backend_info()
+        try:
+            info = pm.hook.deepinfer_backend_info()
+        except Exception as exc:
+            raise PluginError(
+                f"deepinfer_backend_info of {_describe(ep)} raised {type(exc).__name__}: {exc}"
+            ) from exc
         if info is None:
             raise PluginError(f"{_describe(ep)} implements no deepinfer_backend_info hook")
         for pack_ep in packs.values():
@@ -137,13 +144,14 @@ def load_backend(name: str, require_available: bool = True) -> LoadedBackend:
 def collect_registry(loaded: LoadedBackend) -> OpRegistry:
     """Ask every registered plugin for its ops, remembering who registered what."""
     registry = OpRegistry()
-    for plugin_name, plugin in loaded.pm.list_name_plugin():
-        impl = getattr(plugin, "deepinfer_register_ops", None)
-        if impl is None:
-            continue
+    kwargs = {"registry": registry, "backend": loaded.info}
+    # call the validated hook implementations one by one (pluggy's order: backend first), passing only
+    # the arguments each one declares, as pluggy does
+    for impl in loaded.pm.hook.deepinfer_register_ops.get_hookimpls():
+        plugin_name = impl.plugin_name
         registry.current_provider = plugin_name
         try:
-            impl(registry=registry, backend=loaded.info)
+            impl.function(*(kwargs[arg] for arg in impl.argnames))
         except Exception as exc:
             dist = _dist_of(loaded, plugin_name)
             raise PluginError(f"plugin {plugin_name} ({dist}) raised while registering ops: {exc}") from exc
@@ -178,13 +186,24 @@ def describe_backends() -> list[dict[str, str]]:
     rows = []
     for name, ep in sorted(installed_backends().items()):
         dist = getattr(ep, "dist", None)
-        row = {"name": name, "distribution": dist.name if dist else "?", "version": dist.version if dist else "?"}
+        row = {"name": name, "distribution": dist.name if dist else "?"}
+        row["version"] = dist.version if dist else "?"
         try:
             info = load_backend(name, require_available=False).info
-            ok, reason = info.is_available()
-            row.update(device=info.device_type, available="yes" if ok else "no", reason=reason)
-            row.update({k: str(v) for k, v in info.details().items()})
         except PluginError as exc:
             row.update(device="?", available="no", reason=str(exc))
+            rows.append(row)
+            continue
+        row["device"] = info.device_type
+        try:  # is_available/details must not raise; a plugin that breaks the contract is reported, not fatal
+            ok, reason = info.is_available()
+            row.update(available="yes" if ok else "no", reason=reason)
+        except Exception as exc:
+            why = f"is_available() of {_describe(ep)} raised {type(exc).__name__}: {exc}"
+            row.update(available="no", reason=why)
+        try:
+            row.update({k: str(v) for k, v in info.details().items()})
+        except Exception as exc:
+            row["details_error"] = f"details() raised {type(exc).__name__}: {exc}"
         rows.append(row)
     return rows

@@ -243,9 +243,12 @@ def top_k_top_p_min_p(
     probs = torch.softmax(logits.to(_acc(logits.dtype)), dim=-1)
     sorted_probs = probs.gather(1, order)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p.to(probs.dtype).unsqueeze(1)
+    # top_p >= 1 is off: a float32 cumsum over a large vocab reaches 1 early and would cut the tail
+    drop_sorted = (mass_before >= top_p.to(probs.dtype).unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    # ties at the top_p boundary are kept: nothing as probable as the least probable kept token is dropped
+    drop = drop & (probs < probs.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values)
     logits = torch.where(drop, neg_inf, logits)
     max_prob = probs.max(dim=-1, keepdim=True).values
     return torch.where(probs < min_p.to(probs.dtype).unsqueeze(1) * max_prob, neg_inf, logits)

@@ -1,0 +1,893 @@
+"""Op conformance: run a backend's ops and the cpu_ref reference on identical inputs and compare.
+
+For every op in :data:`~deepinfer_core.ops.catalogue.CATALOGUE` a case generator builds realistic
+inputs at the shapes of a preset (``tiny``: fast on a CPU; ``v4_flash``: the real DeepSeek-V4-Flash
+widths with a few tokens) for one dtype, from a seeded ``torch.Generator``. The inputs are adversarial
+where the semantics say something is never read: KV/key pools hold NaN rows that no index references
+(row 0 included, so reading a ``-1`` slot as row 0 shows up), index lists carry ``-1`` slots and whole
+``-1`` rows, compression gates carry ``-inf`` slots, expert ids carry ``-1`` (with nonzero weights).
+
+The candidate runs on the inputs as generated (moved to the backend's device); the reference runs on
+the same values upcast to float64 (floating tensors only; ``embedding`` is exact and runs as is) and
+the outputs are compared at the candidate dtype's tolerance (:mod:`deepinfer_core.testing.compare`).
+Selections (``indexer_topk``, ``moe_route``, ``random_sample``) compare as sets up to tied scores,
+recomputed here in float64.
+
+    results = run_conformance("nvidia_sm100", "tiny", ["bfloat16", "float32"])
+    failed = [r for r in results if not r.passed]
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.ops.catalogue import CATALOGUE
+from deepinfer_core.ops.registry import BuildContext, OpRegistry, OpTable, resolve_ops
+from deepinfer_core.plugins import (
+    BACKEND_GROUP,
+    REFERENCE_BACKEND,
+    LoadedBackend,
+    build_op_table,
+    collect_registry,
+    load_backend,
+)
+from deepinfer_core.testing.compare import assert_close, assert_index_sets_match
+
+# --- presets ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    tokens: int  # T of the activation ops
+    batch: int  # B of apply_penalties (the other sampler ops use one row per behaviour they check)
+    hidden: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    n_experts: int
+    top_k: int  # routed experts per token
+    moe_inter: int
+    local_experts: int  # experts one rank holds (moe_experts weights; other ids arrive as -1)
+    route_tokens: int
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    index_candidates: int
+    vocab: int
+    hc_mult: int
+    window: int
+    compress_rates: tuple[int, ...]
+    kv_pool: int  # rows of the compressed-KV pool sparse_attention gathers from
+    window_pool: int  # rows of the sliding-window pool (extra_kv)
+    swiglu_limit: float = 10.0
+
+    @property
+    def index_rope_dim(self) -> int:
+        return min(self.rope_dim, self.index_dim // 2)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        tokens=5,
+        batch=5,
+        hidden=64,
+        heads=4,
+        head_dim=32,
+        rope_dim=16,
+        q_lora=48,
+        o_groups=2,
+        o_lora=32,
+        n_experts=8,
+        top_k=2,
+        moe_inter=32,
+        local_experts=8,
+        route_tokens=16,
+        index_heads=4,
+        index_dim=16,
+        index_topk=8,
+        index_candidates=24,
+        vocab=1003,
+        hc_mult=4,
+        window=8,
+        compress_rates=(4, 128),
+        kv_pool=64,
+        window_pool=32,
+    ),
+    # DeepSeek-V4-Flash widths; token counts kept small so that a CPU reference stays feasible.
+    "v4_flash": Preset(
+        name="v4_flash",
+        tokens=4,
+        batch=5,
+        hidden=4096,
+        heads=64,
+        head_dim=512,
+        rope_dim=64,
+        q_lora=1024,
+        o_groups=8,
+        o_lora=1024,
+        n_experts=256,
+        top_k=6,
+        moe_inter=2048,
+        local_experts=4,
+        route_tokens=32,
+        index_heads=64,
+        index_dim=128,
+        index_topk=512,
+        index_candidates=1536,
+        vocab=129280,
+        hc_mult=4,
+        window=128,
+        compress_rates=(4, 128),
+        kv_pool=2048,
+        window_pool=512,
+    ),
+}
+
+
+# --- cases and results -----------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One call of an op: positional args as the candidate receives them (on the CPU)."""
+
+    op: str
+    name: str
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    #: dtype of each output: a dtype, or None for "any floating dtype"
+    out_dtypes: tuple[torch.dtype | None, ...] = ()
+    #: run the reference on float64 copies of the floating inputs (off only for exact ops)
+    upcast_reference: bool = True
+
+
+@dataclass
+class CaseResult:
+    op: str
+    case: str
+    preset: str
+    dtype: str
+    provider: str
+    passed: bool
+    message: str = ""
+    seconds: float = 0.0
+    #: the backend lacks this op and the reference implementation stood in for it
+    fallback: bool = False
+
+    def __str__(self) -> str:
+        status = "ok" if self.passed else "FAIL"
+        where = f"{self.op}[{self.preset}/{self.dtype}/{self.case}]"
+        head = f"{status} {where} via {self.provider} ({self.seconds:.2f}s)"
+        return head if self.passed else f"{head}\n  {self.message}"
+
+
+#: outputs (by op) whose values are copies or masks of the inputs: compared exactly
+EXACT_OPS = frozenset({"embedding", "apply_token_bitmask", "top_k_top_p_min_p"})
+
+OUTPUT_NAMES = {"hc_pre": ("post", "comb", "collapsed"), "moe_route": ("weights", "ids")}
+
+
+# --- generation helpers ----------------------------------------------------------------------------
+
+
+def _generator(seed: int, op: str) -> torch.Generator:
+    # one stream per (seed, op): an op's inputs depend neither on which other ops ran nor on the dtype
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(op.encode()))
+
+
+def _param_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of small float parameters the model keeps in float32 (sinks, mHC, biases, sampler knobs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _randn(g: torch.Generator, *shape: int, std: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=g) * std
+
+
+def _rand(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=g)
+
+
+def _randint(g: torch.Generator, low: int, high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(low, high, shape, generator=g)
+
+
+def _perm(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=g)
+
+
+def _weight(g: torch.Generator, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return _randn(g, n, k, std=k**-0.5).to(dtype)
+
+
+def _nan_pool(
+    g: torch.Generator, rows: int, dim: int, used: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A pool whose ``used`` rows are random and every other row is NaN."""
+    pool = torch.full((rows, dim), float("nan"), dtype=dtype)
+    pool[used] = _randn(g, used.numel(), dim).to(dtype)
+    return pool
+
+
+def _used_rows(g: torch.Generator, rows: int, count: int) -> torch.Tensor:
+    """``count`` distinct rows, never the first or the last (those stay NaN)."""
+    assert count <= rows - 2
+    return _perm(g, rows - 2)[:count] + 1
+
+
+def _index_rows(
+    g: torch.Generator, tokens: int, width: int, used: torch.Tensor, empty_rows: Sequence[int] = ()
+) -> torch.Tensor:
+    """[tokens, width] distinct ids from ``used`` per row, with -1 slots.
+
+    Row 0 fills a quarter of its slots, -1 after them (an early token); the last row fills every slot;
+    rows from 2 on scatter their -1 slots among the ids; ``empty_rows`` are all -1.
+    """
+    out = torch.full((tokens, width), -1, dtype=torch.long)
+    for t in range(tokens):
+        if t in empty_rows:
+            continue
+        if t == 0:
+            n_valid = max(1, width // 4)
+        elif t == tokens - 1:
+            n_valid = width
+        else:
+            n_valid = max(1, width * (t + 1) // (tokens + 1))
+        n_valid = min(n_valid, used.numel())
+        ids = used[_perm(g, used.numel())[:n_valid]]
+        row = torch.cat([ids, ids.new_full((width - n_valid,), -1)])
+        out[t] = row[_perm(g, width)] if t >= 2 else row
+    return out
+
+
+# --- case generators, one per op ------------------------------------------------------------------
+
+CaseGen = Callable[[Preset, torch.dtype, torch.Generator], list[Case]]
+GENERATORS: dict[str, CaseGen] = {}
+
+
+def _gen(op: str) -> Callable[[CaseGen], CaseGen]:
+    def register(fn: CaseGen) -> CaseGen:
+        GENERATORS[op] = fn
+        return fn
+
+    return register
+
+
+@_gen("embedding")
+def _embedding(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    ids = torch.cat([torch.tensor([0, p.vocab - 1]), _randint(g, 0, p.vocab, p.tokens)])
+    ids = torch.cat([ids, ids[2:3]])  # a repeated id
+    weight = torch.full((p.vocab, p.hidden), float("nan"), dtype=dtype)  # rows never looked up are NaN
+    rows = ids.unique()
+    weight[rows] = _randn(g, rows.numel(), p.hidden).to(dtype)
+    return [Case("embedding", "lookup", (ids, weight), out_dtypes=(dtype,), upcast_reference=False)]
+
+
+@_gen("rms_norm")
+def _rms_norm(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    def act(*shape: int) -> torch.Tensor:
+        x = _randn(g, *shape, std=2.0)
+        x[..., 3] *= 30.0  # a massive-activation channel
+        return x.to(dtype)
+
+    def w(d: int) -> torch.Tensor:
+        return (1 + _randn(g, d, std=0.1)).to(dtype)
+
+    T = p.tokens
+    return [
+        Case("rms_norm", "hidden", (act(T, p.hidden), w(p.hidden), 1e-6), out_dtypes=(dtype,)),
+        Case("rms_norm", "q_lora", (act(T, p.q_lora), w(p.q_lora), 1e-6), out_dtypes=(dtype,)),
+        Case(
+            "rms_norm", "per_head_unweighted", (act(T, p.heads, p.head_dim), None, 1e-6), out_dtypes=(dtype,)
+        ),
+        Case("rms_norm", "hc_streams", (act(T, p.hc_mult, p.hidden), w(p.hidden), 1e-6), out_dtypes=(dtype,)),
+    ]
+
+
+def _rope_tables(
+    g: torch.Generator, tokens: int, rope_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    pos = _randint(g, 0, 65536, tokens).to(torch.float64)
+    pos[0] = 0
+    inv_freq = 10000.0 ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = pos[:, None] * inv_freq[None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@_gen("rotary_emb")
+def _rotary_emb(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    T, pdt = p.tokens, _param_dtype(dtype)
+    cos, sin = _rope_tables(g, T, p.rope_dim, pdt)
+    icos, isin = _rope_tables(g, T, p.index_rope_dim, pdt)
+    q = _randn(g, T, p.heads, p.head_dim).to(dtype)
+    kv = _randn(g, T, 1, p.head_dim).to(dtype)
+    iq = _randn(g, T, p.index_heads, p.index_dim).to(dtype)
+    return [
+        Case("rotary_emb", "q", (q, cos, sin, False), out_dtypes=(dtype,)),
+        Case("rotary_emb", "o_inverse", (q, cos, sin, True), out_dtypes=(dtype,)),
+        Case("rotary_emb", "kv_single_head", (kv, cos, sin, False), out_dtypes=(dtype,)),
+        Case("rotary_emb", "indexer_q", (iq, icos, isin, False), out_dtypes=(dtype,)),
+    ]
+
+
+@_gen("linear")
+def _linear(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    T = p.tokens
+
+    def x(*shape: int) -> torch.Tensor:
+        return _randn(g, *shape).to(dtype)
+
+    bias = _randn(g, p.n_experts, std=0.5).to(dtype)
+    return [
+        Case(
+            "linear",
+            "q_a",
+            (x(T, p.hidden), _weight(g, p.q_lora, p.hidden, dtype), None),
+            out_dtypes=(dtype,),
+        ),
+        Case(
+            "linear",
+            "q_b",
+            (x(T, p.q_lora), _weight(g, p.heads * p.head_dim, p.q_lora, dtype), None),
+            out_dtypes=(dtype,),
+        ),
+        Case(
+            "linear",
+            "o_b",
+            (x(T, p.o_groups * p.o_lora), _weight(g, p.hidden, p.o_groups * p.o_lora, dtype), None),
+            out_dtypes=(dtype,),
+        ),
+        Case(
+            "linear",
+            "gate_3d_bias",
+            (x(2, T, p.hidden), _weight(g, p.n_experts, p.hidden, dtype), bias),
+            out_dtypes=(dtype,),
+        ),
+    ]
+
+
+@_gen("grouped_linear")
+def _grouped_linear(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    k = p.heads * p.head_dim // p.o_groups
+    x = _randn(g, p.tokens, p.o_groups, k).to(dtype)
+    w = _weight(g, p.o_groups * p.o_lora, k, dtype)
+    return [Case("grouped_linear", "o_a", (x, w), out_dtypes=(dtype,))]
+
+
+@_gen("swiglu")
+def _swiglu(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    lim = p.swiglu_limit
+    gate_up = _randn(g, p.tokens, 2 * p.moe_inter, std=3.0)
+    inter = p.moe_inter
+    gate_up[0, :4] = lim + 5  # gate above the limit
+    gate_up[1, inter : inter + 4] = torch.tensor([lim + 3, -(lim + 3), lim + 0.5, -(lim + 0.5)])  # up clamped
+    gate_up = gate_up.to(dtype)
+    return [
+        Case("swiglu", "limit10", (gate_up, lim), out_dtypes=(dtype,)),
+        Case("swiglu", "tight_limit", (gate_up, 1.5), out_dtypes=(dtype,)),
+    ]
+
+
+@_gen("sparse_attention")
+def _sparse_attention(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    T, H, D = p.tokens, p.heads, p.head_dim
+    empty = (1,)  # token 1 sees no key at all: only the sink, output 0
+    used = _used_rows(g, p.kv_pool, p.kv_pool * 3 // 4)
+    kv = _nan_pool(g, p.kv_pool, D, used, dtype)
+    indices = _index_rows(g, T, p.index_topk, used, empty)
+    wused = _used_rows(g, p.window_pool, p.window_pool // 2)
+    wkv = _nan_pool(g, p.window_pool, D, wused, dtype)
+    windices = _index_rows(g, T, p.window, wused, empty)
+    q = _randn(g, T, H, D)
+    # realistic, peaky attention: each head leans towards one of its token's keys
+    for t in range(T):
+        valid = indices[t][indices[t] >= 0]
+        if valid.numel():
+            pick = valid[_randint(g, 0, valid.numel(), H)]
+            q[t] += 0.15 * kv[pick].float()
+    q = q.to(dtype)
+    sinks = _randn(g, H).to(_param_dtype(dtype))
+    scale = D**-0.5
+    return [
+        Case(
+            "sparse_attention",
+            "compressed+window",
+            (q, kv, indices, sinks, scale, wkv, windices),
+            out_dtypes=(dtype,),
+        ),
+        Case(
+            "sparse_attention",
+            "compressed_only",
+            (q, kv, indices, sinks, scale, None, None),
+            out_dtypes=(dtype,),
+        ),
+    ]
+
+
+@_gen("compress_windows")
+def _compress_windows(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    cases = []
+    shapes = [(p.compress_rates[0], p.head_dim, "attn"), (p.compress_rates[-1], p.head_dim, "attn")]
+    shapes.append((p.compress_rates[0], p.index_dim, "index"))
+    windows = 3
+    for rate, dim, what in shapes:
+        length = 2 * rate if rate == p.compress_rates[0] else rate  # the small rate uses overlapping windows
+        kv = _randn(g, windows, length, dim)
+        gate = _randn(g, windows, length, dim)
+        gate[0, : length // 2] = float("-inf")  # first window: the overlap half is still empty
+        gate[windows - 1, int(_randint(g, 0, length, 1))] = float("-inf")  # one empty slot elsewhere
+        cases.append(
+            Case("compress_windows", f"c{rate}_{what}", (kv.to(dtype), gate.to(dtype)), out_dtypes=(dtype,))
+        )
+    return cases
+
+
+@_gen("indexer_topk")
+def _indexer_topk(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    T, IH, d, k = p.tokens, p.index_heads, p.index_dim, p.index_topk
+    cases = []
+    for name, n_cand in (("many_candidates", p.index_candidates), ("few_candidates", k // 2 + 3)):
+        pool_rows = n_cand + n_cand // 2 + 2
+        used = _used_rows(g, pool_rows, n_cand + n_cand // 4)
+        keys = _nan_pool(g, pool_rows, d, used, dtype)
+        candidates = _index_rows(g, T, n_cand, used, empty_rows=(1,))
+        q = _randn(g, T, IH, d).to(dtype)
+        weights = _randn(g, T, IH, std=IH**-0.5).to(dtype)
+        cases.append(
+            Case("indexer_topk", name, (q, weights, keys, candidates, k, d**-0.5), out_dtypes=(torch.long,))
+        )
+    return cases
+
+
+def _doubly_stochastic(g: torch.Generator, tokens: int, n: int) -> torch.Tensor:
+    comb = torch.softmax(_randn(g, tokens, n, n, std=2.0), dim=-1)
+    for _ in range(10):
+        comb = comb / comb.sum(dim=-2, keepdim=True)
+        comb = comb / comb.sum(dim=-1, keepdim=True)
+    return comb
+
+
+@_gen("hc_pre")
+def _hc_pre(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    n, D, pdt = p.hc_mult, p.hidden, _param_dtype(dtype)
+    streams = _randn(g, p.tokens, n, D, std=2.0).to(dtype)
+    fn = _randn(g, (2 + n) * n, n * D, std=(n * D) ** -0.5).to(pdt)
+    base = _randn(g, (2 + n) * n, std=0.5).to(pdt)
+    scale = (0.5 + _rand(g, 3)).to(pdt)
+    out = (None, None, dtype)
+    return [
+        Case("hc_pre", "sinkhorn20", (streams, fn, base, scale, 20, 1e-6, 1e-6), out_dtypes=out),
+        Case("hc_pre", "sinkhorn1", (streams, fn, base, scale, 1, 1e-6, 1e-6), out_dtypes=out),
+    ]
+
+
+@_gen("hc_post")
+def _hc_post(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    n, D, T, pdt = p.hc_mult, p.hidden, p.tokens, _param_dtype(dtype)
+    block_out = _randn(g, T, D).to(dtype)
+    streams = _randn(g, T, n, D).to(dtype)
+    post = (2 * torch.sigmoid(_randn(g, T, n))).to(pdt)
+    comb = _doubly_stochastic(g, T, n).to(pdt)
+    return [Case("hc_post", "mix", (block_out, streams, post, comb), out_dtypes=(dtype,))]
+
+
+@_gen("hc_head")
+def _hc_head(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    n, D, pdt = p.hc_mult, p.hidden, _param_dtype(dtype)
+    streams = _randn(g, p.tokens, n, D, std=2.0).to(dtype)
+    fn = _randn(g, n, n * D, std=(n * D) ** -0.5).to(pdt)
+    base = _randn(g, n, std=0.5).to(pdt)
+    scale = (0.5 + _rand(g, 1)).to(pdt)
+    return [Case("hc_head", "collapse", (streams, fn, base, scale, 1e-6, 1e-6), out_dtypes=(dtype,))]
+
+
+_SCORING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+}
+
+
+@_gen("moe_route")
+def _moe_route(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    T, E, k, pdt = p.route_tokens, p.n_experts, p.top_k, _param_dtype(dtype)
+    logits = _randn(g, T, E, std=1.5).to(dtype)
+    bias = _randn(g, E, std=0.1).to(pdt)
+    fixed = torch.stack([_perm(g, E)[:k] for _ in range(T)])
+    out = (None, torch.long)
+    return [
+        Case("moe_route", "sqrtsoftplus_bias", (logits, "sqrtsoftplus", k, bias, None, 1.5), out_dtypes=out),
+        Case("moe_route", "sigmoid_bias", (logits, "sigmoid", k, bias, None, 2.5), out_dtypes=out),
+        Case("moe_route", "softmax", (logits, "softmax", k, None, None, 1.0), out_dtypes=out),
+        Case("moe_route", "hash", (logits, "sqrtsoftplus", k, None, fixed, 1.5), out_dtypes=out),
+    ]
+
+
+@_gen("moe_experts")
+def _moe_experts(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    E, D, inter, k, T = p.local_experts, p.hidden, p.moe_inter, p.top_k, 2 * p.tokens
+    x = _randn(g, T, D).to(dtype)
+    w13 = _randn(g, E, 2 * inter, D, std=D**-0.5)
+    w13[:, _perm(g, inter)[: max(2, inter // 32)]] *= 6.0  # hot gate channels, some beyond the swiglu limit
+    w13 = w13.to(dtype)
+    w2 = _randn(g, E, D, inter, std=inter**-0.5).to(dtype)
+    ids = torch.full((T, k), -1, dtype=torch.long)  # -1: routed to an expert on another rank
+    for t in range(T):
+        n_local = 0 if t == 0 else min(E, k) if t == 1 else int(_randint(g, 0, min(E, k) + 1, 1))
+        ids[t, _perm(g, k)[:n_local]] = _perm(g, E)[:n_local]
+    weights = (0.2 + _rand(g, T, k)).to(_param_dtype(dtype))  # nonzero on -1 slots too: they must be skipped
+    return [Case("moe_experts", "ep_local", (x, w13, w2, ids, weights, p.swiglu_limit), out_dtypes=(dtype,))]
+
+
+@_gen("apply_penalties")
+def _apply_penalties(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    B, V, pdt = p.batch, p.vocab, _param_dtype(dtype)
+    logits = _randn(g, B, V, std=3.0).to(dtype)
+    prompt_mask = _rand(g, B, V) < 0.05
+    counts = _randint(g, 1, 4, B, V) * (_rand(g, B, V) < 0.03)
+    knobs = torch.tensor(
+        [[1.0, 0.0, 0.0], [1.3, 0.5, 0.2], [1.1, 0.0, 0.7], [2.0, 1.0, 0.0], [0.8, 0.1, 0.1]]
+    )
+    knobs = knobs[torch.arange(B) % knobs.shape[0]].to(pdt)  # row 0: all off
+    rep, pres, freq = knobs.unbind(-1)
+    return [
+        Case("apply_penalties", "mixed", (logits, prompt_mask, counts, rep, pres, freq), out_dtypes=(dtype,))
+    ]
+
+
+def _peaky_logits(g: torch.Generator, rows: int, vocab: int, head: int = 32) -> torch.Tensor:
+    """LM-like logits: a long tail plus a head of a few dozen likely tokens."""
+    logits = _randn(g, rows, vocab, std=1.5)
+    for r in range(rows):
+        logits[r, _perm(g, vocab)[:head]] += 8 + 6 * _rand(g, head)
+    return logits
+
+
+@_gen("top_k_top_p_min_p")
+def _top_k_top_p_min_p(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    V, pdt = p.vocab, _param_dtype(dtype)
+    logits = _peaky_logits(g, 5, V).to(dtype)
+    top_k = torch.tensor([20, 0, -1, 25, V + 7])
+    top_p = torch.ones(5, dtype=torch.float64)
+    min_p = torch.zeros(5, dtype=torch.float64)
+    # put the top_p and min_p thresholds mid-way between distinct probability levels, so that the kept
+    # sets do not hinge on rounding: computed from the values the op sees, after the top_k cut
+    for r, (use_p, use_m) in enumerate(
+        [(False, False), (True, False), (False, True), (True, True), (False, False)]
+    ):
+        row = logits[r].to(torch.float64)
+        if top_k[r] > 0:
+            kth = row.sort(descending=True).values[min(int(top_k[r]), V) - 1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, -1).sort(descending=True).values
+        if use_p:
+            i = 4 + int(_randint(g, 0, 6, 1))
+            cum = probs.cumsum(0)
+            top_p[r] = (cum[i - 1] + cum[i]) / 2
+        if use_m:
+            ratio = probs[:-1] / probs[1:]
+            gaps = [j for j in range(3, 15) if ratio[j] > 1.05]
+            j = gaps[0] if gaps else 3
+            min_p[r] = (probs[j] * probs[j + 1]).sqrt() / probs[0]
+    return [
+        Case("top_k_top_p_min_p", "mixed", (logits, top_k, top_p.to(pdt), min_p.to(pdt)), out_dtypes=(dtype,))
+    ]
+
+
+@_gen("random_sample")
+def _random_sample(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    B, V = 4, p.vocab
+    probs = torch.softmax(_peaky_logits(g, B, V).to(torch.float64), -1)
+    top = probs[1].topk(50).indices
+    probs[1] = torch.zeros(V, dtype=torch.float64).index_copy(0, top, probs[1, top])  # top-50 survivors
+    probs[2] = 0
+    probs[2, _perm(g, V)[:17]] = 1.0  # uniform over 17 tokens
+    probs[3] = 0
+    probs[3, int(_randint(g, 0, V, 1))] = 1.0  # one-hot
+    probs = probs / probs.sum(-1, keepdim=True)
+    noise = -torch.log(_rand(g, B, V).clamp(min=1e-12))  # Exp(1)
+    return [
+        Case(
+            "random_sample",
+            "race",
+            (probs.to(dtype), noise.to(_param_dtype(dtype))),
+            out_dtypes=(torch.long,),
+        )
+    ]
+
+
+@_gen("apply_token_bitmask")
+def _apply_token_bitmask(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    B, V = 4, p.vocab
+    words = (V + 31) // 32
+    logits = _randn(g, B, V, std=3.0).to(dtype)
+    bitmask = _randint(g, -(2**31), 2**31, B, words).to(torch.int32)  # bit 31 set in about half the words
+    bitmask[0] = -1  # everything allowed
+    bitmask[1] = 0
+    last = V - 1
+    bitmask[1, last // 32] = torch.tensor(1 << (last % 32), dtype=torch.int64).to(
+        torch.int32
+    )  # only the last
+    return [Case("apply_token_bitmask", "xgrammar", (logits, bitmask), out_dtypes=(dtype,))]
+
+
+def make_cases(op: str, preset: str | Preset, dtype: torch.dtype, seed: int = 0) -> list[Case]:
+    """The input cases of ``op`` at ``preset`` shapes in ``dtype`` (CPU tensors, reproducible by seed)."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    return GENERATORS[op](p, dtype, _generator(seed, op))
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+Check = Callable[[Case, Any, Any, tuple, torch.dtype, str], None]
+CHECKS: dict[str, Check] = {}
+
+
+def _as_tuple(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _check_outputs(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+) -> None:
+    actual, expected = _as_tuple(actual), _as_tuple(expected)
+    if len(actual) != len(expected):
+        raise AssertionError(f"{label}: returned {len(actual)} outputs, expected {len(expected)}")
+    names = OUTPUT_NAMES.get(case.op, ("out",) * len(expected))
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        name = f"{label} {names[i]}" if len(expected) > 1 else label
+        _check_dtype(case, i, a, name)
+        assert_close(a, e, dtype=dtype, name=name, exact=case.op in EXACT_OPS)
+
+
+def _check_dtype(case: Case, i: int, actual: Any, name: str) -> None:
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{name}: expected a tensor, got {type(actual).__name__}")
+    want = case.out_dtypes[i] if i < len(case.out_dtypes) else None
+    if want is None:
+        if not actual.dtype.is_floating_point:
+            raise AssertionError(f"{name}: dtype {actual.dtype}, expected a floating dtype")
+    elif actual.dtype != want:
+        raise AssertionError(f"{name}: dtype {actual.dtype}, expected {want}")
+
+
+def _check(op: str) -> Callable[[Check], Check]:
+    def register(fn: Check) -> Check:
+        CHECKS[op] = fn
+        return fn
+
+    return register
+
+
+@_check("indexer_topk")
+def _check_indexer_topk(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+):
+    _check_dtype(case, 0, actual, label)
+    q, weights, keys, candidates, _, scale = ref_args
+    cand_keys = keys[candidates.clamp(min=0)].masked_fill((candidates < 0).unsqueeze(-1), 0)
+    dots = torch.einsum("thd,tcd->thc", q, cand_keys)
+    scores = (dots.relu() * scale * weights.unsqueeze(-1)).sum(1).masked_fill(candidates < 0, float("-inf"))
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{label}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    cols_a, cols_e = _key_ids_to_columns(actual, candidates), _key_ids_to_columns(expected, candidates)
+    assert_index_sets_match(
+        cols_a,
+        cols_e,
+        scores,
+        dtype=dtype,
+        ordered=True,
+        name=f"{label} (ids as candidate columns; -2 = a key id that is not one of the row's candidates)",
+    )
+
+
+def _key_ids_to_columns(ids: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    cols = torch.full(ids.shape, -1, dtype=torch.long)
+    for t in range(ids.shape[0]):
+        col_of = {c: j for j, c in enumerate(candidates[t].tolist()) if c >= 0}
+        cols[t] = torch.tensor(
+            [-1 if i == -1 else col_of.get(i, -2) for i in ids[t].tolist()], dtype=torch.long
+        )
+    return cols
+
+
+@_check("moe_route")
+def _check_moe_route(case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str):
+    actual, expected = _as_tuple(actual), _as_tuple(expected)
+    if len(actual) != 2:
+        raise AssertionError(f"{label}: returned {len(actual)} outputs, expected 2 (weights, ids)")
+    (weights, ids), (_, e_ids) = actual, expected
+    _check_dtype(case, 0, weights, f"{label} weights")
+    _check_dtype(case, 1, ids, f"{label} ids")
+    logits, scoring, top_k, bias, fixed, factor = ref_args
+    scores = _SCORING[scoring](logits)
+    if fixed is not None:
+        assert_close(ids, fixed, name=f"{label} ids (hash routing must return the fixed ids)")
+    else:
+        choice = scores if bias is None else scores + bias
+        assert_index_sets_match(ids, e_ids, choice, dtype=dtype, name=f"{label} ids")
+    # the weights must belong to the ids the candidate chose: scores[ids] normalised and scaled
+    picked = scores.gather(1, ids.cpu().clamp(0, scores.shape[1] - 1))
+    want = picked / picked.sum(-1, keepdim=True) * factor
+    if tuple(weights.shape) != tuple(want.shape):
+        raise AssertionError(f"{label} weights: shape {tuple(weights.shape)}, expected {tuple(want.shape)}")
+    assert_close(weights, want, dtype=dtype, name=f"{label} weights (for the returned ids)")
+
+
+@_check("random_sample")
+def _check_random_sample(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+):
+    _check_dtype(case, 0, actual, label)
+    probs, noise = ref_args
+    scores = (probs / noise).masked_fill(probs <= 0, float("-inf"))  # zero-probability tokens: never
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{label}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    assert_index_sets_match(actual.unsqueeze(-1), expected.unsqueeze(-1), scores, dtype=dtype, name=label)
+
+
+# --- running ---------------------------------------------------------------------------------------
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64) if t.dtype.is_floating_point else t.clone()
+
+
+def reference_provider(reference: str = REFERENCE_BACKEND) -> str:
+    """The provider name under which the reference backend's own implementations are registered."""
+    return f"{BACKEND_GROUP}:{reference}"
+
+
+def reference_registry(loaded: LoadedBackend, reference: str = REFERENCE_BACKEND) -> OpRegistry:
+    """The reference backend's own implementations only (kernel packs that override them are dropped)."""
+    full = collect_registry(loaded)
+    provider = reference_provider(reference)
+    only = OpRegistry()
+    only.impls = {op: [i for i in impls if i.provider == provider] for op, impls in full.impls.items()}
+    return only
+
+
+def reference_op_table(reference: str = REFERENCE_BACKEND, loaded: LoadedBackend | None = None) -> OpTable:
+    loaded = loaded or load_backend(reference)
+    ctx = BuildContext(backend=reference, dtype=torch.float64, device=torch.device("cpu"))
+    return resolve_ops(reference_registry(loaded, reference), ctx)
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where the backend computes (its ``deepinfer_init_device`` hook; the CPU when it has none)."""
+    device = load_backend(backend).hook.deepinfer_init_device(local_rank=0)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def candidate_op_table(backend: str, dtype: torch.dtype, device: torch.device | None = None) -> OpTable:
+    """What the engine would resolve for ``backend`` at ``dtype`` (kernel packs included); ops the
+    backend lacks fall back to the reference and are reported as such."""
+    return build_op_table(backend, dtype=dtype, device=device, allow_reference_fallback=True)
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def check_op(
+    op: str,
+    candidate: OpTable,
+    reference: OpTable,
+    preset: str | Preset,
+    dtype: str | torch.dtype,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    reference_backend: str = REFERENCE_BACKEND,
+) -> list[CaseResult]:
+    """Run every case of ``op``: the candidate table's implementation against the reference table's."""
+    dtype = as_dtype(dtype)
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    dname = str(dtype).removeprefix("torch.")
+    impl = candidate.chosen[op]
+    provider = impl.provider
+    fallback = backend not in (None, reference_backend) and provider == reference_provider(reference_backend)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    check = CHECKS.get(op, _check_outputs)
+    results = []
+    for case in make_cases(op, p, dtype, seed):
+        label = f"{op}[{p.name}/{dname}/{case.name}, seed={seed}] via {provider}"
+        start = time.perf_counter()
+        try:
+            ref_args = _map_tensors(case.args, _upcast) if case.upcast_reference else case.args
+            ref_kwargs = _map_tensors(case.kwargs, _upcast) if case.upcast_reference else case.kwargs
+            expected = getattr(reference, op)(*ref_args, **ref_kwargs)
+            args = _map_tensors(case.args, lambda t: t.to(device))
+            kwargs = _map_tensors(case.kwargs, lambda t: t.to(device))
+            try:
+                actual = impl.fn(*args, **kwargs)
+            except Exception as exc:  # a crash is a conformance failure, reported like one
+                raise AssertionError(f"{label}: raised {type(exc).__name__}: {exc}") from exc
+            actual = _map_tensors(actual, lambda t: t.detach().cpu())
+            check(case, actual, expected, ref_args, dtype, label)
+            passed, message = True, ""
+        except AssertionError as exc:
+            passed, message = False, str(exc)
+        results.append(
+            CaseResult(
+                op, case.name, p.name, dname, provider, passed, message, time.perf_counter() - start, fallback
+            )
+        )
+    return results
+
+
+def run_conformance(
+    backend: str,
+    preset: str,
+    dtypes: Iterable[str | torch.dtype],
+    reference: str = REFERENCE_BACKEND,
+    ops: Iterable[str] | None = None,
+    seed: int = 0,
+) -> list[CaseResult]:
+    """Check every op (or ``ops``) of ``backend`` against ``reference`` at ``preset`` for each dtype."""
+    ref_table = reference_op_table(reference)
+    device = backend_device(backend)
+    results: list[CaseResult] = []
+    for dtype in map(as_dtype, dtypes):
+        table = candidate_op_table(backend, dtype, device)
+        for op in ops or CATALOGUE:
+            results += check_op(op, table, ref_table, preset, dtype, seed, device, backend, reference)
+    return results
+
+
+def summarize(results: Sequence[CaseResult]) -> str:
+    failed = [r for r in results if not r.passed]
+    lines = [f"{len(results) - len(failed)}/{len(results)} cases passed"]
+    lines += [str(r) for r in failed]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CHECKS",
+    "EXACT_OPS",
+    "GENERATORS",
+    "PRESETS",
+    "Case",
+    "CaseResult",
+    "Preset",
+    "as_dtype",
+    "backend_device",
+    "candidate_op_table",
+    "check_op",
+    "make_cases",
+    "reference_op_table",
+    "reference_provider",
+    "reference_registry",
+    "run_conformance",
+    "summarize",
+]
