@@ -4,14 +4,12 @@ from deepinfer_core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
-__all__ = ["hookimpl", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__", "hookimpl"]
 
 
-def __getattr__(name):
-    if name in ("LLM", "SamplingParams", "RequestOutput"):
-        from deepinfer_core import entrypoints, sampling
+def __getattr__(name: str):
+    if name in ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"):
+        from deepinfer_core import entrypoints
 
-        return {"LLM": entrypoints.LLM, "SamplingParams": sampling.SamplingParams}.get(name) or getattr(
-            entrypoints, name
-        )
+        return getattr(entrypoints, name)
     raise AttributeError(name)

@@ -5,8 +5,20 @@ in :mod:`deepinfer_core.entrypoints.cli`, which imports its subcommand modules l
 package stays cheap and does not pull in the CLI.
 """
 
-from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.outputs import CompletionOutput, RequestOutput
-from deepinfer_core.sampling.params import SamplingParams
-
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from deepinfer_core.entrypoints.llm import LLM
+
+        return LLM
+    if name in ("CompletionOutput", "RequestOutput"):
+        from deepinfer_core import outputs
+
+        return getattr(outputs, name)
+    if name == "SamplingParams":
+        from deepinfer_core.sampling.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

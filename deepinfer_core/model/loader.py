@@ -4,7 +4,8 @@ Accepted names: DeepSeek's own (``layers.N.attn.wq_a.weight``, ``layers.N.ffn.ex
 ``hc_head_fn``, ``mtp.0.*``), with or without a leading ``model.``, and the few leaf names transformers
 keeps when it saves (``embed_tokens``, ``hc_head.hc_fn``). Routed experts are stacked on load into
 ``experts.w13`` [E, 2I, D] (gate rows then up rows) and ``experts.w2`` [E, D, I]. FP8 E4M3 weights with
-128x128 block scales (``.scale`` or ``.weight_scale_inv``) are dequantised unless ``keep_fp8``.
+128x128 block scales (``.scale`` or ``.weight_scale_inv``) are dequantised unless ``keep_fp8``
+(routed and shared experts are always dequantised: they are stacked on load).
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def load_weights(
     with_mtp = any(k.startswith("mtp.") for k in names)
     shapes = expected_shapes(cfg, with_mtp)
     params: dict[str, torch.Tensor] = {}
+    filled_experts: set[str] = set()
     scales: dict[str, torch.Tensor] = {}
     pending_fp8: dict[str, torch.Tensor] = {}
 
@@ -185,14 +187,15 @@ def load_weights(
                 rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
             else:
                 key, rows = prefix + ".w2", slice(None)
-            if key not in shapes:
-                raise CheckpointError(f"unexpected expert tensor {name}")
+            if key not in shapes or expert >= shapes[key][0]:
+                raise CheckpointError(f"unexpected expert tensor {name} (the config has {cfg.n_routed_experts} experts)")
             if key not in params:
                 params[key] = torch.empty(shapes[key], dtype=param_dtype(key), device=device)
             target = params[key][expert, rows]
             if tuple(tensor.shape) != tuple(target.shape):
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
+            filled_experts.add(name)
             return
         if name not in shapes:
             return  # tensors the engine does not use (e.g. rotary buffers) are skipped
@@ -208,13 +211,13 @@ def load_weights(
         if name.endswith(".scale") or name.endswith(".weight_scale_inv"):
             base = name.rsplit(".", 1)[0] + ".weight"
             if base in pending_fp8:
-                store(base, _fp8_to(pending_fp8.pop(base), tensor, keep_fp8, params, base))
+                store(base, _fp8_to(pending_fp8.pop(base), tensor, keep_fp8 and "experts" not in base, params, base))
             else:
                 scales[base] = tensor
             continue
         if tensor.dtype == torch.float8_e4m3fn:
             if name in scales:
-                store(name, _fp8_to(tensor, scales.pop(name), keep_fp8, params, name))
+                store(name, _fp8_to(tensor, scales.pop(name), keep_fp8 and "experts" not in name, params, name))
             else:
                 pending_fp8[name] = tensor
             continue
@@ -224,10 +227,15 @@ def load_weights(
         raise CheckpointError(f"FP8 tensors without a block scale: {sorted(pending_fp8)[:5]}")
     if "head.weight" not in params and cfg.tie_word_embeddings and "embed.weight" in params:
         params["head.weight"] = params["embed.weight"]
-    _stack_shared_experts(params)
     missing = [n for n in shapes if n not in params]
+    for key in [k for k in shapes if k.endswith(("experts.w13", "experts.w2"))]:
+        prefix, which = key.rsplit(".", 1)
+        parts = ("w1", "w3") if which == "w13" else ("w2",)
+        missing += [f"{prefix}.{e}.{w}.weight" for e in range(cfg.n_routed_experts) for w in parts
+                    if f"{prefix}.{e}.{w}.weight" not in filled_experts and key in params]
     if missing:
         raise CheckpointError(f"checkpoint in {path} lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+    _stack_shared_experts(params)
     return params
 
 
@@ -242,4 +250,4 @@ def _stack_shared_experts(params: dict[str, torch.Tensor]) -> None:
     for w1_name in [n for n in params if n.endswith("shared_experts.w1.weight")]:
         prefix = w1_name[: -len("w1.weight")]
         if prefix + "w3.weight" in params:
-            params[prefix + "w13"] = torch.cat([params[w1_name], params[prefix + "w3.weight"]], dim=0)
+            params[prefix + "w13"] = torch.cat([params.pop(w1_name), params.pop(prefix + "w3.weight")], dim=0)
