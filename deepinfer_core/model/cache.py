@@ -6,6 +6,9 @@
   compressed entry, kept for the whole sequence; CSA layers also keep indexer keys the same way.
 * state slots (CSA/HCA layers): the projected ``kv`` and ``gate`` (position bias added) of the last
   ``rows`` source tokens, where rows = 2 x rate with overlapping windows (CSA) and rate without (HCA).
+* boundary records (overlapping compressors only), one per compressed block: the first-half
+  features of the last window before the block's end, which the next window mixes in. With them a
+  prefix-cache hit at a block boundary restores the compressor state exactly.
 
 A block id addresses the same span of ``block_size`` source tokens in every layer of its pool.
 """
@@ -74,12 +77,15 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """(compressed-pool bytes, window-pool bytes) that one block costs across all layers."""
     elt = torch.empty((), dtype=dtype).element_size()
+    state_elt = torch.empty((), dtype=state_dtype(dtype)).element_size()
     window = comp = 0
     for spec in layer_cache_specs(cfg):
         window += block_size * cfg.head_dim * elt
         for branch in (spec.compressor, spec.indexer):
             if branch is not None:
                 comp += block_size // branch.rate * branch.dim * elt
+                if branch.overlap:
+                    comp += 2 * branch.rate * branch.dim * state_elt
     return comp, window
 
 
@@ -121,13 +127,32 @@ class ModelCache:
         self.index_keys: dict[int, torch.Tensor] = {}
         self.comp_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.comp_boundary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.index_boundary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, spec in enumerate(self.specs):
-            for branch, pools, states in (
-                (spec.compressor, self.comp_kv, self.comp_state),
-                (spec.indexer, self.index_keys, self.index_state),
+            for branch, pools, states, boundaries in (
+                (spec.compressor, self.comp_kv, self.comp_state, self.comp_boundary),
+                (spec.indexer, self.index_keys, self.index_state, self.index_boundary),
             ):
                 if branch is None:
                     continue
                 pools[layer] = pool(num_blocks * block_size // branch.rate, branch.dim)
                 shape = (num_state_slots * branch.rows, branch.source_dim)
                 states[layer] = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
+                if branch.overlap:
+                    shape = (num_blocks * branch.rate, branch.dim)
+                    boundaries[layer] = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
+
+    def restore_boundary(self, block: int, slot: int, boundary: int) -> None:
+        """Put the overlap state saved with ``block`` into ``slot``'s ring, as it was at position ``boundary``."""
+        for layer, spec in enumerate(self.specs):
+            for branch, states, boundaries in (
+                (spec.compressor, self.comp_state, self.comp_boundary),
+                (spec.indexer, self.index_state, self.index_boundary),
+            ):
+                if branch is None or not branch.overlap:
+                    continue
+                rows = slot * branch.rows + torch.arange(boundary - branch.rate, boundary) % branch.rows
+                saved = torch.arange(block * branch.rate, (block + 1) * branch.rate)
+                for ring, record in zip(states[layer], boundaries[layer]):
+                    ring[rows.to(ring.device), : branch.dim] = record[saved.to(ring.device)]

@@ -140,7 +140,8 @@ class DeepseekV4Model:
         if spec.compressor is not None:
             meta = batch.compressors[spec.compressor.rate, spec.compressor.overlap]
             extra_pool = cache.comp_kv[layer]
-            self.compress(a + "compressor.", h, spec.compressor, meta, extra_pool, cache.comp_state[layer], rope)
+            self.compress(a + "compressor.", h, spec.compressor, meta, extra_pool, cache.comp_state[layer],
+                          cache.comp_boundary.get(layer))
             if spec.indexer is None:
                 extra_idx = meta.candidates
             else:
@@ -154,18 +155,27 @@ class DeepseekV4Model:
         out = ops.grouped_linear(out.reshape(n_tok, groups, -1), p[a + "wo_a.weight"])
         return ops.linear(out.reshape(n_tok, -1), p[a + "wo_b.weight"])
 
-    def compress(self, c, h, spec: CompressorSpec, meta, pool, state, rope) -> None:
-        """Project this step's tokens, emit the entries of every window that closed, update the ring."""
+    def compress(self, c, h, spec: CompressorSpec, meta, pool, state, boundary) -> None:
+        """Project this step's tokens, emit the entries of every window that closed, update the ring.
+
+        With overlapping windows it also saves, for every block end crossed, the first-half features of
+        the window before it into that block's boundary record (what a prefix-cache hit restores).
+        """
         ops, p = self.ops, self.p
         ring_kv, ring_gate = state
         kv = ops.linear(h, p[c + "wkv.weight"]).to(ring_kv.dtype)
         gate = ops.linear(h, p[c + "wgate.weight"]).to(ring_kv.dtype) + p[c + "ape"][meta.bias_idx].to(ring_kv.dtype)
-        if meta.entry_slots.numel():
-            dim = spec.dim
+        dim = spec.dim
+        if meta.entry_slots.numel() or meta.boundary_dst.numel():
             pad_kv = kv.new_zeros((1, kv.shape[1]))
             pad_gate = gate.new_full((1, gate.shape[1]), float("-inf"))
             src_kv = torch.cat([ring_kv[meta.ring_read], kv, pad_kv])
             src_gate = torch.cat([ring_gate[meta.ring_read], gate, pad_gate])
+        if boundary is not None and meta.boundary_dst.numel():
+            rows = (meta.boundary_dst.unsqueeze(1) * spec.rate + torch.arange(spec.rate, device=kv.device)).flatten()
+            boundary[0][rows] = src_kv[meta.boundary_src.flatten()][:, :dim]
+            boundary[1][rows] = src_gate[meta.boundary_src.flatten()][:, :dim]
+        if meta.entry_slots.numel():
             if spec.overlap:
                 win_kv = torch.cat([src_kv[meta.prev_idx][..., :dim], src_kv[meta.cur_idx][..., dim:]], dim=1)
                 win_gate = torch.cat([src_gate[meta.prev_idx][..., :dim], src_gate[meta.cur_idx][..., dim:]], dim=1)
@@ -175,7 +185,8 @@ class DeepseekV4Model:
             entries = ops.rms_norm(entries, p[c + "norm.weight"], self.cfg.rms_norm_eps)
             cos, sin = self.rope("compress", meta.entry_positions, self.dtype)
             entries = ops.rotary_emb(entries.unsqueeze(1), cos, sin, False).squeeze(1)
-            pool[meta.entry_slots] = entries.to(pool.dtype)
+            keep = meta.entry_slots >= 0
+            pool[meta.entry_slots[keep]] = entries[keep].to(pool.dtype)
         ring_kv[meta.ring_write] = kv[meta.ring_write_src]
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
 
@@ -183,7 +194,7 @@ class DeepseekV4Model:
         ops, p, cfg = self.ops, self.p, self.cfg
         meta = batch.compressors[spec.rate, spec.overlap]
         keys = cache.index_keys[layer]
-        self.compress(i + "compressor.", h, spec, meta, keys, cache.index_state[layer], rope)
+        self.compress(i + "compressor.", h, spec, meta, keys, cache.index_state[layer], cache.index_boundary.get(layer))
         cos, sin = rope["compress"]
         q = ops.linear(q_res, p[i + "wq_b.weight"]).view(h.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         q = ops.rotary_emb(q, cos, sin, False)

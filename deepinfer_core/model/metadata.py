@@ -22,6 +22,7 @@ class SeqSpan:
     block_table: list[int]  # compressed pool: logical block -> physical block
     window_block_table: list[int]  # window pool: logical block -> physical block (-1 = released)
     state_slot: int
+    write_from: int = 0  # compressed entries of windows starting before this position are not written
 
     @property
     def seq_len(self) -> int:
@@ -46,6 +47,8 @@ class CompressorMeta:
     ring_write_src: torch.Tensor  # [Rw] fresh token rows written there
     bias_idx: torch.Tensor  # [T] position % rate (which position-bias row each token gets)
     candidates: torch.Tensor  # [T, E] compressed-pool rows each query may attend (-1 pad)
+    boundary_src: torch.Tensor  # [Nb, rate] source rows of the last window before each block end crossed
+    boundary_dst: torch.Tensor  # [Nb] compressed block whose boundary record they are saved into
 
 
 @dataclass
@@ -127,6 +130,7 @@ def _compressor_meta(
     lo, rate, rows = torch.long, spec.rate, spec.rows
     num_tokens = starts[-1]
     ring_read, cur, prev, slots, wpos, rw, rw_src, cands = [], [], [], [], [], [], [], []
+    bsrc, bdst = [], []
     read_base = []  # per seq: compact index of its first ring row read, and first position read
     n_read = 0
     for s in spans:
@@ -151,8 +155,14 @@ def _compressor_meta(
         cur.append(source(windows.unsqueeze(1) * rate + within))
         if spec.overlap:
             prev.append(source((windows.unsqueeze(1) - 1) * rate + within))
-        slots.append(_pool_rows(table, windows * rate, block_size, rate))
+        entry_rows = _pool_rows(table, windows * rate, block_size, rate)
+        slots.append(torch.where(windows * rate >= s.write_from, entry_rows, torch.full_like(entry_rows, -1)))
         wpos.append(windows * rate)
+        if spec.overlap:
+            ends = torch.arange(s.context_len // block_size + 1, s.seq_len // block_size + 1, dtype=lo) * block_size
+            ends = ends[(ends > s.context_len) & (ends > s.write_from)]
+            bsrc.append(source(ends.unsqueeze(1) - rate + within))
+            bdst.append(table[ends // block_size - 1])
         new_pos = torch.arange(s.context_len, s.seq_len, dtype=lo)
         keep = new_pos >= s.seq_len - rows
         rw.append(s.state_slot * rows + new_pos[keep] % rows)
@@ -180,4 +190,6 @@ def _compressor_meta(
         ring_write_src=cat(rw_src),
         bias_idx=(pos_all % rate).to(device),
         candidates=cat(cands, (width,)),
+        boundary_src=cat(bsrc, (rate,)),
+        boundary_dst=cat(bdst),
     )
