@@ -67,6 +67,10 @@ class LLMEngine:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(args, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
                                                 args.enable_chunked_prefill)
         self.cache_config = CacheConfig(args.block_size, args.num_blocks, args.num_window_blocks,
@@ -112,7 +116,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = torch.Generator()
             if params.seed is not None:
-                gen.manual_seed(params.seed * 1000003 + i)
+                gen.manual_seed((params.seed * 1000003 + i) % 2**64)  # any int seed, no overflow
             else:
                 gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
             seqs.append(Sequence(request_id, i, ids, params, gen))
@@ -144,6 +148,10 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_len} "
                              "(prompt plus at least one generated token must fit)")
+        sched = self.scheduler_config
+        if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_num_batched_tokens is "
+                             f"{sched.max_num_batched_tokens} and chunked prefill is off")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids {params.stop_token_ids} are outside the vocabulary [0, {vocab})")
 
@@ -164,10 +172,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduled, unfittable = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
-        for seq in unfittable:
+        for seq in unfittable:  # already finished by the scheduler, which put the reason in stop_reason
             seq.finish_reason = "error"
-            seq.stop_reason = "the KV cache pools cannot hold this sequence; raise the memory budget"
-            self.scheduler.finish(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         if scheduled:
             samplers = self._run(scheduled)
@@ -213,23 +219,34 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif may_stop and not params.ignore_eos and token in self.model_config.eos_token_ids:
             seq.finish_reason = "stop"
-        self._detokenize(seq, drop_last=seq.finish_reason == "stop", check_stop=may_stop)
-        if seq.finish_reason is None and params.max_tokens is not None and n_out >= params.max_tokens:
-            seq.finish_reason = "length"
-        if seq.finish_reason is None and len(seq) >= self.scheduler_config.max_model_len:
+        out_of_room = (params.max_tokens is not None and n_out >= params.max_tokens) or (
+            len(seq) >= self.scheduler_config.max_model_len)
+        # a stop string ending in this token still wins over the length limit
+        self._detokenize(seq, drop_last=seq.finish_reason == "stop", check_stop=may_stop,
+                         last=out_of_room or seq.finish_reason is not None)
+        if seq.finish_reason is None and out_of_room:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
 
-    def _detokenize(self, seq: Sequence, drop_last: bool, check_stop: bool) -> None:
-        """Text of the output; a stop token is not shown, nor anything from a stop string on."""
+    def _detokenize(self, seq: Sequence, drop_last: bool, check_stop: bool, last: bool) -> None:
+        """Text of the output; a stop token is not shown, nor anything from a stop string on.
+
+        Until the last token, text ending in an incomplete UTF-8 character (shown as U+FFFD) is held
+        back, so every text a stream reports is a prefix of the final one.
+        """
         if self.tokenizer is None:
             return
         ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if not last and text.endswith("\ufffd"):
+            return
         if check_stop and seq.finish_reason is None:
+            # only a stop string that ends in text new since the last update counts: one completed
+            # while min_tokens held stops back was passed over then and must not cut the text now
+            prev = len(seq.text)
             for stop in seq.params.stop:
-                cut = text.find(stop)
+                cut = text.find(stop, max(0, prev - len(stop) + 1))
                 if cut >= 0:
                     text = text[:cut]
                     seq.finish_reason, seq.stop_reason = "stop", stop

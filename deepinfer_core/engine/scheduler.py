@@ -23,51 +23,88 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _chunked(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may be computed in pieces: always with chunked prefill; without it only a
+        preempted sequence whose prompt plus output outgrew the token budget (prompts longer than the
+        budget are refused when added), which could never be scheduled in one step again."""
+        return self.config.enable_chunked_prefill or len(seq) > self.config.max_num_batched_tokens
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        if self.config.enable_chunked_prefill:
+        if self._chunked(seq):
             return min(seq.num_uncomputed, budget)
         return seq.num_uncomputed if seq.num_uncomputed <= budget else 0
 
+    def _fit(self, seq: Sequence, num_new: int) -> int:
+        """How many of ``num_new`` tokens the free memory can take now: all or nothing for an unchunked
+        sequence; else the largest chunk that fits (the window pool may hold a short chunk only)."""
+        bm = self.block_manager
+        if bm.can_allocate(seq, num_new):
+            return num_new
+        if not self._chunked(seq):
+            return 0
+        lo, hi = 0, num_new - 1  # needs grow with the chunk: the largest fitting one by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if bm.can_allocate(seq, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _unfittable(self, seq: Sequence, out: list[Sequence]) -> None:
+        """Finish ``seq`` now (its memory must be free before anything else is judged to not fit)."""
+        seq.stop_reason = "the KV cache pools cannot hold this sequence; raise the memory budget"
+        self.finish(seq)
+        out.append(seq)
+
     def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """Returns (sequence, tokens to compute) pairs and sequences that can never fit the pools."""
+        """Returns (sequence, tokens to compute) pairs and sequences that can never fit the pools.
+
+        An unfittable sequence is already finished, its memory released; its ``stop_reason`` says why
+        and the caller reports it.
+        """
         bm, budget = self.block_manager, self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         unfittable: list[Sequence] = []
+        preempted = False
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted below by an earlier sequence
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 continue
-            while not bm.can_allocate(seq, num_new):
+            while (fit := self._fit(seq, num_new)) == 0:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1 and not scheduled:
-                    unfittable.append(seq)
-                    self.running.remove(seq)
+                    self._unfittable(seq, unfittable)
                     break
                 self.preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, num_new)
-                scheduled.append((seq, num_new))
-                budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                bm.allocate(seq, fit)
+                scheduled.append((seq, fit))
+                budget -= fit
+        # Memory just taken from a preempted sequence goes to the running ones, not to newcomers (nor
+        # straight back to the victim, which would be recomputed only to be preempted again).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 break
-            if not bm.can_allocate(seq, num_new):
-                if not self.running and not scheduled:
-                    unfittable.append(self.waiting.popleft())
+            fit = self._fit(seq, num_new)
+            if fit == 0:
+                if not self.running and not scheduled:  # all memory is free and still not enough
+                    self._unfittable(seq, unfittable)
                     continue
                 break
             self.waiting.popleft()
-            bm.allocate(seq, num_new)
+            bm.allocate(seq, fit)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append((seq, num_new))
-            budget -= num_new
+            scheduled.append((seq, fit))
+            budget -= fit
         return scheduled, unfittable
 
     def preempt(self, seq: Sequence) -> None:

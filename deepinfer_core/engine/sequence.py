@@ -35,6 +35,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.window_block_table: list[int] = []
         self.state_slot: int | None = None
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks seen so far
+        self.write_from = 0  # compressed blocks before this position are shared and never written
+        self.num_cached_tokens = 0
+        self.pending_restore: int | None = None  # block whose boundary record seeds the compressor state
         self.text = ""
         self.num_preemptions = 0
 

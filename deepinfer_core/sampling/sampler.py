@@ -14,8 +14,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         ops, device = self.ops, logits.device
+        # logprobs are the model's own distribution (vLLM's raw logprobs): taken before min_tokens
+        # masking, penalties and temperature
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._mask_early_stops(logits.clone(), seqs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(s.params.has_penalties for s in seqs):
             logits = self._penalise(logits, seqs)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
@@ -38,7 +41,7 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = []
         for row, (seq, tok) in enumerate(zip(seqs, tokens)):
             n = seq.params.logprobs
-            if n is None:
+            if n is None or raw_logprobs is None:
                 logprobs.append(None)
                 continue
             top = torch.topk(raw_logprobs[row], min(n, self.vocab_size)) if n > 0 else None
