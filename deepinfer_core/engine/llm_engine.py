@@ -35,6 +35,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    max_replay_tokens: int = 512
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int = 2 << 30
     block_size: int = 128
@@ -86,8 +87,11 @@ class LLMEngine:
         self.pool_sizes = sizes
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
                                 args.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
-                                          args.block_size, cfg.sliding_window)
+        self.block_manager = BlockManager(
+            sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, args.block_size, cfg.sliding_window,
+            enable_prefix_caching=args.enable_prefix_caching, max_replay_tokens=args.max_replay_tokens,
+            cache_salt=f"{path.resolve()}|{self.dtype}",
+        )
         from deepinfer_core.engine.scheduler import Scheduler
 
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -164,6 +168,17 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no running request holds (and the hit statistics)."""
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.stats = dict.fromkeys(self.block_manager.stats, 0)
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Engine-wide: queries, prompt tokens looked up, tokens served from cache, tokens replayed, hit rate."""
+        stats = dict(self.block_manager.stats)
+        stats["hit_rate"] = stats["hit_tokens"] / stats["query_tokens"] if stats["query_tokens"] else 0.0
+        return stats
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -191,7 +206,11 @@ class LLMEngine:
         spans, ids, rows, to_sample = [], [], [], []
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
-            spans.append(SeqSpan(start, num_new, seq.block_table, seq.window_block_table, seq.state_slot))
+            if seq.pending_restore is not None:
+                self.cache.restore_boundary(seq.pending_restore, seq.state_slot, start)
+                seq.pending_restore = None
+            spans.append(SeqSpan(start, num_new, seq.block_table, seq.window_block_table, seq.state_slot,
+                                 seq.write_from))
             ids.extend(seq.token_ids[start:start + num_new])
             if start + num_new == len(seq):
                 rows.append(len(ids) - 1)
@@ -201,7 +220,7 @@ class LLMEngine:
         logits, _ = self.model.forward(batch, self.cache)
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.trim_window(seq)
+            self.block_manager.commit(seq)
         if to_sample:
             tokens, logprobs = self.sampler(logits, to_sample)
             for seq, tok, lp in zip(to_sample, tokens, logprobs):
@@ -265,4 +284,5 @@ class LLMEngine:
             ))
         finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)
         error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == "error"), None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, 0, error)
+        cached = req.seqs[0].num_cached_tokens
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, error)

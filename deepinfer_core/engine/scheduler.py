@@ -90,6 +90,10 @@ class Scheduler:
         # straight back to the victim, which would be recomputed only to be preempted again).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            hit = bm.admit(seq)
+            if hit is not None:
+                seq.pending_restore = hit.restore_block
+                seq.num_cached_tokens = max(seq.num_cached_tokens, hit.cached_tokens)
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 break
@@ -112,6 +116,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.pending_restore = None
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -27,6 +27,9 @@ class LLM:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
         self.llm_engine = LLMEngine(EngineArgs(model=model, backend=backend, dtype=dtype, **engine_args))
 
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
