@@ -66,13 +66,41 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
-def _pool_rows(table: torch.Tensor, positions: torch.Tensor, block_size: int, rate: int = 1) -> torch.Tensor:
-    """Pool row of source position ``positions`` (or of the entry whose window starts there)."""
+def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For per-sequence counts: (sequence of each item, index of the item within its sequence)."""
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return owner, torch.arange(int(counts.sum())) - first[owner]
+
+
+def _rows(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
+          rate: int = 1) -> torch.Tensor:
+    """Pool row of source ``positions`` of sequence ``owner`` (or of the entry whose window starts there);
+    -1 where the position is negative or its block is not resident."""
     per_block = block_size // rate
-    entry = positions // rate
-    phys = table[(positions // block_size).clamp(min=0, max=max(len(table) - 1, 0))]
-    rows = phys * per_block + entry % per_block
+    blocks = (positions // block_size).clamp(0, tables.shape[1] - 1)
+    phys = tables[owner.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions), blocks]
+    rows = phys * per_block + (positions // rate) % per_block
     return torch.where((positions >= 0) & (phys >= 0), rows, torch.full_like(rows, -1))
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    width = max([len(r) for r in rows] + [1])
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+@dataclass
+class _Layout:
+    """The batch's per-sequence facts as tensors (host side)."""
+
+    ctx: torch.Tensor
+    seq_len: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+    write_from: torch.Tensor
+    tables: torch.Tensor
+    owner: torch.Tensor  # [T] sequence of each token
+    positions: torch.Tensor  # [T]
 
 
 def build_forward_batch(
@@ -86,110 +114,89 @@ def build_forward_batch(
 ) -> ForwardBatch:
     """Flatten ``spans`` into one batch; ``token_ids`` holds every span's new tokens in order."""
     lo = torch.long
-    starts = [0]
-    for s in spans:
-        starts.append(starts[-1] + s.num_new)
+    num_new = torch.tensor([s.num_new for s in spans], dtype=lo)
+    starts = [0, *torch.cumsum(num_new, 0).tolist()]
     if starts[-1] != len(token_ids):
         raise ValueError(f"spans cover {starts[-1]} tokens but {len(token_ids)} token ids were given")
-    positions, wslots, windices = [], [], []
-    tables = [torch.tensor(s.block_table or [-1], dtype=lo) for s in spans]
-    wtables = [torch.tensor(s.window_block_table or [-1], dtype=lo) for s in spans]
-    offsets = torch.arange(sliding_window, dtype=lo) - (sliding_window - 1)
-    for s, wt in zip(spans, wtables):
-        pos = torch.arange(s.context_len, s.seq_len, dtype=lo)
-        positions.append(pos)
-        wslots.append(_pool_rows(wt, pos, block_size))
-        windices.append(_pool_rows(wt, pos.unsqueeze(1) + offsets, block_size))
-    pos_all = torch.cat(positions) if positions else torch.zeros(0, dtype=lo)
+    ctx = torch.tensor([s.context_len for s in spans], dtype=lo)
+    owner, offset = _ragged(num_new)
+    lay = _Layout(ctx, ctx + num_new, torch.tensor(starts[:-1], dtype=lo),
+                  torch.tensor([s.state_slot for s in spans], dtype=lo),
+                  torch.tensor([s.write_from for s in spans], dtype=lo),
+                  _table([s.block_table for s in spans]), owner, ctx[owner] + offset)
+    wtables = _table([s.window_block_table for s in spans])
+    window = lay.positions.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
     batch = ForwardBatch(
-        input_ids=torch.tensor(token_ids, dtype=lo, device=device),
-        positions=pos_all.to(device),
-        window_slots=torch.cat(wslots).to(device) if wslots else torch.zeros(0, dtype=lo, device=device),
-        window_indices=(torch.cat(windices) if windices else torch.zeros(0, sliding_window, dtype=lo)).to(device),
+        input_ids=torch.tensor(token_ids, dtype=lo).to(device),
+        positions=lay.positions.to(device),
+        window_slots=_rows(wtables, owner, lay.positions, block_size).to(device),
+        window_indices=_rows(wtables, owner, window, block_size).to(device),
         logits_indices=torch.tensor(
-            logits_indices if logits_indices is not None else [e - 1 for e in starts[1:]], dtype=lo, device=device
-        ),
+            logits_indices if logits_indices is not None else [e - 1 for e in starts[1:]], dtype=lo
+        ).to(device),
         query_start_loc=starts,
     )
     for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
-        batch.compressors[rate, overlap] = _compressor_meta(
-            CompressorSpec(rate, 0, overlap), spans, tables, starts, pos_all, block_size, device
-        )
+        meta = _compressor_meta(rate, overlap, lay, block_size)
+        batch.compressors[rate, overlap] = CompressorMeta(**{k: v.to(device) if v is not None else None
+                                                             for k, v in vars(meta).items()})
     return batch
 
 
-def _compressor_meta(
-    spec: CompressorSpec,
-    spans: list[SeqSpan],
-    tables: list[torch.Tensor],
-    starts: list[int],
-    pos_all: torch.Tensor,
-    block_size: int,
-    device,
-) -> CompressorMeta:
-    lo, rate, rows = torch.long, spec.rate, spec.rows
-    num_tokens = starts[-1]
-    ring_read, cur, prev, slots, wpos, rw, rw_src, cands = [], [], [], [], [], [], [], []
-    bsrc, bdst = [], []
-    read_base = []  # per seq: compact index of its first ring row read, and first position read
-    n_read = 0
-    for s in spans:
-        first = max(0, s.context_len - rows)
-        read_pos = torch.arange(first, s.context_len, dtype=lo)
-        ring_read.append(s.state_slot * rows + read_pos % rows)
-        read_base.append((n_read, first))
-        n_read += len(read_pos)
-    fresh_base = n_read
-    dummy = fresh_base + num_tokens
+def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) -> CompressorMeta:
+    rows = (2 if overlap else 1) * rate
+    within = torch.arange(rate)
+    # ring rows read this step: each sequence's last ``rows`` cached positions
+    first_read = (lay.ctx - rows).clamp(min=0)
+    read_owner, read_idx = _ragged(lay.ctx - first_read)
+    ring_read = lay.slots[read_owner] * rows + (first_read[read_owner] + read_idx) % rows
+    read_base = torch.cumsum(lay.ctx - first_read, 0) - (lay.ctx - first_read)
+    fresh_base, dummy = len(ring_read), len(ring_read) + len(lay.positions)
 
-    for b, (s, table) in enumerate(zip(spans, tables)):
-        base, first = read_base[b]
+    def source(seq: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Index into cat(ring[ring_read], fresh rows, dummy row) of position ``p`` of sequence ``seq``."""
+        seq = seq.view(-1, *([1] * (p.dim() - 1))).expand_as(p)
+        fresh = fresh_base + lay.starts[seq] + p - lay.ctx[seq]
+        old = read_base[seq] + p - first_read[seq]
+        return torch.where(p >= lay.ctx[seq], fresh, torch.where(p >= 0, old, torch.full_like(p, dummy)))
 
-        def source(p: torch.Tensor, s=s, b=b, base=base, first=first) -> torch.Tensor:
-            fresh = fresh_base + starts[b] + (p - s.context_len)
-            old = base + (p - first)
-            return torch.where(p >= s.context_len, fresh, torch.where(p >= 0, old, torch.full_like(p, dummy)))
-
-        windows = torch.arange(s.context_len // rate, s.seq_len // rate, dtype=lo)
-        within = torch.arange(rate, dtype=lo)
-        cur.append(source(windows.unsqueeze(1) * rate + within))
-        if spec.overlap:
-            prev.append(source((windows.unsqueeze(1) - 1) * rate + within))
-        entry_rows = _pool_rows(table, windows * rate, block_size, rate)
-        slots.append(torch.where(windows * rate >= s.write_from, entry_rows, torch.full_like(entry_rows, -1)))
-        wpos.append(windows * rate)
-        if spec.overlap:
-            ends = torch.arange(s.context_len // block_size + 1, s.seq_len // block_size + 1, dtype=lo) * block_size
-            ends = ends[(ends > s.context_len) & (ends > s.write_from)]
-            bsrc.append(source(ends.unsqueeze(1) - rate + within))
-            bdst.append(table[ends // block_size - 1])
-        new_pos = torch.arange(s.context_len, s.seq_len, dtype=lo)
-        keep = new_pos >= s.seq_len - rows
-        rw.append(s.state_slot * rows + new_pos[keep] % rows)
-        rw_src.append(starts[b] + (new_pos[keep] - s.context_len))
-        num_entries = (new_pos + 1) // rate
-        max_e = int(s.seq_len // rate)
-        entry = torch.arange(max_e, dtype=lo)
-        rows_of_entries = _pool_rows(table, entry * rate, block_size, rate)
-        cand = rows_of_entries.unsqueeze(0).expand(len(new_pos), -1)
-        cands.append(torch.where(entry.unsqueeze(0) < num_entries.unsqueeze(1), cand, torch.full_like(cand, -1)))
-
-    width = max([c.shape[1] for c in cands], default=0)
-    cands = [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-1) for c in cands]
-
-    def cat(parts, shape_tail=()):
-        return torch.cat(parts).to(device) if parts else torch.zeros((0, *shape_tail), dtype=lo, device=device)
-
+    # windows closing this step
+    first_win = lay.ctx // rate
+    win_owner, win_idx = _ragged(lay.seq_len // rate - first_win)
+    windows = first_win[win_owner] + win_idx
+    starts = windows * rate
+    slots = _rows(lay.tables, win_owner, starts, block_size, rate)
+    slots = torch.where(starts >= lay.write_from[win_owner], slots, torch.full_like(slots, -1))
+    cur = source(win_owner, starts.unsqueeze(1) + within)
+    prev = source(win_owner, starts.unsqueeze(1) - rate + within) if overlap else None
+    # block ends crossed this step (boundary records, overlapping windows only)
+    if overlap:
+        lowest = torch.maximum(lay.ctx, lay.write_from) // block_size
+        end_owner, end_idx = _ragged((lay.seq_len // block_size - lowest).clamp(min=0))
+        ends = (lowest[end_owner] + end_idx + 1) * block_size
+        boundary_src = source(end_owner, ends.unsqueeze(1) - rate + within)
+        boundary_dst = lay.tables[end_owner, ends // block_size - 1]
+    else:
+        boundary_src, boundary_dst = torch.zeros(0, rate, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    # ring rows written: each sequence's last ``rows`` positions among this step's tokens
+    keep = lay.positions >= lay.seq_len[lay.owner] - rows
+    token_idx = torch.arange(len(lay.positions))
+    # compressed entries each query may attend: those whose window closed at or before it
+    max_entries = int((lay.seq_len // rate).max()) if len(lay.seq_len) else 0
+    entry = torch.arange(max_entries)
+    seq_rows = _rows(lay.tables, torch.arange(len(lay.ctx)), entry.expand(len(lay.ctx), -1) * rate, block_size, rate)
+    cand = seq_rows[lay.owner]
+    cand = torch.where(entry < ((lay.positions + 1) // rate).unsqueeze(1), cand, torch.full_like(cand, -1))
     return CompressorMeta(
-        ring_read=cat(ring_read),
-        cur_idx=cat(cur, (rate,)),
-        prev_idx=cat(prev, (rate,)) if spec.overlap else None,
-        entry_slots=cat(slots),
-        entry_positions=cat(wpos),
-        ring_write=cat(rw),
-        ring_write_src=cat(rw_src),
-        bias_idx=(pos_all % rate).to(device),
-        candidates=cat(cands, (width,)),
-        boundary_src=cat(bsrc, (rate,)),
-        boundary_dst=cat(bdst),
+        ring_read=ring_read,
+        cur_idx=cur,
+        prev_idx=prev,
+        entry_slots=slots,
+        entry_positions=starts,
+        ring_write=lay.slots[lay.owner[keep]] * rows + lay.positions[keep] % rows,
+        ring_write_src=token_idx[keep],
+        bias_idx=lay.positions % rate,
+        candidates=cand,
+        boundary_src=boundary_src,
+        boundary_dst=boundary_dst,
     )
