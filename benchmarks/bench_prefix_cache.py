@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows[mode]["total_speedup_vs_off"] = off["batch_total_s"] / rows[mode]["batch_total_s"]
     print(f"{args.num_requests} requests sharing a {args.prefix_len}-token prefix (+{args.suffix_len} own tokens, "
           f"{args.gen_len} generated), {args.backend} {args.dtype}")
-    print(f"{'mode':8} {'batch TTFT s':>13} {'total s':>9} {'TTFT x':>8} {'total x':>8} {'hit rate':>9} {'replayed':>9}")
+    header = ("mode", "batch TTFT s", "total s", "TTFT x", "total x", "hit rate", "replayed")
+    print(f"{header[0]:8}" + "".join(f" {h:>{w}}" for h, w in zip(header[1:], (13, 9, 8, 8, 9, 9))))
     for mode in ("off", "on", "replay"):
         r = rows[mode]
         print(f"{mode:8} {r['batch_ttft_s']:13.3f} {r['batch_total_s']:9.3f} {r.get('ttft_speedup_vs_off', 1):8.2f} "

@@ -39,7 +39,9 @@ def single_host_cpu_topology() -> ClusterTopology:
     return ClusterTopology(hosts=[socket.gethostname()], devices=[DeviceInfo(0, f"cpu ({cores} cores)")])
 
 
-def plan_single_host(topology: ClusterTopology, data_parallel_size: int = 1, expert_parallel_size: int = 1) -> ParallelPlan:
+def plan_single_host(
+    topology: ClusterTopology, data_parallel_size: int = 1, expert_parallel_size: int = 1
+) -> ParallelPlan:
     world = max(data_parallel_size, expert_parallel_size)
     n = max(topology.num_devices, 1)
     return ParallelPlan(data_parallel_size, expert_parallel_size, {r: r % n for r in range(world)})

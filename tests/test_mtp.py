@@ -36,7 +36,8 @@ def test_mtp_draft_logits_match_transformers_block(mtp_checkpoint):
     eps = hf.config.rms_norm_eps
     nxt = ids[0, 1:]
     n = nxt.shape[0]
-    x = (_rms(hf.model.embed_tokens(nxt), enorm, eps) @ e_proj.T).unsqueeze(1) + _rms(hf_streams[:n], hnorm, eps) @ h_proj.T
+    e = _rms(hf.model.embed_tokens(nxt), enorm, eps) @ e_proj.T
+    x = e.unsqueeze(1) + _rms(hf_streams[:n], hnorm, eps) @ h_proj.T
     hook = ref.model.layers[0].register_forward_pre_hook(
         lambda mod, args, kwargs: ((x.unsqueeze(0),) + args[1:], kwargs), with_kwargs=True
     )

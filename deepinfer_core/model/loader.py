@@ -54,7 +54,8 @@ def block_prefixes(cfg: ModelConfig) -> list[tuple[str, int]]:
 def expected_shapes(cfg: ModelConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
     """Every parameter the engine needs, with its shape (after expert stacking)."""
     d, h, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
-    qr, g, olr, e, inter = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    qr, g, olr = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     mix = (2 + n) * n
     shapes: dict[str, tuple[int, ...]] = {
         "embed.weight": (cfg.vocab_size, d),
@@ -188,7 +189,9 @@ def load_weights(
             else:
                 key, rows = prefix + ".w2", slice(None)
             if key not in shapes or expert >= shapes[key][0]:
-                raise CheckpointError(f"unexpected expert tensor {name} (the config has {cfg.n_routed_experts} experts)")
+                raise CheckpointError(
+                    f"unexpected expert tensor {name} (the config has {cfg.n_routed_experts} experts)"
+                )
             if key not in params:
                 params[key] = torch.empty(shapes[key], dtype=param_dtype(key), device=device)
             target = params[key][expert, rows]
