@@ -35,15 +35,28 @@ def _drained_after(request):
         assert_drained(request.getfixturevalue("llm").llm_engine)
 
 
-def test_default_model_is_embedded(tmp_path_factory, monkeypatch, make_llm, tiny_path):
-    """model=None builds the embedded tiny checkpoint (nothing downloaded) and generates with it."""
-    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path_factory.mktemp("deepinfer_cache")))
-    default = make_llm(None, dtype="float64")
+def test_default_model_is_embedded(make_llm):
+    """model=None is the trained tiny checkpoint shipped with the package (nothing downloaded)."""
+    from deepinfer_core.default_model import EMBEDDED_MODEL
+
+    default = make_llm(None, dtype="float64", block_size=128)
+    assert default.llm_engine.model_config.path == EMBEDDED_MODEL
     out = default.generate("def fibonacci(n):", greedy(6), use_tqdm=False)[0]
     assert out.finished and out.error is None and len(out.outputs[0].token_ids) == 6
     assert out.prompt == "def fibonacci(n):" and out.prompt_token_ids
+    explicit = make_llm(EMBEDDED_MODEL, dtype="float64", block_size=128)
+    assert run_tokens(explicit, [out.prompt_token_ids], greedy(6)) == [out.outputs[0].token_ids]
+
+
+def test_random_default_is_built_when_nothing_is_shipped(tmp_path_factory, monkeypatch, make_llm, tiny_path):
+    """Without the shipped folder the default is the random tiny config with seed 0, built into the cache."""
+    from deepinfer_core import default_model
+
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path_factory.mktemp("deepinfer_cache")))
+    monkeypatch.setattr(default_model, "EMBEDDED_MODEL", tmp_path_factory.mktemp("stripped") / "none")
+    default = make_llm(None, dtype="float64")
+    out = default.generate("def fibonacci(n):", greedy(6), use_tqdm=False)[0]
     assert all(0 <= t < VOCAB for t in out.outputs[0].token_ids)
-    # it is the tiny config with seed 0: same greedy tokens as the checkpoint the tests build
     tiny = make_llm(tiny_path("tiny"), dtype="float64")
     assert run_tokens(tiny, [PROMPTS[0]], greedy(6)) == run_tokens(default, [PROMPTS[0]], greedy(6))
 

@@ -1,19 +1,23 @@
-"""Hook implementations of the nvidia_sm100 backend: registration and an availability probe only.
+"""Hook implementations of the nvidia_sm100 backend: availability probe, ops, device, NCCL, topology.
 
-No ops are registered yet. The kernel libraries (FlashMLA, DeepGEMM, DeepEP, Triton) are probed
-lazily, inside ``is_available``/``details``, never when this module is imported: importing them can
-initialise CUDA or JIT-compile, and a broken build must not stop ``deepinfer backends`` from listing
-the other backends.
+Ops are registered per implementation with a predicate (see :mod:`.registration`): plain torch for
+every op, Triton kernels where Triton runs on the engine's device, FlashMLA/DeepGEMM adapters where
+those libraries are importable and pass a self-check. The kernel libraries (FlashMLA, DeepGEMM, DeepEP,
+Triton) are probed lazily, inside ``is_available``/``details`` or when an engine is built, never when
+this module is imported: importing them can initialise CUDA or JIT-compile, and a broken build must not
+stop ``deepinfer backends`` from listing the other backends.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugins import BackendInfo
+from deepinfer_nvidia_sm100 import capability as caps
 
 NAME = "nvidia_sm100"
 DISTRIBUTION = "deepinfer-nvidia-sm100"
@@ -66,11 +70,16 @@ def _torch():
 
 
 def is_available() -> tuple[bool, str]:
-    """``(True, "")`` on a CUDA device of compute capability >= 9.0, else ``(False, exact reason)``."""
+    """``(True, "")`` on a CUDA device of compute capability >= 9.0, else ``(False, exact reason)``.
+
+    Under the test-only switch ``DEEPINFER_NVIDIA_ALLOW_CPU=1`` the backend is available on the CPU.
+    """
     try:
         torch, error = _torch()
         if torch is None:
             return False, error
+        if caps.cpu_allowed():
+            return True, ""
         if getattr(torch.version, "cuda", None) is None:
             build = f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None) else "CPU-only"
             return False, f"torch {torch.__version__} is built without CUDA ({build} build)"
@@ -113,7 +122,22 @@ def details() -> dict[str, str]:
             out["cuda_device"] = f"probe failed: {type(exc).__name__}: {exc}"
     for module, dists in KERNEL_LIBRARIES.items():
         out[module] = probe_library(module, dists)
+    out.update(_op_plan())
     return out
+
+
+def _op_plan() -> dict[str, str]:
+    """``op.<name>``: the implementation that serves each op on this machine (no kernel runs)."""
+    try:
+        ok, reason = is_available()
+        if not ok:
+            return {"ops": "not resolved: the backend is not available here"}
+        from deepinfer_nvidia_sm100.registration import plan
+
+        device = caps.default_device()
+        return {f"op.{op}": impl for op, impl in plan(device, None, None, self_check=False).items()}
+    except Exception as exc:  # details() must never raise
+        return {"ops": f"not resolved: {type(exc).__name__}: {exc}"}
 
 
 @hookimpl
@@ -128,5 +152,77 @@ def deepinfer_backend_info():
 
 
 @hookimpl
+def deepinfer_register_ops(registry, backend):
+    if backend.name != NAME:
+        return
+    from deepinfer_nvidia_sm100.registration import register_all
+
+    register_all(registry)
+
+
+@hookimpl
+def deepinfer_init_device(local_rank):
+    import torch
+
+    if caps.cpu_allowed():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no CUDA device: {count} visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); start one process per GPU"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+@hookimpl
+def deepinfer_make_communicator(group, device):
+    """Collectives over ``group`` (an NCCL group on CUDA devices; gloo under the CPU test switch)."""
+    from deepinfer_core.comm import TorchDistributedCommunicator
+
+    return TorchDistributedCommunicator(group)
+
+
+@hookimpl
+def deepinfer_discover_topology():
+    from deepinfer_core.topology import single_host_cpu_topology
+    from deepinfer_nvidia_sm100 import topology
+
+    torch, _ = _torch()
+    if torch is None or not torch.cuda.is_available():
+        return single_host_cpu_topology() if caps.cpu_allowed() else topology.discover()
+    return topology.discover()
+
+
+@hookimpl
+def deepinfer_plan_parallel(topology, parallel_config):
+    from deepinfer_core.topology import plan_single_host
+
+    return plan_single_host(
+        topology,
+        getattr(parallel_config, "data_parallel_size", 1),
+        getattr(parallel_config, "expert_parallel_size", 1),
+    )
+
+
+@hookimpl
 def deepinfer_collect_env():
-    return details()
+    env = details()
+    torch, _ = _torch()
+    if torch is not None:
+        try:
+            env["cudnn"] = str(torch.backends.cudnn.version())
+            if torch.cuda.is_available():
+                env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+                names = []
+                for i in range(torch.cuda.device_count()):
+                    major, minor = torch.cuda.get_device_capability(i)
+                    names.append(f"{i}: {torch.cuda.get_device_name(i)} (sm{major}{minor})")
+                env["cuda_devices"] = "; ".join(names)
+        except Exception as exc:
+            env["cuda_env_error"] = f"{type(exc).__name__}: {exc}"
+    for var in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", caps.ALLOW_CPU_ENV, "NCCL_NVLS_ENABLE"):
+        if var in os.environ:
+            env[f"env.{var}"] = os.environ[var]
+    return env

@@ -1,0 +1,287 @@
+"""Optional adapters to DeepSeek's own kernel libraries, used only where they are importable and where a
+self-check on the device agrees with this backend's own implementation.
+
+* FlashMLA ``flash_mla_sparse_fwd(q[s_q, h_q, d], kv[s_kv, h_kv, d], indices[s_q, h_kv, topk] int32
+  (-1 = invalid), sm_scale, d_v) -> (out, max_logits, lse)`` serves ``sparse_attention`` in bfloat16
+  with 64 or 128 heads of dimension 512: one call per pool (window, compressed) without the sink, the
+  two partial softmaxes and the sink merged here through their log-sum-exps.
+* DeepGEMM ``m_grouped_bf16_gemm_nt_contiguous(a[M, K], b[G, N, K], d[M, N], m_indices[M] int32)``
+  (rows sorted by group, each group's run padded to the library's M alignment, padding rows -1)
+  serves ``moe_experts`` in bfloat16.
+
+The self-check runs once per device at engine build, on small adversarial inputs (NaN in unused pool
+rows, -1 slots, a query with no key); any exception or mismatch declines the adapter and the Triton
+kernel serves instead. A call whose shapes the library does not take, or that raises, is served by
+the Triton kernel (or plain torch) too, so an adapter can never fail a request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer_nvidia_sm100 import capability
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    op: str
+    library: str
+    load: Callable[[], Callable]
+    usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
+
+
+def _fallback(op: str, device: torch.device) -> Callable:
+    """The implementation that serves ``op`` when the library does not: Triton if it runs here."""
+    from deepinfer_nvidia_sm100 import torch_ops, triton_ops
+
+    return triton_ops.ALL_OPS[op] if capability.triton_usable(device)[0] else torch_ops.ALL_OPS[op]
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
+
+
+_WARNED: set[str] = set()
+
+
+# --- FlashMLA: sparse attention ---------------------------------------------------------------------
+
+FLASH_MLA_HEADS = (64, 128)
+FLASH_MLA_HEAD_DIM = 512
+FLASH_MLA_TOPK_MULTIPLE = 128
+
+
+def merge_partial_attention(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], sinks: torch.Tensor
+) -> torch.Tensor:
+    """Combine per-pool attention results ``out_s = softmax-weighted sum`` with log-sum-exps ``lse_s``
+    (non-finite = the pool had no key for that query) and a per-head sink that only enters the
+    denominator: ``sum_s e^{lse_s} out_s / (sum_s e^{lse_s} + e^{sink})``. Shapes [T, H, D], [T, H], [H]."""
+    lse = torch.stack([x.float() for x in lses])  # [S, T, H]
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
+    sink = sinks.float().view(1, -1).expand_as(lse[0])
+    m = torch.maximum(lse.amax(0), sink).clamp(min=-1e30)
+    w = torch.exp(lse - m)
+    total = w.sum(0) + torch.exp(sink - m)
+    out = sum(w[s].unsqueeze(-1) * outs[s].float() for s in range(len(outs)))
+    return out / total.unsqueeze(-1)
+
+
+def flash_mla_attention_with(
+    sparse_fwd: Callable, q, kv, indices, sinks, scale, extra_kv=None, extra_indices=None
+) -> torch.Tensor:
+    """``sparse_attention`` through a ``flash_mla_sparse_fwd``-like callable (separated for tests)."""
+    segments = [(kv, indices)]
+    if extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
+        segments.append((extra_kv, extra_indices))
+    d = q.shape[-1]
+    outs, lses = [], []
+    for pool, idx in segments:
+        rows = pool.shape[0]
+        idx = torch.where((idx >= 0) & (idx < rows), idx, torch.full_like(idx, -1))
+        pad = -idx.shape[-1] % FLASH_MLA_TOPK_MULTIPLE
+        if pad:
+            idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+        idx = idx.to(torch.int32).unsqueeze(1).contiguous()  # [T, h_kv = 1, topk]
+        result = sparse_fwd(q.contiguous(), pool.view(rows, 1, d), idx, float(scale), d)
+        outs.append(result[0])
+        lses.append(result[2])
+    return merge_partial_attention(outs, lses, sinks).to(q.dtype)
+
+
+def _flash_mla_fits(q, kv, extra_kv) -> bool:
+    pools = [kv] if extra_kv is None else [kv, extra_kv]
+    return (
+        q.is_cuda and q.dtype == torch.bfloat16 and q.shape[1] in FLASH_MLA_HEADS
+        and q.shape[2] == FLASH_MLA_HEAD_DIM
+        and all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in pools)
+    )
+
+
+def flash_mla_sparse_attention(q, kv, indices, sinks, scale, extra_kv=None, extra_indices=None):
+    if _flash_mla_fits(q, kv, extra_kv):
+        try:
+            fwd = importlib.import_module("flash_mla").flash_mla_sparse_fwd
+            return flash_mla_attention_with(fwd, q, kv, indices, sinks, scale, extra_kv, extra_indices)
+        except Exception as exc:  # a shape the library rejects: served by the fallback, said once
+            _warn_once("flash_mla", f"flash_mla_sparse_fwd failed ({type(exc).__name__}: {exc}); "
+                                    "sparse_attention falls back to the Triton kernel")
+    return _fallback("sparse_attention", q.device)(q, kv, indices, sinks, scale, extra_kv, extra_indices)
+
+
+def _flash_mla_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    device = capability.as_device(device)
+    cap = capability.device_capability(device)
+    if cap is None or cap < (9, 0):
+        return False, "needs a CUDA device of compute capability 9.0+"
+    if dtype is not None and dtype != torch.bfloat16:
+        return False, "bfloat16 only"
+    if model_config is not None:
+        heads, head_dim = model_config.num_attention_heads, model_config.head_dim
+        if heads not in FLASH_MLA_HEADS or head_dim != FLASH_MLA_HEAD_DIM:
+            return False, f"{heads} heads x {head_dim}: FlashMLA takes {FLASH_MLA_HEADS} heads x 512"
+    if not capability.library_feature("flash_mla", "flash_mla_sparse_fwd"):
+        return False, "flash_mla with flash_mla_sparse_fwd is not importable"
+    if self_check:
+        return _self_check("flash_mla", str(device))
+    return True, ""
+
+
+def _attention_check_inputs(device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens, heads, d = 3, 64, FLASH_MLA_HEAD_DIM
+    q = torch.randn(tokens, heads, d, generator=g)
+    kv = torch.randn(200, d, generator=g)
+    kv[0] = float("nan")
+    ekv = torch.randn(64, d, generator=g)
+    ekv[-1] = float("nan")
+    idx = torch.randint(1, 200, (tokens, 70), generator=g)
+    idx[0, 10:] = -1
+    idx[1] = -1
+    eidx = torch.randint(0, 63, (tokens, 9), generator=g)
+    eidx[1] = -1
+    eidx[2, :4] = -1
+    sinks = torch.randn(heads, generator=g)
+    args = (q.bfloat16(), kv.bfloat16(), idx, sinks, d**-0.5, ekv.bfloat16(), eidx)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+# --- DeepGEMM: grouped MoE GEMMs --------------------------------------------------------------------
+
+
+def _deep_gemm_alignment(module: Any) -> int:
+    for name in ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return int(fn())
+    return 128
+
+
+def deep_gemm_moe_with(gemm: Callable, align: int, x, w13, w2, topk_ids, topk_weights, swiglu_limit):
+    """``moe_experts`` through an ``m_grouped_bf16_gemm_nt_contiguous``-like callable (for tests too)."""
+    from deepinfer_nvidia_sm100 import torch_ops
+    from deepinfer_nvidia_sm100.triton_ops import expert_layout
+
+    tokens, d = x.shape
+    k = topk_ids.shape[-1]
+    pairs = tokens * k
+    sorted_pairs, block_expert = expert_layout(topk_ids, w13.shape[0], align)
+    row_ok = sorted_pairs < pairs
+    m_indices = torch.where(row_ok, block_expert.repeat_interleave(align), -1).to(torch.int32)
+    a = x[torch.where(row_ok, sorted_pairs // k, 0)].contiguous()
+    gate_up = torch.empty((a.shape[0], w13.shape[1]), dtype=x.dtype, device=x.device)
+    gemm(a, w13, gate_up, m_indices)
+    h = torch_ops.swiglu(gate_up, swiglu_limit).contiguous()
+    down = torch.empty((a.shape[0], d), dtype=x.dtype, device=x.device)
+    gemm(h, w2, down, m_indices)
+    weights = topk_weights.reshape(-1).float()
+    dest = torch.where(row_ok, sorted_pairs, pairs)
+    contrib = down.float() * weights[torch.where(row_ok, sorted_pairs, 0)].unsqueeze(-1)
+    contrib = torch.where(row_ok.unsqueeze(-1), contrib, 0.0)
+    out = torch.zeros((pairs + 1, d), dtype=torch.float32, device=x.device).index_add_(0, dest, contrib)
+    return out[:pairs].view(tokens, k, d).sum(dim=1).to(x.dtype)
+
+
+def deep_gemm_moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
+    if x.is_cuda and x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and x.shape[0] > 0:
+        try:
+            dg = importlib.import_module("deep_gemm")
+            return deep_gemm_moe_with(dg.m_grouped_bf16_gemm_nt_contiguous, _deep_gemm_alignment(dg),
+                                      x, w13, w2, topk_ids, topk_weights, swiglu_limit)
+        except Exception as exc:
+            _warn_once("deep_gemm", f"m_grouped_bf16_gemm_nt_contiguous failed ({type(exc).__name__}: "
+                                    f"{exc}); moe_experts falls back to the Triton grouped GEMM")
+    return _fallback("moe_experts", x.device)(x, w13, w2, topk_ids, topk_weights, swiglu_limit)
+
+
+def _deep_gemm_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    device = capability.as_device(device)
+    cap = capability.device_capability(device)
+    if cap is None or cap < (9, 0):
+        return False, "needs a CUDA device of compute capability 9.0+"
+    if dtype is not None and dtype != torch.bfloat16:
+        return False, "bfloat16 only"
+    if model_config is not None:
+        dims = (model_config.hidden_size, model_config.moe_intermediate_size)
+        if any(n % 128 for n in dims):
+            return False, f"hidden/moe_intermediate {dims} are not multiples of 128"
+    if not capability.library_feature("deep_gemm", "m_grouped_bf16_gemm_nt_contiguous"):
+        return False, "deep_gemm with m_grouped_bf16_gemm_nt_contiguous is not importable"
+    if self_check:
+        return _self_check("deep_gemm", str(device))
+    return True, ""
+
+
+def _moe_check_inputs(device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens, d, inter, experts, k = 9, 256, 256, 4, 3
+    x = torch.randn(tokens, d, generator=g)
+    w13 = torch.randn(experts, 2 * inter, d, generator=g) * d**-0.5
+    w2 = torch.randn(experts, d, inter, generator=g) * inter**-0.5
+    ids = torch.randint(0, experts, (tokens, k), generator=g)
+    ids[0] = -1
+    ids[3, 1] = -1
+    weights = torch.rand(tokens, k, generator=g) + 0.2
+    args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), ids, weights, 10.0)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+# --- self-check -------------------------------------------------------------------------------------
+
+_CHECKS: dict[str, tuple[str, Callable, Callable]] = {
+    "flash_mla": ("sparse_attention", lambda: flash_mla_sparse_attention, _attention_check_inputs),
+    "deep_gemm": ("moe_experts", lambda: deep_gemm_moe_experts, _moe_check_inputs),
+}
+
+
+@functools.cache
+def _self_check(library: str, device: str) -> tuple[bool, str]:
+    """Run the adapter and the plain-torch op on the same inputs on ``device``; cached per device."""
+    from deepinfer_nvidia_sm100 import torch_ops
+
+    op, adapter, inputs = _CHECKS[library]
+    try:
+        args = inputs(torch.device(device))
+        direct = _direct(library)
+        got = direct(*args)
+        want = torch_ops.ALL_OPS[op](*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                       else a for a in args])
+        got, want = got.double().cpu(), want.cpu()
+        if torch.isnan(got).any():
+            raise AssertionError("NaN in the output")
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+        err = (got - want).abs().max().item()
+        if cos < 0.999 or err > 0.1:
+            raise AssertionError(f"mismatch against the reference: cosine {cos:.6f}, max abs err {err:.3g}")
+    except Exception as exc:
+        reason = f"{library} self-check failed on {device}: {type(exc).__name__}: {exc}"
+        _warn_once(f"check:{library}:{device}", reason + f"; {op} is served by this backend's own kernel")
+        return False, reason
+    return True, ""
+
+
+def _direct(library: str) -> Callable:
+    """The adapter without its fallback (a self-check must exercise the library itself)."""
+    if library == "flash_mla":
+        fwd = importlib.import_module("flash_mla").flash_mla_sparse_fwd
+        return functools.partial(flash_mla_attention_with, fwd)
+    dg = importlib.import_module("deep_gemm")
+    gemm = dg.m_grouped_bf16_gemm_nt_contiguous
+    return functools.partial(deep_gemm_moe_with, gemm, _deep_gemm_alignment(dg))
+
+
+ADAPTERS = [
+    Adapter("sparse_attention", "flash_mla", lambda: flash_mla_sparse_attention, _flash_mla_usable),
+    Adapter("moe_experts", "deep_gemm", lambda: deep_gemm_moe_experts, _deep_gemm_usable),
+]

@@ -1,0 +1,297 @@
+"""Launchers of the Triton kernels, with the catalogue signatures.
+
+The kernels module (and so ``triton``) is imported on the first call, never when this module is
+imported. Each launcher takes float32, bfloat16 and float16 inputs; anything else (float64 golden runs,
+exotic layouts) goes to the matching plain-torch implementation in :mod:`.torch_ops`, which keeps the
+same semantics. No launcher waits for the device (no host synchronisation): every size comes from
+shapes, so the ops can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepinfer_nvidia_sm100 import torch_ops
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def _k():
+    from deepinfer_nvidia_sm100 import triton_kernels
+    from deepinfer_nvidia_sm100.capability import interpreting
+
+    if interpreting():
+        _patch_interpreter()
+    return triton_kernels
+
+
+def _patch_interpreter() -> None:
+    """Two gaps of Triton 3.6's interpreter (``TRITON_INTERPRET=1``, the CPU tests) that compiled kernels
+    do not have, closed so that the very same kernels run there:
+
+    * a scalar kernel argument becomes an int through ``int(array)``, which numpy >= 2.4 refuses for a
+      1-element 1-d array, so every ``range(0, n, BLOCK)`` over a runtime ``n`` fails
+      (triton-lang/triton#9171, fixed upstream in #9172);
+    * ``tl.dot`` multiplies the raw uint16 storage of bfloat16 operands; here they are widened to
+      float32 first (exact), as the tensor cores do before accumulating in float32.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is not None and not getattr(original, "deepinfer_fix", False):
+
+        def patch_tensor(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+        patch_tensor.deepinfer_fix = True
+        interpreter._patch_lang_tensor = patch_tensor
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    dot = getattr(builder, "create_dot", None)
+    if dot is not None and not getattr(dot, "deepinfer_fix", False):
+        import triton.language as tl
+
+        def widen(handle):
+            if handle.dtype.scalar == tl.bfloat16:
+                bits = np.asarray(handle.data).astype(np.uint32) << 16
+                return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+            return handle
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot.deepinfer_fix = True
+        builder.create_dot = create_dot
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _kernel_dtype(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A view whose last dimension is contiguous (copying only when it is not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# --- norm and rope --------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if not _kernel_dtype(x, weight) or x.numel() == 0:
+        return torch_ops.rms_norm(x, weight, eps)
+    d = x.shape[-1]
+    x2 = _rows(x.reshape(-1, d))
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    w = weight.contiguous() if weight is not None else x2
+    block = min(_pow2(d), 4096)
+    _k().rms_norm_kernel[(x2.shape[0],)](
+        x2, x2.stride(0), w, out, out.stride(0), d, float(eps),
+        HAS_WEIGHT=weight is not None, BLOCK_D=block, num_warps=4 if block <= 1024 else 8,
+    )
+    return out.view(x.shape)
+
+
+def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    if not _kernel_dtype(x, cos, sin) or x.dim() != 3 or x.numel() == 0:
+        return torch_ops.rotary_emb(x, cos, sin, inverse)
+    tokens, heads, d = x.shape
+    x = _rows(x)
+    cos, sin = _rows(cos), _rows(sin)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block_h = min(_pow2(heads), 16)
+    block_d = min(_pow2(d), 128)
+    _k().rotary_kernel[(tokens, _cdiv(heads, block_h))](
+        x, x.stride(0), x.stride(1), cos, sin, cos.stride(0), sin.stride(0),
+        out, out.stride(0), out.stride(1), heads, d, 2 * cos.shape[-1], -1.0 if inverse else 1.0,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+# --- attention -------------------------------------------------------------------------------------
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    has_extra = extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0
+    if not _kernel_dtype(q, kv, extra_kv if has_extra else None) or sinks.dtype == torch.float64:
+        return torch_ops.sparse_attention(q, kv, indices, sinks, scale, extra_kv, extra_indices)
+    tokens, heads, d = q.shape
+    out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    q, kv, indices, sinks = _rows(q), _rows(kv), _rows(indices), sinks.contiguous()
+    if has_extra:
+        ekv, eidx = _rows(extra_kv), _rows(extra_indices)
+    else:  # never read: HAS_EXTRA is off
+        ekv, eidx = kv, indices
+    block_h = 16 if heads <= 16 else 32
+    block_dv = min(_pow2(d), 256)
+    block_dk = min(_pow2(d), 128)
+    grid = (tokens, _cdiv(heads, block_h), _cdiv(d, block_dv))
+    _k().sparse_attention_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0), kv.shape[0],
+        indices, indices.stride(0), indices.shape[-1],
+        ekv, ekv.stride(0), ekv.shape[0],
+        eidx, eidx.stride(0), eidx.shape[-1] if has_extra else 0,
+        sinks, out, out.stride(0), out.stride(1),
+        heads, d, float(scale),
+        HAS_EXTRA=has_extra, BLOCK_H=block_h, BLOCK_K=32, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        DOT_PREC=_prec(q.dtype), num_warps=4 if block_dv <= 128 else 8,
+    )
+    return out
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    if not _kernel_dtype(kv, gate) or kv.numel() == 0:
+        return torch_ops.compress_windows(kv, gate)
+    windows, length, d = kv.shape
+    kv, gate = _rows(kv), _rows(gate)
+    out = torch.empty((windows, d), dtype=kv.dtype, device=kv.device)
+    block_d = min(_pow2(d), 128)
+    block_l = min(_pow2(length), 32)
+    _k().compress_windows_kernel[(windows, _cdiv(d, block_d))](
+        kv, kv.stride(0), kv.stride(1), gate, gate.stride(0), gate.stride(1), out, out.stride(0),
+        length, d, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """Scores in Triton; the selection is a stable sort (ties towards the earlier candidate)."""
+    if not _kernel_dtype(q, weights, keys) or q.shape[0] == 0 or candidates.shape[-1] == 0:
+        return torch_ops.indexer_topk(q, weights, keys, candidates, topk, scale)
+    tokens, heads, d = q.shape
+    n_cand = candidates.shape[-1]
+    q, weights, keys, candidates = _rows(q), _rows(weights), _rows(keys), _rows(candidates)
+    scores = torch.empty((tokens, n_cand), dtype=torch.float32, device=q.device)
+    block_c = 64 if n_cand > 32 else 32
+    block_h = min(max(_pow2(heads), 16), 64)
+    block_d = min(max(_pow2(d), 16), 128)
+    _k().indexer_scores_kernel[(tokens, _cdiv(n_cand, block_c))](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0), keys, keys.stride(0), keys.shape[0],
+        candidates, candidates.stride(0), n_cand, scores, scores.stride(0), heads, d, float(scale),
+        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_D=block_d, DOT_PREC=_prec(q.dtype), num_warps=4,
+    )
+    valid = (candidates >= 0) & (candidates < keys.shape[0])
+    return torch_ops.select_topk(scores, valid, candidates, topk)
+
+
+# --- MoE -------------------------------------------------------------------------------------------
+
+
+def expert_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, slot) pairs by expert and pad every expert's run to a multiple of ``block_m``.
+
+    Returns ``(sorted_pairs [rows], block_expert [rows // block_m])``: ``sorted_pairs[r]`` is the flat
+    pair index ``token * k + slot`` placed at row ``r`` (``num_pairs`` = padding) and ``block_expert[b]``
+    the expert of rows ``b*block_m ...`` (-1: a block with no rows). Slots with an id outside
+    ``[0, num_experts)`` (-1 = an expert of another rank) get no row. Sizes come from shapes alone
+    (an upper bound on the padding), so nothing waits for the device.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    # scatter_add rather than bincount, which reads the maximum back to the host on CUDA
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    expert = sorted_key.clamp(max=num_experts - 1)
+    within = torch.arange(pairs, device=device) - cnt_start[expert]
+    rows = _cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    dest = torch.where(sorted_key < num_experts, pad_start[expert] + within, torch.full_like(within, rows))
+    sorted_pairs = torch.full((rows + 1,), pairs, dtype=torch.long, device=device)
+    sorted_pairs.scatter_(0, dest, order)
+    block_start = torch.arange(0, rows, block_m, device=device)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
+    return sorted_pairs[:rows], block_expert.to(torch.int32)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """Fused grouped MoE: gate/up GEMM + SwiGLU, then down GEMM scaled by the routing weight, per block
+    of rows of one expert; the k contributions of a token are summed in float32 in slot order."""
+    if not _kernel_dtype(x, w13, w2) or x.shape[0] == 0:
+        return torch_ops.moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit)
+    tokens, d = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[-1]
+    pairs = tokens * k
+    block_m = 16 if pairs <= 64 else 64
+    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
+    rows = sorted_pairs.shape[0]
+    x, w13, w2 = _rows(x), _rows(w13), _rows(w2)
+    h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    block_k = 32 if x.dtype == torch.float32 else 64
+    limit = float(swiglu_limit)
+    kern, prec = _k(), _prec(x.dtype)
+    kern.moe_gate_up_kernel[(rows // block_m, _cdiv(inter, 64))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), sorted_pairs, block_expert, h, h.stride(0),
+        pairs, k, d, inter, limit,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    )
+    kern.moe_down_kernel[(rows // block_m, _cdiv(d, 64))](
+        h, h.stride(0), w2, w2.stride(0), w2.stride(1), sorted_pairs, block_expert, weights,
+        out, out.stride(0), pairs, d, inter,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    )
+    return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
+
+
+ALL_OPS = {
+    "rms_norm": rms_norm,
+    "rotary_emb": rotary_emb,
+    "sparse_attention": sparse_attention,
+    "compress_windows": compress_windows,
+    "indexer_topk": indexer_topk,
+    "moe_experts": moe_experts,
+}

@@ -1,0 +1,34 @@
+"""Helpers of the GPU suite (plain functions; the fixtures live in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BACKEND = "nvidia_sm100"
+TINY_MODELS = ("tiny", "tiny_hc4", "tiny_hc1")
+
+
+def nvidia_unavailable_reason() -> str | None:
+    """Why the GPU suite cannot run here, or ``None`` when it can."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    from deepinfer_core.plugins import PluginError, load_backend
+
+    try:
+        load_backend(BACKEND)
+    except PluginError as exc:
+        return f"backend {BACKEND} is not usable here: {exc}"
+    return None
+
+
+def gpu_marks() -> list:
+    """``pytestmark`` of every GPU test module: marked ``gpu`` and skipped where it cannot run."""
+    reason = nvidia_unavailable_reason()
+    return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=reason or "")]
+
+
+def make_prompt(length: int, seed: int, vocab_size: int = 384) -> list[int]:
+    """Deterministic token ids, BOS/EOS (0, 1) left out."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(2, vocab_size, (length,), generator=gen).tolist()

@@ -1,0 +1,451 @@
+"""The nvidia_sm100 backend's code on the CPU: its Triton kernels under Triton's interpreter, its torch
+implementations, its registration, adapters, topology parsing and hooks.
+
+``DEEPINFER_NVIDIA_ALLOW_CPU=1`` (a test-only switch) makes the backend available on the CPU; with
+``TRITON_INTERPRET=1`` too, its Triton kernels serve there and run in Triton's interpreter. Those tests
+are skipped when triton is not installed; everything else here needs neither triton nor a GPU, and the
+default run never imports triton (checked in a subprocess below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core.ops.catalogue import CATALOGUE
+from deepinfer_core.ops.registry import OpImpl, OpRegistry, OpTable
+from deepinfer_core.plugins import load_backend
+from deepinfer_core.testing import conformance as conf
+
+BACKEND = "nvidia_sm100"
+PROVIDER = f"deepinfer.backends:{BACKEND}"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+KERNEL_DTYPES = DTYPES[:3]
+TRITON_OPS = ["compress_windows", "indexer_topk", "moe_experts", "rms_norm", "rotary_emb", "sparse_attention"]
+REPO = Path(__file__).resolve().parents[1]
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+needs_triton = pytest.mark.skipif(
+    not _triton_installed(),
+    reason="triton is not installed: the Triton kernels cannot run under TRITON_INTERPRET=1",
+)
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _env(interpret: bool) -> pytest.MonkeyPatch:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
+    if interpret:
+        mp.setenv("TRITON_INTERPRET", "1")
+    else:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+    return mp
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return conf.reference_op_table()
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def torch_only():
+    """Op tables per dtype of the backend on the CPU without the interpreter: plain torch serves."""
+    mp = _env(interpret=False)
+    tables = {}
+
+    def table(dtype):
+        if dtype not in tables:
+            tables[dtype] = conf.candidate_op_table(BACKEND, dtype, torch.device("cpu"))
+        return tables[dtype]
+
+    yield table
+    mp.undo()
+
+
+def _conform(op, table, reference, preset, dtype):
+    results = conf.check_op(op, table, reference, preset, dtype, backend=BACKEND)
+    assert results and not any(r.fallback for r in results), f"{op} fell back to cpu_ref"
+    failed = [r for r in results if not r.passed]
+    assert not failed, "\n\n".join(str(r) for r in failed)
+
+
+# --- Triton kernels under the interpreter ------------------------------------------------------------
+#
+# Triton decides at import time whether its own @jit library functions (tl.sum, tl.max, ...) are
+# interpreted, and other tests of a session may import triton first (torch probes for it): the
+# interpreted cases therefore run in one fresh process with TRITON_INTERPRET=1 set from the start,
+# and each test below reports its case from there.
+
+#: the real head count and head width (64 x 512, several head and D tiles), indexer 64 x 128; pools
+#: and token counts kept small for the interpreter
+WIDE = dict(tokens=3, heads=64, head_dim=512, rope_dim=64, kv_pool=96, window_pool=48, window=16, index_topk=40,
+            index_heads=64, index_dim=128, index_candidates=70, hidden=256, moe_inter=96, local_experts=5,
+            top_k=3, route_tokens=8)
+#: 2 * 20 tokens * 4 slots = 160 (token, expert) pairs: the 64-row blocks of the grouped GEMM
+BIG_MOE = dict(tokens=20, top_k=4, hidden=64)
+
+_WORKER = textwrap.dedent(
+    """
+    import dataclasses, json, sys, traceback
+    import torch
+    from deepinfer_core.testing import conformance as conf
+
+    torch.set_num_threads(1)
+    jobs = json.loads(sys.argv[1])
+    reference = conf.reference_op_table()
+    device = conf.backend_device("nvidia_sm100")
+    tables = {}
+
+    def table(dtype):
+        if dtype not in tables:
+            tables[dtype] = conf.candidate_op_table("nvidia_sm100", getattr(torch, dtype), device)
+        return tables[dtype]
+
+    def nan_rows():
+        t = table("float32")
+        q = torch.randn(2, 64, 512)
+        kv = torch.full((40, 512), float("nan"))
+        kv[5] = torch.randn(512)
+        idx = torch.tensor([[5, -1, -1], [-1, -1, -1]])
+        out = t.sparse_attention(q, kv, idx, torch.zeros(64), 512**-0.5, None, None)
+        assert not torch.isnan(out).any(), "NaN from an unused row"
+        assert torch.equal(out[1], torch.zeros_like(out[1])), "a query without keys is not 0"
+        s = (q[0] @ kv[5]) * 512**-0.5  # one key and a sink of logit 0: kv[5] * e^s / (e^s + 1)
+        assert torch.allclose(out[0], kv[5] * torch.sigmoid(s).unsqueeze(-1), atol=1e-5)
+
+    def wide_rms_norm():
+        x = torch.randn(3, 5000, dtype=torch.bfloat16)
+        w = torch.rand(5000) + 0.5
+        got = table("bfloat16").rms_norm(x, w, 1e-6).double()
+        err = (got - reference.rms_norm(x.double(), w.double(), 1e-6)).abs().max().item()
+        assert err < 5e-2, err
+
+    checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm}
+    out = {"__device__": str(device)}
+    for key, job in jobs.items():
+        try:
+            if job["check"]:
+                checks[job["check"]]()
+                out[key] = {"ok": True, "message": "", "module": ""}
+                continue
+            t = table(job["dtype"])
+            preset = dataclasses.replace(conf.PRESETS["tiny"], name=job["name"], **job["overrides"])
+            results = conf.check_op(job["op"], t, reference, preset, getattr(torch, job["dtype"]),
+                                    backend="nvidia_sm100")
+            bad = [str(r) for r in results if not r.passed]
+            bad += [f"{r.op}[{r.case}] fell back to cpu_ref" for r in results if r.fallback]
+            out[key] = {"ok": bool(results) and not bad, "message": "\\n\\n".join(bad),
+                        "module": t.chosen[job["op"]].fn.__module__, "provider": t.provider(job["op"])}
+        except Exception:
+            out[key] = {"ok": False, "message": traceback.format_exc(), "module": ""}
+    print("RESULTS " + json.dumps(out))
+    """
+)
+
+
+def _job(op=None, dtype=None, name="tiny", overrides=None, check=None) -> dict:
+    return {"op": op, "dtype": dtype, "name": name, "overrides": overrides or {}, "check": check}
+
+
+JOBS = {f"tiny/{op}/{_dtype_id(dt)}": _job(op, _dtype_id(dt)) for op in sorted(CATALOGUE) for dt in DTYPES}
+JOBS.update({f"wide/{op}/{d}": _job(op, d, "wide", WIDE) for op in TRITON_OPS for d in ("bfloat16", "float32")})
+JOBS["big_moe"] = _job("moe_experts", "bfloat16", "big_moe", BIG_MOE)
+JOBS["nan_rows"] = _job(check="nan_rows")
+JOBS["wide_rms_norm"] = _job(check="wide_rms_norm")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """Results of every interpreted job, from one fresh process."""
+    env = {**os.environ, "DEEPINFER_NVIDIA_ALLOW_CPU": "1", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(JOBS)], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert done.returncode == 0 and line, f"the interpreter run failed:\n{done.stderr[-4000:]}"
+    results = json.loads(line[len("RESULTS ") :])
+    assert results["__device__"] == "cpu"
+    return results
+
+
+def _report(results: dict, key: str) -> dict:
+    result = results[key]
+    assert result["ok"], f"{key}:\n{result['message']}"
+    return result
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("op", sorted(CATALOGUE))
+def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
+    result = _report(interpreted, f"tiny/{op}/{_dtype_id(dtype)}")
+    assert result["provider"] == PROVIDER
+    if op in TRITON_OPS and dtype in KERNEL_DTYPES:
+        assert result["module"] == "deepinfer_nvidia_sm100.triton_ops", op
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op", TRITON_OPS)
+def test_interpreted_kernels_at_real_widths(op, dtype, interpreted):
+    assert _report(interpreted, f"wide/{op}/{dtype}")["module"] == "deepinfer_nvidia_sm100.triton_ops"
+
+
+@needs_triton
+def test_interpreted_moe_with_many_pairs_and_rms_norm_beyond_one_block(interpreted):
+    _report(interpreted, "big_moe")
+    _report(interpreted, "wide_rms_norm")
+
+
+@needs_triton
+def test_interpreted_sparse_attention_never_reads_nan_rows(interpreted):
+    _report(interpreted, "nan_rows")
+
+
+# --- the plain-torch implementations (no triton needed) ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("op", sorted(CATALOGUE))
+def test_torch_op_matches_cpu_ref(op, dtype, torch_only, reference, one_thread):
+    table = torch_only(dtype)
+    assert table.chosen[op].fn.__module__ == "deepinfer_nvidia_sm100.torch_ops", op
+    _conform(op, table, reference, "tiny", dtype)
+
+
+# --- registration, availability, hooks ---------------------------------------------------------------
+
+
+def _registry_for(name: str) -> OpRegistry:
+    from deepinfer_nvidia_sm100 import plugin
+
+    from deepinfer_core.plugins import BackendInfo
+
+    registry = OpRegistry()
+    plugin.deepinfer_register_ops(registry=registry, backend=BackendInfo(name=name, device_type="x"))
+    return registry
+
+
+def test_ops_are_registered_only_for_this_backend():
+    assert _registry_for("cpu_ref").impls == {}
+    registry = _registry_for(BACKEND)
+    assert set(registry.impls) == set(CATALOGUE)
+    for op, impls in registry.impls.items():
+        priorities = sorted(i.priority for i in impls)
+        assert priorities[0] == 1 and max(priorities) <= 3, op  # a kernel pack at 10 overrides them
+    assert {op for op, impls in registry.impls.items() if len(impls) > 1} == set(TRITON_OPS)
+
+
+def test_cpu_switch_controls_availability_and_device(monkeypatch):
+    from deepinfer_nvidia_sm100 import plugin
+
+    monkeypatch.delenv("DEEPINFER_NVIDIA_ALLOW_CPU", raising=False)
+    if not torch.cuda.is_available():
+        assert plugin.is_available()[0] is False
+        assert plugin.details()["ops"].startswith("not resolved")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert plugin.is_available() == (True, "")
+    assert plugin.deepinfer_init_device(local_rank=0) == torch.device("cpu")
+    details = plugin.details()
+    assert {f"op.{op}" for op in CATALOGUE} <= set(details)
+    assert set(details[f"op.{op}"] for op in CATALOGUE) == {"torch"}
+    comm = plugin.deepinfer_make_communicator(group=None, device=torch.device("cpu"))
+    assert (comm.rank, comm.world_size) == (0, 1)
+    topo = plugin.deepinfer_discover_topology()
+    assert topo.num_devices >= 1
+    assert plugin.deepinfer_plan_parallel(topology=topo, parallel_config=None).device_of_rank == {0: 0}
+
+
+def test_default_run_never_imports_triton(tmp_path):
+    """Registering and resolving every op (CPU switch on, no interpreter) leaves triton unimported,
+    even where importing it would fail."""
+    (tmp_path / "triton.py").write_text("raise RuntimeError('triton imported')\n")
+    code = textwrap.dedent(
+        """
+        import os, sys
+        os.environ["DEEPINFER_NVIDIA_ALLOW_CPU"] = "1"
+        os.environ.pop("TRITON_INTERPRET", None)
+        import torch
+        from deepinfer_core.plugins import build_op_table, load_backend
+        table = build_op_table("nvidia_sm100", dtype=torch.bfloat16, device=torch.device("cpu"))
+        info = load_backend("nvidia_sm100").info
+        print(info.details()["op.sparse_attention"], info.details()["triton"])
+        x = torch.randn(2, 8)
+        table.rms_norm(x, None, 1e-6)
+        assert "triton" not in sys.modules, "triton was imported"
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "torch" and "triton imported" in done.stdout
+
+
+def test_plan_prefers_kernels_where_they_run(monkeypatch):
+    from deepinfer_nvidia_sm100 import capability
+    from deepinfer_nvidia_sm100.registration import plan
+
+    monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
+    monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
+    chosen = plan(torch.device("cpu"), torch.bfloat16)
+    assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS)
+    assert set(plan(torch.device("cpu"), torch.float64).values()) == {"torch"}
+
+
+# --- optional library adapters, run against stand-ins of the libraries -----------------------------
+
+
+def _fake_sparse_fwd(q, kv, indices, sm_scale, d_v):
+    """FlashMLA's documented semantics: (out, max_logits, lse) over the valid indices; lse = +inf and
+    out = 0 for a query with no valid index."""
+    idx = indices[:, 0].long()
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    keys = kv[:, 0][idx.clamp(min=0)].float().masked_fill(~valid.unsqueeze(-1), 0)  # never read
+    logits = torch.einsum("thd,tkd->thk", q.float(), keys) * sm_scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    lonely = torch.isneginf(lse)
+    p = torch.exp(logits - lse.masked_fill(lonely, 0).unsqueeze(-1)).masked_fill(lonely.unsqueeze(-1), 0)
+    out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
+    return out.to(q.dtype), logits.amax(-1), lse.masked_fill(lonely, float("inf"))
+
+
+def test_flash_mla_adapter_merges_pools_and_sink():
+    from deepinfer_nvidia_sm100 import external, torch_ops
+
+    wide = dataclasses.replace(conf.PRESETS["tiny"], name="wide", **WIDE)
+    for case in conf.make_cases("sparse_attention", wide, torch.float32):
+        q, kv, idx, sinks, scale, ekv, eidx = case.args
+        got = external.flash_mla_attention_with(_fake_sparse_fwd, q, kv, idx, sinks, scale, ekv, eidx)
+        want = torch_ops.sparse_attention(q.double(), kv.double(), idx, sinks.double(), scale,
+                                          None if ekv is None else ekv.double(), eidx)
+        assert not torch.isnan(got).any()
+        assert (got.double() - want).abs().max() < 1e-4, case.name
+
+
+def _fake_grouped_gemm(a, b, d, m_indices):
+    """DeepGEMM's contiguous grouped GEMM: d[r] = a[r] @ b[m_indices[r]].T; rows with -1 are padding."""
+    for r in range(a.shape[0]):
+        g = int(m_indices[r])
+        if g >= 0:
+            d[r] = (a[r].float() @ b[g].float().T).to(d.dtype)
+
+
+def test_deep_gemm_adapter_matches_the_reference():
+    from deepinfer_nvidia_sm100 import external, torch_ops
+
+    for case in conf.make_cases("moe_experts", "tiny", torch.float32):
+        x, w13, w2, ids, weights, limit = case.args
+        got = external.deep_gemm_moe_with(_fake_grouped_gemm, 8, x, w13, w2, ids, weights, limit)
+        want = torch_ops.moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double(), limit)
+        assert (got.double() - want).abs().max() < 1e-4
+
+
+def test_adapters_decline_without_their_library_or_a_gpu():
+    from deepinfer_nvidia_sm100 import external
+
+    for adapter in external.ADAPTERS:
+        ok, reason = adapter.usable(torch.device("cpu"), torch.bfloat16, None, True)
+        assert not ok and reason
+
+
+def test_expert_layout_places_each_pair_once():
+    from deepinfer_nvidia_sm100.triton_ops import expert_layout
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(-1, 7, (37, 3), generator=g)
+    pairs, block = 37 * 3, 16
+    rows, block_expert = expert_layout(ids, 7, block)
+    assert rows.numel() % block == 0 and block_expert.numel() == rows.numel() // block
+    flat = ids.flatten()
+    placed = rows[rows < pairs]
+    assert sorted(placed.tolist()) == [p for p in range(pairs) if 0 <= flat[p] < 7]
+    for b, expert in enumerate(block_expert.tolist()):
+        chunk = rows[b * block : (b + 1) * block]
+        chunk = chunk[chunk < pairs]
+        if expert < 0:
+            assert chunk.numel() == 0
+        else:
+            assert chunk.numel() > 0 and (flat[chunk] == expert).all()
+            assert torch.equal(chunk, chunk.sort().values), "pairs keep their order within an expert"
+
+
+# --- topology helpers --------------------------------------------------------------------------------
+
+TOPO = """\
+\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV18\tSYS\tPIX\t0-47\t0\t\tN/A
+GPU1\tNV18\t X \tNV18\tSYS\t0-47\t0\t\tN/A
+GPU2\tSYS\tNV18\t X \tSYS\t48-95\t1\t\tN/A
+NIC0\tPIX\tSYS\tSYS\t X
+
+Legend:
+
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def test_nvlink_peers_from_nvidia_smi_topo():
+    from deepinfer_nvidia_sm100.topology import parse_topo_matrix
+
+    assert parse_topo_matrix(TOPO) == {0: [1], 1: [0, 2], 2: [1]}
+    # as nvidia-smi prints it on a terminal-less H200 pair: the header underlined with ANSI codes
+    underlined = (
+        "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+        "GPU0\t X \tNV18\t0-31\t0\t\tN/A\nGPU1\tNV18\t X \t0-31\t0\t\tN/A\n"
+    )
+    assert parse_topo_matrix(underlined) == {0: [1], 1: [0]}
+    assert parse_topo_matrix("No devices were found") == {}
+
+
+def test_numa_node_from_sysfs(tmp_path):
+    from deepinfer_nvidia_sm100.topology import normalize_bus_id, numa_node
+
+    (tmp_path / "0000:1b:00.0").mkdir()
+    (tmp_path / "0000:1b:00.0" / "numa_node").write_text("1\n")
+    assert normalize_bus_id("00000000:1B:00.0") == "0000:1b:00.0"
+    assert numa_node("00000000:1B:00.0", tmp_path) == 1
+    assert numa_node("0000:2c:00.0", tmp_path) == -1
+    assert numa_node(None, tmp_path) == -1
+
+
+def test_backend_is_installed_with_its_entry_point():
+    loaded = load_backend(BACKEND, require_available=False)
+    assert loaded.info.name == BACKEND and loaded.info.device_type == "cuda"
+
+
+def test_op_table_accepts_the_nvidia_functions_directly():
+    """The functions are plain callables with the catalogue signatures (the hot path calls them)."""
+    from deepinfer_nvidia_sm100 import torch_ops
+
+    table = OpTable({op: OpImpl(op, fn, 0, "t") for op, fn in torch_ops.ALL_OPS.items()})
+    assert set(table.chosen) == set(CATALOGUE)
+    assert (REPO / "backends/nvidia_sm100/README.md").is_file()
