@@ -63,6 +63,8 @@ def deepinfer_register_ops(registry: OpRegistry, backend: BackendInfo) -> None:
     Call ``registry.register(op_name, fn, priority=..., predicate=...)`` for each op. The highest
     priority implementation whose predicate accepts the build context (model config, dtype,
     device) serves the op. Kernel packs check ``backend.name`` and register only where they apply.
+    In batch-invariant mode (``BuildContext.batch_invariant``) an op the catalogue does not mark
+    ``batch_invariant`` is served only by an implementation registered with ``batch_invariant=True``.
     """
 
 

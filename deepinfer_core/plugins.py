@@ -171,10 +171,16 @@ def build_op_table(
     device: Any = None,
     model_config: Any = None,
     allow_reference_fallback: bool = False,
+    batch_invariant: bool = False,
 ) -> OpTable:
-    """Resolve every catalogued op for ``backend`` once; the result is called directly on the hot path."""
+    """Resolve every catalogued op for ``backend`` once; the result is called directly on the hot path.
+
+    With ``batch_invariant`` the ops the catalogue does not mark batch-invariant resolve to
+    implementations registered as batch-invariant (see :class:`~deepinfer_core.ops.registry.BuildContext`).
+    """
     loaded = load_backend(backend)
-    ctx = BuildContext(backend=backend, dtype=dtype, device=device, model_config=model_config)
+    ctx = BuildContext(backend=backend, dtype=dtype, device=device, model_config=model_config,
+                       batch_invariant=batch_invariant)
     fallback = None
     if allow_reference_fallback and backend != REFERENCE_BACKEND:
         fallback = collect_registry(load_backend(REFERENCE_BACKEND))

@@ -178,7 +178,10 @@ def test_ops_json(dists, capsys):
     assert [(a["provider"], a["priority"], a["status"]) for a in rms["alternatives"]] == [
         (f"{plugins.BACKEND_GROUP}:cpu_ref", 0, "shadowed")
     ]
-    assert by_op["linear"]["alternatives"] == []
+    # linear's only alternative: cpu_ref's batch-invariant variant, chosen in batch-invariant mode only
+    assert [(a["provider"], a["priority"], a["status"]) for a in by_op["linear"]["alternatives"]] == [
+        (f"{plugins.BACKEND_GROUP}:cpu_ref", 1, "declined by its predicate")
+    ]
 
 
 def test_ops_dtype_the_pack_declines(dists, capsys):

@@ -156,3 +156,18 @@ def test_block_books_under_sharing_and_eviction(data):
         bm.free(seq)
     bm.check_invariants()
     assert bm.all_free()
+
+
+def test_waiting_request_does_not_pin_reused_blocks(tiny_path, make_llm):  # noqa: F811
+    """A waiting request whose prefix hit cannot be scheduled yet gives the reused blocks back, so a
+    running request is never refused memory the pools have (regression: it was failed as unfittable)."""
+    lengths, budgets = [40, 7, 25, 33, 12, 50], [60, 12, 6, 60, 3, 59]
+    prompts = [make_prompt(n, 800 + i) for i, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=m, ignore_eos=True) for i, m in enumerate(budgets)]
+    outs = {}
+    for cache in (True, False):
+        llm = make_llm(tiny_path("tiny"), num_blocks=16, num_window_blocks=6, max_num_batched_tokens=16,
+                       enable_prefix_caching=cache)
+        outs[cache] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "length" for o in outs[cache])
+    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import Sampler
+from deepinfer_core.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+BATCH_INVARIANT_ENV = "DEEPINFER_BATCH_INVARIANT"
 
 
 @dataclass
@@ -43,6 +46,7 @@ class EngineArgs:
     num_window_blocks: int | None = None
     seed: int = 0
     allow_reference_fallback: bool = False
+    batch_invariant: bool = False  # also on with DEEPINFER_BATCH_INVARIANT=1
 
 
 class _Request:
@@ -78,7 +82,10 @@ class LLMEngine:
                                         args.kv_cache_bytes, args.gpu_memory_utilization, args.enable_prefix_caching)
         check_block_size(cfg, args.block_size)
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
-        self.model = load_model(path, args.backend, self.dtype, self.device, args.allow_reference_fallback)
+        env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
+        self.batch_invariant = bool(args.batch_invariant) or env in ("1", "true", "yes", "on")
+        self.model = load_model(path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
+                                batch_invariant=self.batch_invariant)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
@@ -95,7 +102,8 @@ class LLMEngine:
         from deepinfer_core.engine.scheduler import Scheduler
 
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids, self.structured)
         self.requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(args.seed)
@@ -116,6 +124,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         self._validate(ids, params)
+        so = params.structured_outputs
+        grammar = self.structured.compile(so) if so is not None else None  # ValueError: not queued
         seqs = []
         for i in range(params.n):
             gen = torch.Generator()
@@ -124,6 +134,8 @@ class LLMEngine:
             else:
                 gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
             seqs.append(Sequence(request_id, i, ids, params, gen))
+            if grammar is not None:
+                seqs[-1].grammar = self.structured.new_state(grammar, so)
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -229,6 +241,11 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         params = seq.params
+        if seq.grammar is not None and not seq.grammar.accept(token):  # the request ends, the batch goes on
+            seq.finish_reason, seq.stop_reason = "error", seq.grammar.rejection_message(token)
+            self._detokenize(seq, drop_last=False, check_stop=False, last=True)
+            self.scheduler.finish(seq)
+            return
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -238,6 +255,8 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif may_stop and not params.ignore_eos and token in self.model_config.eos_token_ids:
             seq.finish_reason = "stop"
+        elif seq.grammar is not None and seq.grammar.is_terminated:
+            seq.finish_reason = "stop"  # the grammar is complete (it accepted an end-of-sequence token)
         out_of_room = (params.max_tokens is not None and n_out >= params.max_tokens) or (
             len(seq) >= self.scheduler_config.max_model_len)
         # a stop string ending in this token still wins over the length limit

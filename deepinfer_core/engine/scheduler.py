@@ -99,6 +99,8 @@ class Scheduler:
                 break
             fit = self._fit(seq, num_new)
             if fit == 0:
+                if hit is not None:  # a waiting sequence holds no memory: give the reused blocks back
+                    self._release_waiting(seq)
                 if not self.running and not scheduled:  # all memory is free and still not enough
                     self._unfittable(seq, unfittable)
                     continue
@@ -110,6 +112,11 @@ class Scheduler:
             scheduled.append((seq, fit))
             budget -= fit
         return scheduled, unfittable
+
+    def _release_waiting(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.pending_restore = None
 
     def preempt(self, seq: Sequence) -> None:
         """Drop the sequence's memory; it is recomputed from its tokens when rescheduled."""

@@ -41,6 +41,7 @@ class Sequence:
         self.pending_restore: int | None = None  # block whose boundary record seeds the compressor state
         self.text = ""
         self.num_preemptions = 0
+        self.grammar = None  # structured output: this sequence's GrammarState (sampling/structured.py)
 
     @property
     def token_ids(self) -> list[int]:

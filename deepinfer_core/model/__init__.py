@@ -19,14 +19,16 @@ def load_model(
     device: torch.device | str = "cpu",
     allow_reference_fallback: bool = False,
     show_progress: bool = False,
+    batch_invariant: bool = False,
 ) -> DeepseekV4Model:
-    """Read the config and weights in ``path`` and build the model on ``backend``'s ops."""
+    """Read the config and weights in ``path`` and build the model on ``backend``'s ops (their
+    batch-invariant implementations with ``batch_invariant``)."""
     from deepinfer_core.plugins import load_backend
 
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
-                         allow_reference_fallback=allow_reference_fallback)
+                         allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
     params = load_weights(cfg, path, dtype, device, show_progress=show_progress)
     load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
     return DeepseekV4Model(cfg, params, ops, dtype)

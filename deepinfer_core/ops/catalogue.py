@@ -2,7 +2,16 @@
 
 Each entry states the signature and the reference semantics; ``deepinfer_cpu_ref`` implements them
 literally and is the ground truth that ``deepinfer_core.testing.conformance`` checks other backends
-against. ``batch_invariant`` marks ops whose result for one row must not depend on the other rows.
+against.
+
+``batch_invariant`` is a promise every implementation of the op must keep: the result for one row
+(token, window, sampled sequence) is bit-identical whatever the other rows of the call are, how many
+there are, where the row sits among them, and how far shared index lists are padded with ``-1``.
+Ops marked ``False`` may break that in the default mode (blocked GEMMs pick their kernel by the number
+of rows; reductions change order with the padded width); an engine built with
+``batch_invariant=True`` resolves each of them only to an implementation registered with
+``batch_invariant=True`` (cpu_ref: ``deepinfer_cpu_ref.batch_invariant``), so a request's tokens and
+logprobs do not depend on what it was batched with.
 """
 
 from __future__ import annotations
@@ -40,16 +49,19 @@ _SPECS = [
         "linear",
         "(x: [..., K], weight: [N, K], bias: [N] | None) -> [..., N]",
         "x @ weight.T + bias.",
+        batch_invariant=False,
     ),
     OpSpec(
         "grouped_linear",
         "(x: [T, G, K], weight: [G*N, K]) -> [T, G, N]",
         "Block-diagonal projection: group g uses weight rows g*N:(g+1)*N.",
+        batch_invariant=False,
     ),
     OpSpec(
         "swiglu",
         "(gate_up: [T, 2I], limit: float) -> [T, I]",
         "silu(min(gate, limit)) * clamp(up, -limit, limit), gate = first half, up = second half.",
+        batch_invariant=False,
     ),
     OpSpec(
         "sparse_attention",
@@ -58,6 +70,7 @@ _SPECS = [
         "Shared-KV MQA: for each query t the keys (= values) are kv[indices[t]] and "
         "extra_kv[extra_indices[t]] (index -1 = unused slot, never read). softmax over the logits "
         "q.k*scale plus a per-head sink logit that only enters the denominator; output = sum p*v.",
+        batch_invariant=False,
     ),
     OpSpec(
         "compress_windows",
@@ -79,6 +92,7 @@ _SPECS = [
         "mHC: mixes = fn . unweighted_rmsnorm(flatten(streams)); pre = sigmoid(m*s0+b)+eps, "
         "post = 2 sigmoid(m*s1+b), comb = softmax(m*s2+b)+eps then column, (row, column)*(iters-1) "
         "Sinkhorn normalisation; collapsed = sum_i pre_i streams_i. Computed in at least float32.",
+        batch_invariant=False,
     ),
     OpSpec(
         "hc_post",
@@ -91,6 +105,7 @@ _SPECS = [
         "-> [T, D]",
         "Final collapse: pre = sigmoid(fn . unweighted_rmsnorm(flatten(streams)) * scale + base) + eps; "
         "sum_i pre_i streams_i.",
+        batch_invariant=False,
     ),
     OpSpec(
         "moe_route",
@@ -99,12 +114,14 @@ _SPECS = [
         "scores = sqrtsoftplus|sigmoid|softmax(logits); ids = fixed_ids (hash routing) or the top_k of "
         "scores + correction_bias (ties towards the lower expert id); weights = scores[ids] / sum * "
         "routed_scaling_factor.",
+        batch_invariant=False,
     ),
     OpSpec(
         "moe_experts",
         "(x: [T, D], w13: [E, 2I, D], w2: [E, D, I], topk_ids: Long[T, k], topk_weights: [T, k], "
         "swiglu_limit: float) -> [T, D]",
         "sum_k topk_weights[t,k] * w2[e] . swiglu(w13[e] . x[t]) with e = topk_ids[t,k] (ids < 0 skipped).",
+        batch_invariant=False,
     ),
     OpSpec(
         "apply_penalties",

@@ -28,6 +28,9 @@ class BuildContext:
     dtype: Any = None
     device: Any = None
     model_config: Any = None
+    #: batch-invariant mode: an op the catalogue does not mark batch-invariant resolves only to an
+    #: implementation registered with ``batch_invariant=True``
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -37,8 +40,12 @@ class OpImpl:
     priority: int
     provider: str
     predicate: Callable[[BuildContext], bool] | None = None
+    batch_invariant: bool = False  # declared by the provider: one row's result never depends on the others
 
     def applies(self, ctx: BuildContext) -> bool:
+        batch_invariant_mode = getattr(ctx, "batch_invariant", False)
+        if batch_invariant_mode and not (self.batch_invariant or CATALOGUE[self.op].batch_invariant):
+            return False
         return self.predicate is None or bool(self.predicate(ctx))
 
 
@@ -55,6 +62,7 @@ class OpRegistry:
         fn: Callable,
         priority: int = 0,
         predicate: Callable[[BuildContext], bool] | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         who = self.current_provider
         if op not in CATALOGUE:
@@ -67,7 +75,7 @@ class OpRegistry:
                     f"op {op!r} registered twice at priority {priority}: by {other.provider} and by {who}; "
                     "give one of them a different priority"
                 )
-        self.impls.setdefault(op, []).append(OpImpl(op, fn, priority, who, predicate))
+        self.impls.setdefault(op, []).append(OpImpl(op, fn, priority, who, predicate, batch_invariant))
 
     def candidates(self, op: str) -> list[OpImpl]:
         return sorted(self.impls.get(op, []), key=lambda i: -i.priority)
@@ -110,6 +118,12 @@ def resolve_ops(
             missing.append(op)
         else:
             chosen[op] = impl
+    if missing and ctx.batch_invariant:
+        raise MissingOpError(
+            f"backend {ctx.backend!r} provides no batch-invariant implementation for ops {missing} "
+            "(batch_invariant=True needs one registered with batch_invariant=True for every op the "
+            "catalogue does not mark batch-invariant)"
+        )
     if missing:
         raise MissingOpError(
             f"backend {ctx.backend!r} provides no implementation for ops {missing}; install a kernel pack "

@@ -1,3 +1,3 @@
-from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]

@@ -10,9 +10,16 @@ from deepinfer_core.comm import TorchDistributedCommunicator
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugins import BackendInfo
 from deepinfer_core.topology import plan_single_host, single_host_cpu_topology
+from deepinfer_cpu_ref import batch_invariant
 from deepinfer_cpu_ref.ops import ALL_OPS
 
 NAME = "cpu_ref"
+#: the batch-invariant variants: above the reference, and only in batch-invariant mode
+BATCH_INVARIANT_PRIORITY = 1
+
+
+def _batch_invariant_mode(ctx) -> bool:
+    return bool(getattr(ctx, "batch_invariant", False))
 
 
 def _version() -> str:
@@ -39,6 +46,9 @@ def deepinfer_register_ops(registry, backend):
         return
     for name, fn in ALL_OPS.items():
         registry.register(name, fn, priority=0)
+    for name, fn in batch_invariant.ALL_OPS.items():
+        registry.register(name, fn, priority=BATCH_INVARIANT_PRIORITY, predicate=_batch_invariant_mode,
+                          batch_invariant=True)
 
 
 @hookimpl

@@ -1,0 +1,248 @@
+"""Batch-invariant variants of the cpu_ref ops whose result for one row depends on the batch.
+
+Registered with ``batch_invariant=True`` and chosen only when the engine runs in batch-invariant mode
+(``LLM(..., batch_invariant=True)`` or ``DEEPINFER_BATCH_INVARIANT=1``). Each one keeps the
+reference's semantics and changes only how the work is cut, so that every row goes through kernel
+calls whose shapes depend on that row alone:
+
+* GEMMs (``linear``, ``grouped_linear``, the projections of ``moe_experts``, the ``fn`` products of
+  ``hc_pre`` / ``hc_head``): torch's CPU ``F.linear`` (MKL) computes a row with one of three kernels
+  picked by the number of rows M (M = 1: GEMV; M = 2..3; M >= 4), so a token's projection changes in
+  the last bits with the size of its batch. Here rows are computed in tiles of exactly
+  :data:`TILE` rows (the last one zero-padded) in freshly allocated, aligned buffers: every call has
+  the same shape, and within a tile a row's result does not depend on its position or its neighbours
+  (measured: float32 and float64, 1 and 2 threads, K up to 4096).
+* ``sparse_attention``: the extra (compressed) index list is padded to the batch's longest, and both
+  the softmax (whose sink column sits after the last index) and the probability-weighted sum reduce
+  over that padded width, so the padding changes the summation order. Here each query's width is
+  its own last used slot rounded up to :data:`WIDTH_BUCKET`; queries of one width are computed
+  together, in tiles of :data:`ATTENTION_TILE` queries.
+* Elementwise ``sigmoid`` / ``silu`` / ``softplus`` (``swiglu``, ``moe_route``, ``hc_pre``,
+  ``hc_head``): torch's kernels compute the bulk of a contiguous run with SIMD code and its remainder
+  with scalar code, and the two disagree in the last bit for 1-10 % of inputs (measured, float32:
+  sigmoid 52, silu 59, softplus 456 of 4096); which of a token's values fall in the remainder depends
+  on the batch. Here they are composed from ``exp`` and ``log1p`` of contiguous tensors (torch runs
+  these through one vectorised routine for every element, remainder included: 0 of 4096 differ) and
+  correctly rounded ``+ - * /``.
+
+The other ops are batch-invariant in the reference already (per-row reductions of fixed length, or
+exactly rounded arithmetic) and the catalogue marks them so; ``tests/test_batch_invariance.py`` checks
+both claims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_cpu_ref import ops as ref
+
+#: rows per GEMM call: a multiple of 16 keeps each tile of a fresh buffer 64-byte aligned
+TILE = 16
+#: queries per ``sparse_attention`` call
+ATTENTION_TILE = 32
+#: the extra-index width of a query in ``sparse_attention`` is rounded up to a multiple of this
+WIDTH_BUCKET = 32
+
+
+def _tiled(fn: Callable, *args: tuple[torch.Tensor, float | int], tile: int | None = None
+           ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``fn`` over ``args`` (tensors sharing their leading dim, each with the value that pads it),
+    called on tiles of exactly ``tile`` (default TILE) rows; the results are concatenated and the
+    padding dropped."""
+    tile = tile or TILE
+    rows = args[0][0].shape[0]
+    if rows == 0:
+        return fn(*(t for t, _ in args))
+    padded_rows = -(-rows // tile) * tile
+    bufs = []
+    for t, pad in args:
+        buf = t.new_full((padded_rows, *t.shape[1:]), pad)
+        buf[:rows] = t
+        bufs.append(buf)
+    outs = [fn(*(b[i:i + tile] for b in bufs)) for i in range(0, padded_rows, tile)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts)[:rows] for parts in zip(*outs))
+    return torch.cat(outs)[:rows]
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.contiguous())
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.reciprocal(_exp(-x) + 1)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (_exp(-x) + 1)
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """torch's softplus (beta 1, threshold 20)."""
+    return torch.where(x > 20, x, torch.log1p(_exp(x)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    out = _tiled(lambda t: F.linear(t, weight, bias), (flat, 0))
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _tiled(lambda t: ref.grouped_linear(t, weight), (x, 0))
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference with the tiled GEMM and the invariant sigmoid; the rest is per row already."""
+    n = streams.shape[1]
+    acc = ref._acc(streams.dtype)
+    flat = ref._unweighted_rms(streams.flatten(1).to(acc), norm_eps)
+    mixes = linear(flat, fn.to(acc))
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.to(acc).split([n, n, n * n])
+    s = scale.to(acc)
+    pre = _sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = 2 * _sigmoid(post_w * s[1] + post_b)
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+) -> torch.Tensor:
+    acc = ref._acc(streams.dtype)
+    flat = ref._unweighted_rms(streams.flatten(1).to(acc), norm_eps)
+    pre = _sigmoid(linear(flat, fn.to(acc)) * scale.to(acc) + base.to(acc)) + hc_eps
+    return (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
+
+
+_SCORING = {
+    "sqrtsoftplus": lambda x: _softplus(x).sqrt(),
+    "sigmoid": _sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+}
+
+
+def moe_route(
+    logits: torch.Tensor,
+    scoring_func: str,
+    top_k: int,
+    correction_bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference with the invariant scoring functions (the rest is per-row already)."""
+    if scoring_func not in _SCORING:
+        raise ValueError(f"unknown scoring_func {scoring_func!r}; expected one of {sorted(_SCORING)}")
+    scores = _SCORING[scoring_func](logits)
+    if fixed_ids is not None:
+        ids = fixed_ids.long()
+    else:
+        acc = ref._acc(scores.dtype)
+        choice = scores.to(acc) if correction_bias is None else scores.to(acc) + correction_bias.to(acc)
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """The reference's loop over experts (ascending id, so a token's terms are summed in one order),
+    with each expert's projections computed in fixed-size tiles of its tokens."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        h = swiglu(linear(x[token_idx], w13[expert]), swiglu_limit)
+        y = linear(h, w2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
+        out.index_add_(0, token_idx, y)
+    return out
+
+
+def _used_width(indices: torch.Tensor) -> torch.Tensor:
+    """Per row: one past the last slot that is not -1 (0 for an all -1 row)."""
+    cols = torch.arange(1, indices.shape[-1] + 1, device=indices.device)
+    return torch.where(indices >= 0, cols, torch.zeros_like(cols)).amax(dim=-1)
+
+
+def _to_width(indices: torch.Tensor, width: int) -> torch.Tensor:
+    """``indices`` cut or -1-padded to ``width`` columns (only -1 columns are ever cut)."""
+    if width <= indices.shape[-1]:
+        return indices[:, :width]
+    return torch.cat([indices, indices.new_full((indices.shape[0], width - indices.shape[-1]), -1)], dim=1)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference, per group of queries that need the same extra width, in tiles of TILE queries.
+
+    The window index list is used at the width given: the engine's is the model's sliding window for
+    every query, whatever the batch.
+    """
+    if extra_kv is None or extra_indices is None or extra_indices.shape[-1] == 0:
+        return _tiled(lambda qq, ii: ref.sparse_attention(qq, kv, ii, sinks, scale), (q, 0), (indices, -1),
+                      tile=ATTENTION_TILE)
+    widths = -(-_used_width(extra_indices) // WIDTH_BUCKET) * WIDTH_BUCKET
+    out = torch.empty_like(q)
+    for width in torch.unique(widths).tolist():
+        rows = torch.nonzero(widths == width).squeeze(1)
+        extra = _to_width(extra_indices[rows], int(width))
+        if width == 0:
+            part = _tiled(lambda qq, ii: ref.sparse_attention(qq, kv, ii, sinks, scale),
+                          (q[rows], 0), (indices[rows], -1), tile=ATTENTION_TILE)
+        else:
+            part = _tiled(lambda qq, ii, ee: ref.sparse_attention(qq, kv, ii, sinks, scale, extra_kv, ee),
+                          (q[rows], 0), (indices[rows], -1), (extra, -1), tile=ATTENTION_TILE)
+        out[rows] = part
+    return out
+
+
+ALL_OPS = {
+    "linear": linear,
+    "grouped_linear": grouped_linear,
+    "swiglu": swiglu,
+    "moe_route": moe_route,
+    "sparse_attention": sparse_attention,
+    "hc_pre": hc_pre,
+    "hc_head": hc_head,
+    "moe_experts": moe_experts,
+}
