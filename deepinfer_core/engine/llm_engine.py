@@ -12,7 +12,7 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.memory import plan_pools
+from deepinfer_core.engine.memory import plan_pools, profile_activation_bytes
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache, check_block_size
@@ -90,7 +90,10 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
             path / "tokenizer_config.json").is_file() else None
-        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, self.device)
+        activation = 0
+        if self.device.type == "cuda":
+            activation = profile_activation_bytes(self.model, self.scheduler_config, args.block_size)
+        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, self.device, activation)
         self.pool_sizes = sizes
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
                                 args.block_size, self.dtype, self.device)

@@ -263,3 +263,22 @@ def test_growing_past_the_pools_ends_with_error_keeping_tokens(tiny_path):
     roomy = _llm(tiny_path("tiny"), dtype="float32").generate([{"prompt_token_ids": prompt}], _greedy(5),
                                                               use_tqdm=False)[0]
     assert outs["cuda"].outputs[0].token_ids == roomy.outputs[0].token_ids
+
+
+def test_pools_are_sized_after_a_profiling_forward(tiny_path):
+    """gpu_memory_utilization is a share of the whole device: weights, the profiled activation peak of a
+    full token budget and the pools together stay inside it, and a bigger token budget leaves less."""
+    from deepinfer_core.engine.memory import profile_activation_bytes
+
+    llm = _llm(tiny_path("tiny"), dtype="float32", gpu_memory_utilization=0.05, max_model_len=1 << 12,
+               max_num_seqs=4096)
+    engine = llm.llm_engine
+    small = profile_activation_bytes(engine.model, engine.scheduler_config, BLOCK)
+    engine.scheduler_config.max_num_batched_tokens *= 8
+    large = profile_activation_bytes(engine.model, engine.scheduler_config, BLOCK)
+    assert 0 < small < large
+    total = torch.cuda.get_device_properties(engine.device).total_memory
+    assert engine.pool_sizes.budget_bytes <= 0.05 * total - small // 2
+    assert torch.cuda.memory_allocated(engine.device) <= 0.05 * total
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _greedy(4), use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 4
