@@ -1,0 +1,478 @@
+"""Decode-step benchmark for DeepSeek-V4 on random weights: deepinfer vs transformers vs bandwidth floor.
+
+Builds transformers' ``DeepseekV4ForCausalLM`` directly on the target device (no checkpoint on disk),
+hands the *same* tensors to deepinfer (renamed to DeepSeek's layout in memory, storage shared), then:
+
+ (a) deepinfer decode step time through ``LLMEngine`` (its ``load_model`` is patched to return the
+     preloaded model; only config.json is written, to a temporary folder);
+ (b) transformers ``generate`` (greedy, fixed length) on the same weights;
+ (c) a per-step bandwidth floor from that step's real routing (ids recorded by wrapping
+     ``ops.moe_route``) plus the KV bytes attended, over a measured device copy bandwidth.
+
+GPU:  python benchmarks/bench_gpu_decode.py --backend nvidia_sm100 --device cuda
+CPU smoke test:  python benchmarks/bench_gpu_decode.py --small --backend cpu_ref --device cpu \
+                 --batch-sizes 1,2 --gen-len 4 --prompt-len 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+LAYER_TYPE_ALIASES = {
+    "sliding": "sliding_attention", "swa": "sliding_attention",
+    "csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention",
+}
+
+SMALL = dict(layers=4, hidden=64, heads=4, head_dim=32, q_lora=48, experts=8, topk=2, moe_inter=32,
+             o_groups=2, o_lora=16, index_heads=8, index_head_dim=16, index_topk=4, vocab=512,
+             sliding_window=8, csa_rate=4, hca_rate=8, hc_mult=4)
+FLASH = dict(layers=4, hidden=4096, heads=64, head_dim=512, q_lora=1024, experts=256, topk=6, moe_inter=2048,
+             o_groups=8, o_lora=1024, index_heads=64, index_head_dim=128, index_topk=512, vocab=129280,
+             sliding_window=128, csa_rate=4, hca_rate=128, hc_mult=4)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny widths for a CPU smoke test (+ conversion check)")
+    for key, val in FLASH.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {val}")
+    ap.add_argument("--layer-types", default="sliding,csa,hca,csa", help="comma list, cycled to --layers")
+    ap.add_argument("--mlp-layer-types", default="hash_moe,moe,moe,moe", help="comma list, cycled to --layers")
+    ap.add_argument("--backend", default="nvidia_sm100")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default on cuda) or float32 (default on cpu)")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--std", type=float, default=0.02, help="std of random matrices (scaled by 1/sqrt(fan_in) if 0)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--check-convert", action="store_true",
+                    help="compare in-memory conversion with save_pretrained+load_model (on by default with --small)")
+    ap.add_argument("--json-out", default="bench_results/gpu_decode.json")
+    args = ap.parse_args(argv)
+    base = SMALL if args.small else FLASH
+    for key, val in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    args.check_convert = args.check_convert or args.small
+    return args
+
+
+def make_config(a):
+    from transformers import DeepseekV4Config
+
+    def cycle(spec, n):
+        items = [s.strip() for s in spec.split(",") if s.strip()]
+        return [items[i % len(items)] for i in range(n)]
+
+    layer_types = [LAYER_TYPE_ALIASES.get(t.lower(), t) for t in cycle(a.layer_types, a.layers)]
+    return DeepseekV4Config(
+        vocab_size=a.vocab, hidden_size=a.hidden, moe_intermediate_size=a.moe_inter, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, head_dim=a.head_dim, q_lora_rank=a.q_lora, num_experts_per_tok=a.topk,
+        n_routed_experts=a.experts, sliding_window=a.sliding_window,
+        compress_rates={"compressed_sparse_attention": a.csa_rate, "heavily_compressed_attention": a.hca_rate},
+        o_groups=a.o_groups, o_lora_rank=a.o_lora, index_n_heads=a.index_heads, index_head_dim=a.index_head_dim,
+        index_topk=a.index_topk, hc_mult=a.hc_mult, layer_types=layer_types,
+        mlp_layer_types=cycle(a.mlp_layer_types, a.layers), max_position_embeddings=max(4096, a.prompt_len + a.gen_len + 8),
+        bos_token_id=0, eos_token_id=1,
+    )
+
+
+@torch.no_grad()
+def randomize(model, config, std: float, seed: int) -> None:
+    """In-place, on the parameters' own device: small-std matrices, norms near 1, non-trivial HC terms."""
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.requires_grad_(False)
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:
+            p.normal_(1.0, 0.05)
+        elif leaf == "sinks":
+            p.normal_(0.0, 1.0)
+        elif leaf == "position_bias" or leaf in ("base", "hc_base"):
+            p.normal_(0.0, 0.5)
+        elif leaf in ("scale", "hc_scale"):
+            p.uniform_(0.5, 1.5)
+        elif leaf in ("fn", "hc_fn"):
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 1.0)
+        elif p.dim() >= 2:
+            p.normal_(0.0, std if std > 0 else 1.0 / math.sqrt(p.shape[-1]))
+        else:
+            p.normal_(0.0, 0.1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0.0, 0.1)
+        elif name.endswith("tid2eid"):
+            rows = torch.rand(buf.shape[0], config.n_routed_experts, device=buf.device).argsort(dim=1)
+            buf.copy_(rows[:, : config.num_experts_per_tok])
+
+
+# HF state_dict name -> DeepSeek name, applied in order (inverse of transformers' conversion_mapping for
+# deepseek_v4, written out explicitly).
+HF_TO_DS = [
+    (r"^model\.", ""),
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^embed_tokens\.weight$", "embed.weight"),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.experts\.gate_up_proj$", ".experts.w13"),
+    (r"\.experts\.down_proj$", ".experts.w2"),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"\.kv_norm\.", ".norm."),
+    (r"\.position_bias$", ".ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+]
+_HF_TO_DS = [(re.compile(p), r) for p, r in HF_TO_DS]
+
+
+def hf_to_ds_name(name: str) -> str:
+    for pat, repl in _HF_TO_DS:
+        name = pat.sub(repl, name)
+    return name
+
+
+def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
+    """HF state_dict -> deepinfer params (same storage wherever the dtype already matches)."""
+    from deepinfer_core.model.loader import _FP32_PARAM, _stack_shared_experts, expected_shapes
+
+    shapes = expected_shapes(cfg, with_mtp=False)
+    params = {}
+    for name, t in hf_model.state_dict().items():
+        ds = hf_to_ds_name(name)
+        if ds not in shapes and not ds.endswith(("shared_experts.w1.weight", "shared_experts.w3.weight")):
+            continue
+        if ds.endswith("tid2eid"):
+            want = torch.long
+        elif dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(ds):
+            want = torch.float32
+        else:
+            want = dtype
+        params[ds] = t.detach().to(want)
+    if "head.weight" not in params and cfg.tie_word_embeddings:
+        params["head.weight"] = params["embed.weight"]
+    missing = [n for n in shapes if n not in params]
+    bad = [n for n in shapes if n in params and tuple(params[n].shape) != tuple(shapes[n])]
+    if missing or bad:
+        raise RuntimeError(f"conversion incomplete: missing {missing[:5]}, wrong shape {bad[:5]}")
+    _stack_shared_experts(params)
+    return params
+
+
+def build_deepinfer_model(cfg, params, backend, dtype, device):
+    from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+    from deepinfer_core.plugins import build_op_table, load_backend
+
+    ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg)
+    load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
+    return DeepseekV4Model(cfg, params, ops, dtype)
+
+
+def check_conversion(hf_model, cfg_dir, cfg, a, dtype, device):
+    """In-memory conversion vs save_pretrained + load_model: identical params and logits."""
+    from deepinfer_core.model import load_model
+    from deepinfer_core.testing.model_runner import SimpleRunner
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        ref = load_model(tmp, a.backend, dtype, device)
+    mem = build_deepinfer_model(cfg, convert_params(hf_model, cfg, dtype), a.backend, dtype, device)
+    assert set(ref.p) == set(mem.p), (set(ref.p) ^ set(mem.p))
+    for k in ref.p:
+        assert ref.p[k].dtype == mem.p[k].dtype and torch.equal(ref.p[k], mem.p[k]), k
+    ids = torch.randint(2, cfg.vocab_size, (min(24, a.prompt_len),), generator=torch.Generator().manual_seed(1)).tolist()
+    outs = []
+    for m in (ref, mem):
+        r = SimpleRunner(m, 1, len(ids) + 4, block_size=cfg_block_size(m.cfg))
+        outs.append(r.step({0: ids}, all_logits=True)[0])
+    assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
+    return {"params": len(ref.p), "logits_equal": True}
+
+
+def cfg_block_size(cfg) -> int:
+    rates = [cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)]
+    return max([16, cfg.sliding_window] + [r for r in rates if r])
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device) -> float:
+    """Bytes/s of a large device-to-device copy, counting read + write."""
+    nbytes = (2 << 30) if device.type == "cuda" else (128 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    iters = 20 if device.type == "cuda" else 5
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    bw = 2 * nbytes * iters / (time.perf_counter() - t0)
+    del src, dst
+    return bw
+
+
+def static_weight_bytes(params) -> tuple[int, dict[str, int]]:
+    """Bytes read every decode step regardless of routing (experts, embeddings and tid2eid excluded)."""
+    total = 0
+    for k, t in params.items():
+        if k.endswith(("experts.w13", "experts.w2", "gate.tid2eid")) and "shared" not in k:
+            continue
+        if k == "embed.weight":
+            continue
+        total += t.numel() * t.element_size()
+    per_expert = {}
+    for k, t in params.items():
+        if k.endswith("ffn.experts.w13"):
+            w2 = params[k[:-3] + "w2"]
+            per_expert[k[: -len(".experts.w13")]] = t[0].numel() * t.element_size() + w2[0].numel() * w2.element_size()
+    return total, per_expert
+
+
+def kv_bytes(cfg, ctx_lens, elt: int) -> int:
+    """KV bytes one decode step attends (window + compressed entries, indexer keys scanned)."""
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        rate = cfg.compress_rate(layer)
+        for L in ctx_lens:
+            total += min(L, cfg.sliding_window) * cfg.head_dim * elt
+            if rate:
+                n = L // rate
+                if cfg.is_csa(layer):
+                    total += min(cfg.index_topk, n) * cfg.head_dim * elt + n * cfg.index_head_dim * elt
+                else:
+                    total += n * cfg.head_dim * elt
+    return total
+
+
+def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, per_expert):
+    import deepinfer_core.engine.llm_engine as le
+    from deepinfer_core.sampling.params import SamplingParams
+
+    orig_load = le.load_model
+    le.load_model = lambda *args, **kw: model
+    try:
+        engine = le.LLMEngine(le.EngineArgs(
+            model=cfg_dir, backend=a.backend, dtype=model.dtype, device=str(device),
+            max_model_len=a.prompt_len + a.gen_len + 8, max_num_seqs=max(batch, 1),
+            max_num_batched_tokens=max(2048, a.prompt_len), enable_prefix_caching=False,
+            block_size=cfg_block_size(model.cfg), seed=a.seed,
+        ))
+    finally:
+        le.load_model = orig_load
+    cfg = model.cfg
+    routed: list[torch.Tensor] = []
+    orig_route = model.ops.moe_route
+
+    def route(*args, **kw):
+        weights, ids = orig_route(*args, **kw)
+        routed.append(ids.detach().clone())
+        return weights, ids
+
+    model.ops.moe_route = route
+    step_info: dict = {}
+    orig_run = engine._run
+
+    def run(scheduled):
+        step_info["n"] = [n for _, n in scheduled]
+        step_info["ctx"] = [s.num_computed_tokens + n for s, n in scheduled]
+        return orig_run(scheduled)
+
+    engine._run = run
+    params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, min_tokens=a.gen_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    elt = engine.cache.window_kv[0].element_size() if hasattr(engine.cache, "window_kv") else model.p["embed.weight"].element_size()
+    rows = []
+    pbar = tqdm(total=batch * a.gen_len, desc=f"deepinfer b={batch}", unit="tok", leave=False)
+    try:
+        while engine.has_unfinished_requests():
+            routed.clear()
+            step_info.clear()
+            sync(device)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync(device)
+            dt = time.perf_counter() - t0
+            n = step_info.get("n", [])
+            is_decode = len(n) == batch and all(x == 1 for x in n)
+            if is_decode:
+                wbytes = static_bytes + batch * cfg.hidden_size * model.p["embed.weight"].element_size()
+                n_exp = []
+                moe_layers = sorted(per_expert, key=lambda k: int(k.split('.')[1]))
+                for layer_prefix, ids in zip(moe_layers, routed):
+                    u = int(torch.unique(ids).numel())
+                    n_exp.append(u)
+                    wbytes += u * per_expert[layer_prefix]
+                kb = kv_bytes(cfg, step_info["ctx"], elt)
+                rows.append(dict(step_s=dt, weight_bytes=wbytes, kv_bytes=kb, experts=n_exp,
+                                 floor_s=(wbytes + kb) / bw))
+                pbar.update(batch)
+            _ = outs
+    finally:
+        pbar.close()
+        model.ops.moe_route = orig_route
+        del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not rows:
+        return {}
+    rows_warm = rows[1:] if len(rows) > 2 else rows
+    step = statistics.median(r["step_s"] for r in rows_warm)
+    floor = statistics.median(r["floor_s"] for r in rows_warm)
+    return dict(
+        decode_steps=len(rows), step_ms_median=step * 1e3, tok_s=batch / step,
+        floor_ms_median=floor * 1e3, step_over_floor=step / floor,
+        weight_gb_median=statistics.median(r["weight_bytes"] for r in rows_warm) / 1e9,
+        kv_mb_median=statistics.median(r["kv_bytes"] for r in rows_warm) / 1e6,
+        unique_experts_per_layer_mean=statistics.mean(statistics.mean(r["experts"]) for r in rows_warm) if rows_warm[0]["experts"] else 0,
+        step_ms_all=[r["step_s"] * 1e3 for r in rows],
+    )
+
+
+@torch.no_grad()
+def run_hf(hf_model, a, batch, prompts, device):
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                min_new_tokens=n, pad_token_id=0)
+        sync(device)
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    t1 = gen(1)
+    tg = gen(a.gen_len)
+    per_step = (tg - t1) / max(a.gen_len - 1, 1)
+    return dict(generate_s=tg, tok_s_total=batch * a.gen_len / tg, prefill_plus_1_s=t1,
+                decode_step_ms_est=per_step * 1e3, decode_tok_s_est=batch / per_step if per_step > 0 else None)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    from transformers import DeepseekV4ForCausalLM
+
+    from deepinfer_core.config import ModelConfig
+
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype)
+    batches = [int(b) for b in a.batch_sizes.split(",") if b.strip()]
+    config = make_config(a)
+    t0 = time.perf_counter()
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build directly in the target dtype on the target device (no fp32 copy)
+    try:
+        with torch.device(device):
+            hf_model = DeepseekV4ForCausalLM(config).to(dtype)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    randomize(hf_model, config, a.std, a.seed)
+    hf_model.eval()
+    sync(device)
+    init_s = time.perf_counter() - t0
+    tmp = tempfile.TemporaryDirectory()
+    config.save_pretrained(tmp.name)
+    cfg = ModelConfig.from_pretrained(Path(tmp.name))
+    result = dict(config={k: getattr(a, k) for k in FLASH} | dict(
+        layer_types=config.layer_types, mlp_layer_types=config.mlp_layer_types, dtype=a.dtype,
+        prompt_len=a.prompt_len, gen_len=a.gen_len, backend=a.backend, std=a.std, small=a.small),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__, init_s=init_s, rows=[])
+    try:
+        import triton
+        result["triton"] = triton.__version__
+    except Exception:
+        result["triton"] = None
+    import transformers
+    result["transformers"] = transformers.__version__
+    if a.check_convert:
+        result["conversion_check"] = check_conversion(hf_model, tmp.name, cfg, a, dtype, device)
+        print("conversion check: in-memory params and logits identical to save_pretrained+load_model")
+
+    params = convert_params(hf_model, cfg, dtype)
+    model = build_deepinfer_model(cfg, params, a.backend, dtype, device)
+    static_bytes, per_expert = static_weight_bytes(params)
+    bw = measure_copy_bandwidth(device)
+    result["copy_bandwidth_gb_s"] = bw / 1e9
+    result["param_gb"] = sum(t.numel() * t.element_size() for t in params.values()) / 1e9
+    gen = torch.Generator().manual_seed(a.seed)
+    prompts = {b: torch.randint(2, cfg.vocab_size, (b, a.prompt_len), generator=gen).tolist() for b in batches}
+    rows = {b: {"batch": b} for b in batches}
+    for b in tqdm(batches, desc="deepinfer"):
+        rows[b]["deepinfer"] = run_deepinfer(model, tmp.name, a, b, prompts[b], device, bw, static_bytes, per_expert)
+    del model, params
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not a.skip_hf:
+        for b in tqdm(batches, desc="transformers"):
+            rows[b]["hf"] = run_hf(hf_model, a, b, prompts[b], device)
+    del hf_model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        result["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    result["rows"] = [rows[b] for b in batches]
+    tmp.cleanup()
+
+    print(f"\ndevice {result['device']}  torch {result['torch']}  triton {result['triton']}  "
+          f"copy bw {bw / 1e9:.0f} GB/s  params {result['param_gb']:.2f} GB  init {init_s:.1f}s")
+    hdr = f"{'batch':>5} {'di step ms':>10} {'di tok/s':>10} {'floor ms':>9} {'step/floor':>10} " \
+          f"{'experts/L':>9} {'hf step ms':>10} {'hf tok/s':>9} {'hf e2e tok/s':>12}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in result["rows"]:
+        d, h = r.get("deepinfer", {}), r.get("hf", {})
+        f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
+        print(f"{r['batch']:>5} {f(d.get('step_ms_median'), '10.3f')} {f(d.get('tok_s'), '10.1f')} "
+              f"{f(d.get('floor_ms_median'), '9.3f')} {f(d.get('step_over_floor'), '10.2f')} "
+              f"{f(d.get('unique_experts_per_layer_mean'), '9.1f')} {f(h.get('decode_step_ms_est'), '10.3f')} "
+              f"{f(h.get('decode_tok_s_est'), '9.1f')} {f(h.get('tok_s_total'), '12.1f')}")
+    out = Path(a.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
