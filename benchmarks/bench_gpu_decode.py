@@ -86,7 +86,8 @@ def make_config(a):
         compress_rates={"compressed_sparse_attention": a.csa_rate, "heavily_compressed_attention": a.hca_rate},
         o_groups=a.o_groups, o_lora_rank=a.o_lora, index_n_heads=a.index_heads, index_head_dim=a.index_head_dim,
         index_topk=a.index_topk, hc_mult=a.hc_mult, layer_types=layer_types,
-        mlp_layer_types=cycle(a.mlp_layer_types, a.layers), max_position_embeddings=max(4096, a.prompt_len + a.gen_len + 8),
+        mlp_layer_types=cycle(a.mlp_layer_types, a.layers),
+        max_position_embeddings=max(4096, a.prompt_len + a.gen_len + 8),
         bos_token_id=0, eos_token_id=1,
     )
 
@@ -212,7 +213,8 @@ def check_conversion(hf_model, cfg_dir, cfg, a, dtype, device):
     assert set(ref.p) == set(mem.p), (set(ref.p) ^ set(mem.p))
     for k in ref.p:
         assert ref.p[k].dtype == mem.p[k].dtype and torch.equal(ref.p[k], mem.p[k]), k
-    ids = torch.randint(2, cfg.vocab_size, (min(24, a.prompt_len),), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, cfg.vocab_size, (min(24, a.prompt_len),), generator=gen).tolist()
     outs = []
     for m in (ref, mem):
         r = SimpleRunner(m, 1, len(ids) + 4, block_size=cfg_block_size(m.cfg))
@@ -319,7 +321,8 @@ def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, p
     params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, min_tokens=a.gen_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
-    elt = engine.cache.window_kv[0].element_size() if hasattr(engine.cache, "window_kv") else model.p["embed.weight"].element_size()
+    cache = engine.cache
+    elt = cache.window_kv[0].element_size() if hasattr(cache, "window_kv") else model.p["embed.weight"].element_size()
     rows = []
     pbar = tqdm(total=batch * a.gen_len, desc=f"deepinfer b={batch}", unit="tok", leave=False)
     try:
@@ -362,7 +365,9 @@ def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, p
         floor_ms_median=floor * 1e3, step_over_floor=step / floor,
         weight_gb_median=statistics.median(r["weight_bytes"] for r in rows_warm) / 1e9,
         kv_mb_median=statistics.median(r["kv_bytes"] for r in rows_warm) / 1e6,
-        unique_experts_per_layer_mean=statistics.mean(statistics.mean(r["experts"]) for r in rows_warm) if rows_warm[0]["experts"] else 0,
+        unique_experts_per_layer_mean=(
+            statistics.mean(statistics.mean(r["experts"]) for r in rows_warm) if rows_warm[0]["experts"] else 0
+        ),
         step_ms_all=[r["step_s"] * 1e3 for r in rows],
     )
 
