@@ -33,6 +33,7 @@ both claims.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -100,95 +101,16 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return _silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def hc_pre(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference with the tiled GEMM and the invariant sigmoid; the rest is per row already."""
-    n = streams.shape[1]
-    acc = ref._acc(streams.dtype)
-    flat = ref._unweighted_rms(streams.flatten(1).to(acc), norm_eps)
-    mixes = linear(flat, fn.to(acc))
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.to(acc).split([n, n, n * n])
-    s = scale.to(acc)
-    pre = _sigmoid(pre_w * s[0] + pre_b) + hc_eps
-    post = 2 * _sigmoid(post_w * s[1] + post_b)
-    comb = torch.softmax(comb_w.reshape(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
-
-
-def hc_head(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_eps: float,
-    norm_eps: float,
-) -> torch.Tensor:
-    acc = ref._acc(streams.dtype)
-    flat = ref._unweighted_rms(streams.flatten(1).to(acc), norm_eps)
-    pre = _sigmoid(linear(flat, fn.to(acc)) * scale.to(acc) + base.to(acc)) + hc_eps
-    return (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
-
-
-_SCORING = {
+# The reference's bodies with the tiled GEMM and the invariant elementwise functions plugged in; the
+# rest of their work is per row already. moe_experts keeps the reference's loop (ascending expert id).
+hc_pre = partial(ref.hc_pre, mm=linear, sigmoid=_sigmoid)
+hc_head = partial(ref.hc_head, mm=linear, sigmoid=_sigmoid)
+moe_route = partial(ref.moe_route, scoring={
     "sqrtsoftplus": lambda x: _softplus(x).sqrt(),
     "sigmoid": _sigmoid,
     "softmax": lambda x: torch.softmax(x, dim=-1),
-}
-
-
-def moe_route(
-    logits: torch.Tensor,
-    scoring_func: str,
-    top_k: int,
-    correction_bias: torch.Tensor | None,
-    fixed_ids: torch.Tensor | None,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference with the invariant scoring functions (the rest is per-row already)."""
-    if scoring_func not in _SCORING:
-        raise ValueError(f"unknown scoring_func {scoring_func!r}; expected one of {sorted(_SCORING)}")
-    scores = _SCORING[scoring_func](logits)
-    if fixed_ids is not None:
-        ids = fixed_ids.long()
-    else:
-        acc = ref._acc(scores.dtype)
-        choice = scores.to(acc) if correction_bias is None else scores.to(acc) + correction_bias.to(acc)
-        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = scores.gather(1, ids)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
-
-
-def moe_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    swiglu_limit: float,
-) -> torch.Tensor:
-    """The reference's loop over experts (ascending id, so a token's terms are summed in one order),
-    with each expert's projections computed in fixed-size tiles of its tokens."""
-    out = torch.zeros_like(x)
-    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
-        token_idx, slot = torch.where(topk_ids == expert)
-        h = swiglu(linear(x[token_idx], w13[expert]), swiglu_limit)
-        y = linear(h, w2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
-        out.index_add_(0, token_idx, y)
-    return out
+})
+moe_experts = partial(ref.moe_experts, linear=linear, swiglu=swiglu)
 
 
 def _used_width(indices: torch.Tensor) -> torch.Tensor:

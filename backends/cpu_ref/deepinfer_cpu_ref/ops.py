@@ -5,6 +5,8 @@ Reductions run in at least float32 (float64 stays float64); results come back in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -115,6 +117,10 @@ def indexer_topk(
     return chosen
 
 
+def _mm(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return a @ weight.T
+
+
 def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -127,17 +133,20 @@ def hc_pre(
     sinkhorn_iters: int,
     hc_eps: float,
     norm_eps: float,
+    *,
+    mm: Callable = _mm,
+    sigmoid: Callable = torch.sigmoid,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = streams.shape[1]
     acc = _acc(streams.dtype)
     flat = _unweighted_rms(streams.flatten(1).to(acc), norm_eps)
-    mixes = flat @ fn.to(acc).T
+    mixes = mm(flat, fn.to(acc))
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.to(acc).split([n, n, n * n])
     s = scale.to(acc)
-    pre = torch.sigmoid(pre_w * s[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * s[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    pre = sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = 2 * sigmoid(post_w * s[1] + post_b)
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
@@ -161,10 +170,13 @@ def hc_head(
     scale: torch.Tensor,
     hc_eps: float,
     norm_eps: float,
+    *,
+    mm: Callable = _mm,
+    sigmoid: Callable = torch.sigmoid,
 ) -> torch.Tensor:
     acc = _acc(streams.dtype)
     flat = _unweighted_rms(streams.flatten(1).to(acc), norm_eps)
-    pre = torch.sigmoid((flat @ fn.to(acc).T) * scale.to(acc) + base.to(acc)) + hc_eps
+    pre = sigmoid(mm(flat, fn.to(acc)) * scale.to(acc) + base.to(acc)) + hc_eps
     return (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
 
 
@@ -182,10 +194,12 @@ def moe_route(
     correction_bias: torch.Tensor | None,
     fixed_ids: torch.Tensor | None,
     routed_scaling_factor: float,
+    *,
+    scoring: dict[str, Callable] = _SCORING,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if scoring_func not in _SCORING:
-        raise ValueError(f"unknown scoring_func {scoring_func!r}; expected one of {sorted(_SCORING)}")
-    scores = _SCORING[scoring_func](logits)
+    if scoring_func not in scoring:
+        raise ValueError(f"unknown scoring_func {scoring_func!r}; expected one of {sorted(scoring)}")
+    scores = scoring[scoring_func](logits)
     if fixed_ids is not None:
         ids = fixed_ids.long()
     else:
@@ -204,12 +218,16 @@ def moe_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     swiglu_limit: float,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
 ) -> torch.Tensor:
+    """Experts in ascending id order, so a token's terms are always summed in one order."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        h = swiglu(F.linear(x[token_idx], w13[expert]), swiglu_limit)
-        y = F.linear(h, w2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
+        h = swiglu(linear(x[token_idx], w13[expert]), swiglu_limit)
+        y = linear(h, w2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
 
