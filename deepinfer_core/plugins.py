@@ -7,11 +7,13 @@ Discovery reads entry-point metadata only. A backend module is imported when it 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from typing import Any
 
 import pluggy
@@ -213,3 +215,25 @@ def describe_backends() -> list[dict[str, str]]:
             row["details_error"] = f"details() raised {type(exc).__name__}: {exc}"
         rows.append(row)
     return rows
+
+
+def probe_library(module: str, dists: tuple[str, ...] = ()) -> str:
+    """``"<version>"`` when ``module`` imports, else ``"missing: <reason>"``; never raises."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return "missing: not installed"
+    except Exception as exc:  # a broken parent package or finder
+        return f"missing: {type(exc).__name__}: {exc}"
+    try:
+        mod = importlib.import_module(module)
+    except (Exception, SystemExit) as exc:  # a broken extension build may even call sys.exit
+        return f"missing: import failed: {type(exc).__name__}: {exc}"
+    found = getattr(mod, "__version__", None)
+    for dist in dists:
+        if found:
+            break
+        try:
+            found = version(dist)
+        except PackageNotFoundError:
+            continue
+    return str(found) if found else "installed (version unknown)"

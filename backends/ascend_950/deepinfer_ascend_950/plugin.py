@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugins import BackendInfo
+from deepinfer_core.plugins import BackendInfo, probe_library
 
 NAME = "ascend_950"
 DISTRIBUTION = "deepinfer-ascend-950"
@@ -57,28 +57,6 @@ def cann_version(home: Path) -> str:
         except OSError:
             continue
     return "unknown version"
-
-
-def probe_library(module: str, dists: tuple[str, ...] = ()) -> str:
-    """``"<version>"`` when ``module`` imports, else ``"missing: <reason>"``; never raises."""
-    try:
-        if importlib.util.find_spec(module) is None:
-            return "missing: not installed"
-    except Exception as exc:
-        return f"missing: {type(exc).__name__}: {exc}"
-    try:
-        mod = importlib.import_module(module)
-    except (Exception, SystemExit) as exc:
-        return f"missing: import failed: {type(exc).__name__}: {exc}"
-    found = getattr(mod, "__version__", None)
-    for dist in dists:
-        if found:
-            break
-        try:
-            found = version(dist)
-        except PackageNotFoundError:
-            continue
-    return str(found) if found else "installed (version unknown)"
 
 
 def _import_torch_npu():

@@ -10,13 +10,11 @@ stop ``deepinfer backends`` from listing the other backends.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 from importlib.metadata import PackageNotFoundError, version
 
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugins import BackendInfo
+from deepinfer_core.plugins import BackendInfo, probe_library
 from deepinfer_nvidia_sm100 import capability as caps
 
 NAME = "nvidia_sm100"
@@ -37,28 +35,6 @@ def _version() -> str:
         return version(DISTRIBUTION)
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def probe_library(module: str, dists: tuple[str, ...] = ()) -> str:
-    """``"<version>"`` when ``module`` imports, else ``"missing: <reason>"``; never raises."""
-    try:
-        if importlib.util.find_spec(module) is None:
-            return "missing: not installed"
-    except Exception as exc:  # a broken parent package or finder
-        return f"missing: {type(exc).__name__}: {exc}"
-    try:
-        mod = importlib.import_module(module)
-    except (Exception, SystemExit) as exc:  # a broken extension build may even call sys.exit
-        return f"missing: import failed: {type(exc).__name__}: {exc}"
-    found = getattr(mod, "__version__", None)
-    for dist in dists:
-        if found:
-            break
-        try:
-            found = version(dist)
-        except PackageNotFoundError:
-            continue
-    return str(found) if found else "installed (version unknown)"
 
 
 def _torch():
