@@ -13,10 +13,11 @@ import torch
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.memory import plan_pools, profile_activation_bytes
+from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache, check_block_size
-from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import SeqSpan
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
@@ -47,6 +48,10 @@ class EngineArgs:
     seed: int = 0
     allow_reference_fallback: bool = False
     batch_invariant: bool = False  # also on with DEEPINFER_BATCH_INVARIANT=1
+    enforce_eager: bool = False  # never capture graphs of the forward (CUDA graphs are used on cuda otherwise)
+    max_cudagraph_capture_size: int | None = None  # largest decode batch run from a graph (max_num_seqs)
+    async_scheduling: bool = False  # schedule step N+1 while the device runs step N (zero-overhead)
+    quantization: str | None = None  # "fp8": linear and expert weights in E4M3 with 128x128 block scales
 
 
 class _Request:
@@ -97,6 +102,7 @@ class LLMEngine:
         self.pool_sizes = sizes
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
                                 args.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.cache, args.block_size)
         self.block_manager = BlockManager(
             sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, args.block_size, cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, max_replay_tokens=args.max_replay_tokens,
@@ -230,9 +236,7 @@ class LLMEngine:
             if start + num_new == len(seq):
                 rows.append(len(ids) - 1)
                 to_sample.append(seq)
-        batch = build_forward_batch(ids, spans, self.model.compressor_specs(), self.args.block_size,
-                                    self.model_config.sliding_window, rows, self.device)
-        logits, _ = self.model.forward(batch, self.cache)
+        logits = self.runner.execute(self.runner.prepare(ids, spans, rows))
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
             self.block_manager.commit(seq)

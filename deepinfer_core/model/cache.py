@@ -11,6 +11,10 @@
   prefix-cache hit at a block boundary restores the compressor state exactly.
 
 A block id addresses the same span of ``block_size`` source tokens in every layer of its pool.
+Every pool has one extra block (and every ring one extra slot) after the last the block manager hands
+out: the trash. A write to row, block or slot -1 lands there by negative indexing (windows that close
+before a request's ``write_from``, the padding rows of a captured graph), so no write needs a
+data-dependent mask; reads treat -1 as "no row".
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class ModelCache:
         self.block_size = block_size
         self.num_blocks, self.num_window_blocks, self.num_state_slots = num_blocks, num_window_blocks, num_state_slots
         self.specs = layer_cache_specs(cfg)
+        num_blocks, num_window_blocks, num_state_slots = num_blocks + 1, num_window_blocks + 1, num_state_slots + 1
         sdt = state_dtype(dtype)
 
         def pool(rows: int, dim: int, dt: torch.dtype = dtype) -> torch.Tensor:

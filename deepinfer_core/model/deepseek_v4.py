@@ -81,7 +81,7 @@ class DeepseekV4Model:
         eps = cfg.rms_norm_eps
         e = ops.rms_norm(ops.embedding(next_ids, p["embed.weight"]).to(self.dtype), p[m + "enorm.weight"], eps)
         h = ops.rms_norm(streams, p[m + "hnorm.weight"], eps)
-        x = ops.linear(e, p[m + "e_proj.weight"]).unsqueeze(1) + ops.linear(h, p[m + "h_proj.weight"])
+        x = self.linear(e, m + "e_proj.weight").unsqueeze(1) + self.linear(h, m + "h_proj.weight")
         layer = cfg.num_hidden_layers + depth
         out = self.block(m, layer, x, batch, cache, self._rope(batch), next_ids)
         hidden = self.final_norm(out[batch.logits_indices], m)
@@ -101,6 +101,13 @@ class DeepseekV4Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.ops.linear(hidden, self.p["head.weight"])
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x @ W.T`` for parameter ``name``; FP8 block-scaled when the weight was kept in FP8."""
+        scale = self.p.get(name + "_scale")
+        if scale is None:
+            return self.ops.linear(x, self.p[name])
+        return self.ops.linear_fp8(x, self.p[name], scale)
 
     # --- decoder block ---------------------------------------------------------------------------
 
@@ -128,10 +135,10 @@ class DeepseekV4Model:
         spec = self.cache_specs[layer]
         cos, sin = rope["main" if spec.compressor is None else "compress"]
 
-        q_res = ops.rms_norm(ops.linear(h, p[a + "wq_a.weight"]), p[a + "q_norm.weight"], eps)
-        q = ops.linear(q_res, p[a + "wq_b.weight"]).view(n_tok, cfg.num_attention_heads, cfg.head_dim)
+        q_res = ops.rms_norm(self.linear(h, a + "wq_a.weight"), p[a + "q_norm.weight"], eps)
+        q = self.linear(q_res, a + "wq_b.weight").view(n_tok, cfg.num_attention_heads, cfg.head_dim)
         q = ops.rotary_emb(ops.rms_norm(q, None, eps), cos, sin, False)
-        kv = ops.rms_norm(ops.linear(h, p[a + "wkv.weight"]), p[a + "norm.weight"], eps)
+        kv = ops.rms_norm(self.linear(h, a + "wkv.weight"), p[a + "norm.weight"], eps)
         kv = ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1)
         window_pool = cache.window_kv[layer]
         window_pool[batch.window_slots] = kv.to(window_pool.dtype)
@@ -153,7 +160,7 @@ class DeepseekV4Model:
         out = ops.rotary_emb(out, cos, sin, True)
         groups = cfg.o_groups
         out = ops.grouped_linear(out.reshape(n_tok, groups, -1), p[a + "wo_a.weight"])
-        return ops.linear(out.reshape(n_tok, -1), p[a + "wo_b.weight"])
+        return self.linear(out.reshape(n_tok, -1), a + "wo_b.weight")
 
     def compress(self, c, h, spec: CompressorSpec, meta, pool, state, boundary) -> None:
         """Project this step's tokens, emit the entries of every window that closed, update the ring.
@@ -163,8 +170,8 @@ class DeepseekV4Model:
         """
         ops, p = self.ops, self.p
         ring_kv, ring_gate = state
-        kv = ops.linear(h, p[c + "wkv.weight"]).to(ring_kv.dtype)
-        gate = ops.linear(h, p[c + "wgate.weight"]).to(ring_kv.dtype) + p[c + "ape"][meta.bias_idx].to(ring_kv.dtype)
+        kv = self.linear(h, c + "wkv.weight").to(ring_kv.dtype)
+        gate = self.linear(h, c + "wgate.weight").to(ring_kv.dtype) + p[c + "ape"][meta.bias_idx].to(ring_kv.dtype)
         dim = spec.dim
         if meta.entry_slots.numel() or meta.boundary_dst.numel():
             pad_kv = kv.new_zeros((1, kv.shape[1]))
@@ -185,8 +192,7 @@ class DeepseekV4Model:
             entries = ops.rms_norm(entries, p[c + "norm.weight"], self.cfg.rms_norm_eps)
             cos, sin = self.rope("compress", meta.entry_positions, self.dtype)
             entries = ops.rotary_emb(entries.unsqueeze(1), cos, sin, False).squeeze(1)
-            keep = meta.entry_slots >= 0
-            pool[meta.entry_slots[keep]] = entries[keep].to(pool.dtype)
+            pool[meta.entry_slots] = entries.to(pool.dtype)  # slot -1: the trash block
         ring_kv[meta.ring_write] = kv[meta.ring_write_src]
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
 
@@ -196,22 +202,27 @@ class DeepseekV4Model:
         keys = cache.index_keys[layer]
         self.compress(i + "compressor.", h, spec, meta, keys, cache.index_state[layer], cache.index_boundary.get(layer))
         cos, sin = rope["compress"]
-        q = ops.linear(q_res, p[i + "wq_b.weight"]).view(h.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = self.linear(q_res, i + "wq_b.weight").view(h.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         q = ops.rotary_emb(q, cos, sin, False)
-        weights = ops.linear(h, p[i + "weights_proj.weight"]) * cfg.index_n_heads**-0.5
+        weights = self.linear(h, i + "weights_proj.weight") * cfg.index_n_heads**-0.5
         return ops.indexer_topk(q, weights, keys, meta.candidates, cfg.index_topk, cfg.index_head_dim**-0.5)
 
     # --- MoE -------------------------------------------------------------------------------------
 
     def moe(self, f, h, token_ids) -> torch.Tensor:
         ops, p, cfg = self.ops, self.p, self.cfg
-        logits = ops.linear(h, p[f + "gate.weight"])
+        logits = self.linear(h, f + "gate.weight")
         tid2eid = p.get(f + "gate.tid2eid")
         fixed = tid2eid[token_ids] if tid2eid is not None else None
         weights, ids = ops.moe_route(
             logits, cfg.scoring_func, cfg.num_experts_per_tok, p.get(f + "gate.bias"), fixed,
             cfg.routed_scaling_factor,
         )
-        routed = ops.moe_experts(h, p[f + "experts.w13"], p[f + "experts.w2"], ids, weights, cfg.swiglu_limit)
-        shared = ops.swiglu(ops.linear(h, p[f + "shared_experts.w13"]), cfg.swiglu_limit)
-        return routed + ops.linear(shared, p[f + "shared_experts.w2.weight"])
+        w13, w2 = p[f + "experts.w13"], p[f + "experts.w2"]
+        if f + "experts.w13_scale" in p:
+            routed = ops.moe_experts_fp8(h, w13, p[f + "experts.w13_scale"], w2, p[f + "experts.w2_scale"], ids,
+                                         weights, cfg.swiglu_limit)
+        else:
+            routed = ops.moe_experts(h, w13, w2, ids, weights, cfg.swiglu_limit)
+        shared = ops.swiglu(self.linear(h, f + "shared_experts.w13"), cfg.swiglu_limit)
+        return routed + self.linear(shared, f + "shared_experts.w2.weight")

@@ -51,6 +51,15 @@ class CompressorMeta:
     boundary_dst: torch.Tensor  # [Nb] compressed block whose boundary record they are saved into
 
 
+@dataclass(frozen=True)
+class GraphPadding:
+    """The fixed layout of a captured decode graph: ``num_seqs`` sequences of one new token each, and
+    ``max_entries[rate]`` compressed candidates per query (enough for ``max_model_len``)."""
+
+    num_seqs: int
+    max_entries: dict[int, int]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
@@ -60,6 +69,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows whose logits are wanted
     query_start_loc: list[int]
     compressors: dict[tuple[int, bool], CompressorMeta] = field(default_factory=dict)  # (rate, overlap)
+    padded_to: int | None = None  # set when the batch is laid out for a captured graph (GraphPadding)
 
     @property
     def num_tokens(self) -> int:
@@ -111,8 +121,15 @@ def build_forward_batch(
     sliding_window: int,
     logits_indices: list[int] | None = None,
     device: torch.device | str = "cpu",
+    pad: GraphPadding | None = None,
 ) -> ForwardBatch:
-    """Flatten ``spans`` into one batch; ``token_ids`` holds every span's new tokens in order."""
+    """Flatten ``spans`` into one batch; ``token_ids`` holds every span's new tokens in order.
+
+    With ``pad`` (decode steps only) every index tensor has the graph's fixed shape: padding sequences
+    write to the trash (-1) and read nothing.
+    """
+    if pad is not None:
+        return _build_padded(token_ids, spans, compressor_specs, block_size, sliding_window, device, pad)
     lo = torch.long
     num_new = torch.tensor([s.num_new for s in spans], dtype=lo)
     starts = [0, *torch.cumsum(num_new, 0).tolist()]
@@ -200,3 +217,7 @@ def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) ->
         boundary_src=boundary_src,
         boundary_dst=boundary_dst,
     )
+
+
+def _build_padded(token_ids, spans, compressor_specs, block_size, sliding_window, device, pad):
+    raise NotImplementedError

@@ -1,0 +1,36 @@
+"""ModelRunner: turns a scheduled step into a ForwardBatch and runs the forward, eagerly or by replaying
+a captured graph (the backend's ``deepinfer_graph_runner``) when the step's shape has one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4Model, cache: ModelCache, block_size: int, graph_runner: Any = None):
+        self.model, self.cache, self.block_size = model, cache, block_size
+        self.graph_runner = graph_runner  # None: always eager
+
+    def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int]) -> ForwardBatch:
+        """The step's batch on the model's device; padded to a captured shape when a graph will run it."""
+        pad = self.graph_runner.padding_for(spans) if self.graph_runner is not None else None
+        return build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
+                                   self.model.cfg.sliding_window, logits_rows, self.model.device, pad=pad)
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32, or float64 in golden runs) of the batch's ``logits_indices`` rows.
+
+        With a graph the result is a view of the graph's output buffer: consume it (sample) before the
+        next ``execute``.
+        """
+        if self.graph_runner is not None and batch.padded_to is not None:
+            return self.graph_runner.replay(batch)
+        logits, _ = self.model.forward(batch, self.cache)
+        return logits
