@@ -90,7 +90,7 @@ class LLMEngine:
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
         self.batch_invariant = bool(args.batch_invariant) or env in ("1", "true", "yes", "on")
         self.model = load_model(path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
-                                batch_invariant=self.batch_invariant)
+                                batch_invariant=self.batch_invariant, quantization=args.quantization)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (

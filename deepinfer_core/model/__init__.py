@@ -20,15 +20,21 @@ def load_model(
     allow_reference_fallback: bool = False,
     show_progress: bool = False,
     batch_invariant: bool = False,
+    quantization: str | None = None,
 ) -> DeepseekV4Model:
     """Read the config and weights in ``path`` and build the model on ``backend``'s ops (their
-    batch-invariant implementations with ``batch_invariant``)."""
+    batch-invariant implementations with ``batch_invariant``); ``quantization="fp8"`` keeps (or makes)
+    the linear and expert weights E4M3 with 128x128 block scales."""
     from deepinfer_core.plugins import load_backend
 
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; expected None or 'fp8'")
+    if quantization == "fp8":
+        raise NotImplementedError("fp8 weights are not wired yet")
     params = load_weights(cfg, path, dtype, device, show_progress=show_progress)
     load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
     return DeepseekV4Model(cfg, params, ops, dtype)
