@@ -102,7 +102,7 @@ class LLMEngine:
         self.pool_sizes = sizes
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
                                 args.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.cache, args.block_size)
+        self.runner = ModelRunner.create(self.model, self.cache, args, self.scheduler_config, backend)
         self.block_manager = BlockManager(
             sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, args.block_size, cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, max_replay_tokens=args.max_replay_tokens,

@@ -17,6 +17,12 @@ class ModelRunner:
         self.model, self.cache, self.block_size = model, cache, block_size
         self.graph_runner = graph_runner  # None: always eager
 
+    @classmethod
+    def create(cls, model: DeepseekV4Model, cache: ModelCache, args: Any, scheduler_config: Any,
+               backend: Any) -> ModelRunner:
+        """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``."""
+        return cls(model, cache, args.block_size)
+
     def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int]) -> ForwardBatch:
         """The step's batch on the model's device; padded to a captured shape when a graph will run it."""
         pad = self.graph_runner.padding_for(spans) if self.graph_runner is not None else None
