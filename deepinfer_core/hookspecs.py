@@ -87,8 +87,12 @@ def deepinfer_process_weights(
 
 
 @hookspec(firstresult=True)
-def deepinfer_graph_runner(model: Any, cache_config: CacheConfig) -> Any:
-    """Return an object that captures and replays the model forward (CUDA/ACL graphs), or ``None``."""
+def deepinfer_graph_runner(
+    model: Any, cache: Any, capture_sizes: list[int], max_model_len: int, block_size: int
+) -> Any:
+    """Capture the decode forward of ``model`` over ``cache`` at each of ``capture_sizes`` sequences and
+    return the runner that replays it (CUDA/ACL graphs; the interface of
+    :class:`deepinfer_core.engine.cuda_graph.CUDAGraphRunner`), or ``None`` to always run eagerly."""
 
 
 # --- communicators ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.engine.cuda_graph import capture_sizes
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
@@ -21,13 +22,24 @@ class ModelRunner:
     def create(cls, model: DeepseekV4Model, cache: ModelCache, args: Any, scheduler_config: Any,
                backend: Any) -> ModelRunner:
         """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``."""
-        return cls(model, cache, args.block_size)
+        graphs = None
+        if not args.enforce_eager:
+            max_size = min(args.max_cudagraph_capture_size or scheduler_config.max_num_seqs,
+                           scheduler_config.max_num_seqs)
+            graphs = backend.hook.deepinfer_graph_runner(
+                model=model, cache=cache, capture_sizes=capture_sizes(max_size),
+                max_model_len=scheduler_config.max_model_len, block_size=args.block_size,
+            )
+        return cls(model, cache, args.block_size, graphs)
 
     def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int]) -> ForwardBatch:
         """The step's batch on the model's device; padded to a captured shape when a graph will run it."""
-        pad = self.graph_runner.padding_for(spans) if self.graph_runner is not None else None
-        return build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
-                                   self.model.cfg.sliding_window, logits_rows, self.model.device, pad=pad)
+        pad = self.graph_runner.padding_for(spans, logits_rows) if self.graph_runner is not None else None
+        host = build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
+                                   self.model.cfg.sliding_window, logits_rows, pad=pad)
+        if pad is not None:
+            return self.graph_runner.load(host)
+        return upload(host, self.model.device)
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -40,3 +52,16 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         logits, _ = self.model.forward(batch, self.cache)
         return logits
+
+
+def upload(host: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """The batch on ``device`` through one host-to-device copy of all its index tensors."""
+    if device.type == "cpu":
+        return host
+    tensors = host.tensors()
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).pin_memory().to(device, non_blocking=True)
+    views, offset = {}, 0
+    for name, t in tensors.items():
+        views[name] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    return host.replace_tensors(views)

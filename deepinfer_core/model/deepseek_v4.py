@@ -197,7 +197,7 @@ class DeepseekV4Model:
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
 
     def indexer(self, i, h, q_res, spec: CompressorSpec, batch, cache: ModelCache, layer, rope) -> torch.Tensor:
-        ops, p, cfg = self.ops, self.p, self.cfg
+        ops, cfg = self.ops, self.cfg
         meta = batch.compressors[spec.rate, spec.overlap]
         keys = cache.index_keys[layer]
         self.compress(i + "compressor.", h, spec, meta, keys, cache.index_state[layer], cache.index_boundary.get(layer))

@@ -75,6 +75,27 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every index tensor of the batch by a stable name (compressor fields as ``"rate.overlap.field"``)."""
+        out = {k: getattr(self, k) for k in ("input_ids", "positions", "window_slots", "window_indices",
+                                                 "logits_indices")}
+        for (rate, overlap), meta in sorted(self.compressors.items()):
+            out.update({f"{rate}.{int(overlap)}.{k}": v for k, v in vars(meta).items() if v is not None})
+        return out
+
+    def replace_tensors(self, new: dict[str, torch.Tensor]) -> ForwardBatch:
+        """A copy of this batch with the tensors of ``new`` (named as in :meth:`tensors`) swapped in."""
+        top = {k: v for k, v in new.items() if "." not in k}
+        comps = {}
+        for key, meta in self.compressors.items():
+            prefix = f"{key[0]}.{int(key[1])}."
+            fields = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
+            comps[key] = CompressorMeta(**{**vars(meta), **fields})
+        return ForwardBatch(**{**vars(self), **top, "compressors": comps})
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        return self.replace_tensors({k: v.to(device) for k, v in self.tensors().items()})
+
 
 def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For per-sequence counts: (sequence of each item, index of the item within its sequence)."""
@@ -144,20 +165,18 @@ def build_forward_batch(
     wtables = _table([s.window_block_table for s in spans])
     window = lay.positions.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
     batch = ForwardBatch(
-        input_ids=torch.tensor(token_ids, dtype=lo).to(device),
-        positions=lay.positions.to(device),
-        window_slots=_rows(wtables, owner, lay.positions, block_size).to(device),
-        window_indices=_rows(wtables, owner, window, block_size).to(device),
+        input_ids=torch.tensor(token_ids, dtype=lo),
+        positions=lay.positions,
+        window_slots=_rows(wtables, owner, lay.positions, block_size),
+        window_indices=_rows(wtables, owner, window, block_size),
         logits_indices=torch.tensor(
             logits_indices if logits_indices is not None else [e - 1 for e in starts[1:]], dtype=lo
-        ).to(device),
+        ),
         query_start_loc=starts,
     )
     for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
-        meta = _compressor_meta(rate, overlap, lay, block_size)
-        batch.compressors[rate, overlap] = CompressorMeta(**{k: v.to(device) if v is not None else None
-                                                             for k, v in vars(meta).items()})
-    return batch
+        batch.compressors[rate, overlap] = _compressor_meta(rate, overlap, lay, block_size)
+    return batch.to(device)
 
 
 def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) -> CompressorMeta:
@@ -219,5 +238,69 @@ def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) ->
     )
 
 
-def _build_padded(token_ids, spans, compressor_specs, block_size, sliding_window, device, pad):
-    raise NotImplementedError
+def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: set[CompressorSpec],
+                  block_size: int, sliding_window: int, device, pad: GraphPadding) -> ForwardBatch:
+    """One new token per sequence and a fixed count of every kind of index per sequence: ``rows`` ring
+    reads, one window (written to -1 unless it closes now), one block end (likewise), ``max_entries``
+    candidates. Padding sequences have no blocks and state slot -1, so all they write lands in the trash.
+    """
+    n, size, lo = len(spans), pad.num_seqs, torch.long
+    if n > size or any(s.num_new != 1 for s in spans) or len(token_ids) != n:
+        raise ValueError(f"a graph of {size} sequences runs decode steps of at most {size} sequences, "
+                         "one new token each")
+    extra = size - n
+    ctx = torch.tensor([s.context_len for s in spans] + [0] * extra, dtype=lo)
+    seq = torch.arange(size)
+    lay = _Layout(ctx, ctx + 1, seq, torch.tensor([s.state_slot for s in spans] + [-1] * extra, dtype=lo),
+                  torch.tensor([s.write_from for s in spans] + [0] * extra, dtype=lo),
+                  _table([s.block_table for s in spans] + [[]] * extra), seq, ctx)
+    wtables = _table([s.window_block_table for s in spans] + [[]] * extra)
+    window = ctx.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(token_ids + [0] * extra, dtype=lo),
+        positions=ctx,
+        window_slots=_rows(wtables, seq, ctx, block_size),
+        window_indices=_rows(wtables, seq, window, block_size),
+        logits_indices=seq.clone(),
+        query_start_loc=list(range(n + 1)),  # the real sequences only: their logits are the first rows
+        padded_to=size,
+    )
+    for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
+        batch.compressors[rate, overlap] = _padded_compressor_meta(rate, overlap, lay, block_size,
+                                                                   pad.max_entries[rate])
+    return batch.to(device)
+
+
+def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int, max_entries: int):
+    size, lo = len(lay.ctx), torch.long
+    rows = (2 if overlap else 1) * rate
+    within, seq = torch.arange(rate), torch.arange(size)
+    read_pos = lay.ctx.unsqueeze(1) - rows + torch.arange(rows)  # [S, rows]; negative ones are never used
+    dummy = size * rows + size
+
+    def source(p: torch.Tensor) -> torch.Tensor:
+        ctx = lay.ctx.unsqueeze(1)
+        old = seq.unsqueeze(1) * rows + p - ctx + rows
+        fresh = size * rows + seq.unsqueeze(1).expand_as(p)
+        return torch.where(p >= ctx, fresh, torch.where(p >= 0, old, torch.full_like(p, dummy)))
+
+    start = (lay.seq_len - rate).clamp(min=0)
+    closes = (lay.seq_len % rate == 0) & (start >= lay.write_from)
+    slots = _rows(lay.tables, seq, start, block_size, rate)
+    crossed = (lay.seq_len % block_size == 0) & (lay.seq_len > lay.write_from)
+    dst = lay.tables[seq, ((lay.seq_len // block_size) - 1).clamp(0, lay.tables.shape[1] - 1)]
+    entry = torch.arange(max_entries)
+    cand = _rows(lay.tables, seq, entry.expand(size, -1) * rate, block_size, rate)
+    return CompressorMeta(
+        ring_read=(lay.slots.unsqueeze(1) * rows + read_pos % rows).flatten(),
+        cur_idx=source(start.unsqueeze(1) + within),
+        prev_idx=source(start.unsqueeze(1) - rate + within) if overlap else None,
+        entry_slots=torch.where(closes, slots, torch.full_like(slots, -1)),
+        entry_positions=start,
+        ring_write=lay.slots * rows + lay.positions % rows,
+        ring_write_src=seq.clone(),
+        bias_idx=lay.positions % rate,
+        candidates=torch.where(entry < ((lay.positions + 1) // rate).unsqueeze(1), cand, torch.full_like(cand, -1)),
+        boundary_src=source(lay.seq_len.unsqueeze(1) - rate + within) if overlap else torch.zeros(0, rate, dtype=lo),
+        boundary_dst=torch.where(crossed, dst, torch.full_like(dst, -1)) if overlap else torch.zeros(0, dtype=lo),
+    )

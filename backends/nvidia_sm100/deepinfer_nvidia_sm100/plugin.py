@@ -153,6 +153,15 @@ def deepinfer_init_device(local_rank):
 
 
 @hookimpl
+def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size):
+    if model.device.type != "cuda" or not capture_sizes:
+        return None
+    from deepinfer_core.engine.cuda_graph import CUDAGraphRunner
+
+    return CUDAGraphRunner(model, cache, capture_sizes, max_model_len, block_size)
+
+
+@hookimpl
 def deepinfer_make_communicator(group, device):
     """Collectives over ``group`` (an NCCL group on CUDA devices; gloo under the CPU test switch)."""
     from deepinfer_core.comm import TorchDistributedCommunicator
