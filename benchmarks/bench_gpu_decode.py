@@ -17,6 +17,7 @@ CPU smoke test:  python benchmarks/bench_gpu_decode.py --small --backend cpu_ref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -228,6 +229,92 @@ def cfg_block_size(cfg) -> int:
     return max([16, cfg.sliding_window] + [r for r in rates if r])
 
 
+class RandomModel:
+    """transformers' model with random weights, its config saved to a temporary folder, and the deepinfer
+    model sharing its tensors."""
+
+    def __init__(self, a, device: torch.device, dtype: torch.dtype):
+        from transformers import DeepseekV4ForCausalLM
+
+        from deepinfer_core.config import ModelConfig
+
+        t0 = time.perf_counter()
+        self.hf_config = make_config(a)
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # build directly in the target dtype on the target device (no fp32 copy)
+        try:
+            with torch.device(device):
+                self.hf_model = DeepseekV4ForCausalLM(self.hf_config).to(dtype)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+        randomize(self.hf_model, self.hf_config, a.std, a.seed)
+        self.hf_model.eval()
+        sync(device)
+        self.init_s = time.perf_counter() - t0
+        self._tmp = tempfile.TemporaryDirectory()
+        self.cfg_dir = self._tmp.name
+        self.hf_config.save_pretrained(self.cfg_dir)
+        self.cfg = ModelConfig.from_pretrained(Path(self.cfg_dir))
+        self.a, self.device, self.dtype = a, device, dtype
+
+    def deepinfer_model(self, quantize=None):
+        """A deepinfer model on the same tensors; ``quantize(params, cfg)`` converts its params first."""
+        params = convert_params(self.hf_model, self.cfg, self.dtype)
+        if quantize is not None:
+            quantize(params, self.cfg)
+        return build_deepinfer_model(self.cfg, params, self.a.backend, self.dtype, self.device)
+
+    def cleanup(self) -> None:
+        self._tmp.cleanup()
+
+
+def make_engine(model, cfg_dir, **engine_args):
+    """An ``LLMEngine`` serving the preloaded ``model`` (only ``cfg_dir``'s config.json is read)."""
+    import deepinfer_core.engine.llm_engine as le
+
+    orig_load = le.load_model
+    le.load_model = lambda *args, **kw: model
+    try:
+        defaults = dict(dtype=model.dtype, device=str(model.device), enable_prefix_caching=False,
+                        block_size=cfg_block_size(model.cfg))
+        return le.LLMEngine(le.EngineArgs(model=cfg_dir, **(defaults | engine_args)))
+    finally:
+        le.load_model = orig_load
+
+
+@contextlib.contextmanager
+def record_routing(model, on_route):
+    """Calls ``on_route(ids)`` with a copy of every ``moe_route`` result (not while a CUDA graph is captured)."""
+    orig_route = model.ops.moe_route
+
+    def route(*args, **kw):
+        weights, ids = orig_route(*args, **kw)
+        if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            on_route(ids.detach().clone())
+        return weights, ids
+
+    model.ops.moe_route = route
+    try:
+        yield
+    finally:
+        model.ops.moe_route = orig_route
+
+
+def environment(device) -> dict:
+    """Device name and the versions that decide kernel choices."""
+    import transformers
+
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__, "triton": None}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -251,20 +338,22 @@ def measure_copy_bandwidth(device) -> float:
     return bw
 
 
+_ROUTED = (".ffn.experts.w13", ".ffn.experts.w2", ".ffn.experts.w13_scale", ".ffn.experts.w2_scale")
+
+
 def static_weight_bytes(params) -> tuple[int, dict[str, int]]:
-    """Bytes read every decode step regardless of routing (experts, embeddings and tid2eid excluded)."""
+    """Bytes read every decode step regardless of routing (routed experts, embeddings and tid2eid excluded),
+    and the bytes of one routed expert (weights and any FP8 scales) per MoE layer prefix."""
     total = 0
     for k, t in params.items():
-        if k.endswith(("experts.w13", "experts.w2", "gate.tid2eid")) and "shared" not in k:
-            continue
-        if k == "embed.weight":
+        if k.endswith(_ROUTED) or k.endswith("gate.tid2eid") or k == "embed.weight":
             continue
         total += t.numel() * t.element_size()
-    per_expert = {}
+    per_expert: dict[str, int] = {}
     for k, t in params.items():
-        if k.endswith("ffn.experts.w13"):
-            w2 = params[k[:-3] + "w2"]
-            per_expert[k[: -len(".experts.w13")]] = t[0].numel() * t.element_size() + w2[0].numel() * w2.element_size()
+        if k.endswith(_ROUTED):
+            prefix = k[: k.index(".experts.")]
+            per_expert[prefix] = per_expert.get(prefix, 0) + t[0].numel() * t.element_size()
     return total, per_expert
 
 
@@ -285,30 +374,12 @@ def kv_bytes(cfg, ctx_lens, elt: int) -> int:
 
 
 def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, per_expert):
-    import deepinfer_core.engine.llm_engine as le
     from deepinfer_core.sampling.params import SamplingParams
 
-    orig_load = le.load_model
-    le.load_model = lambda *args, **kw: model
-    try:
-        engine = le.LLMEngine(le.EngineArgs(
-            model=cfg_dir, backend=a.backend, dtype=model.dtype, device=str(device),
-            max_model_len=a.prompt_len + a.gen_len + 8, max_num_seqs=max(batch, 1),
-            max_num_batched_tokens=max(2048, a.prompt_len), enable_prefix_caching=False,
-            block_size=cfg_block_size(model.cfg), seed=a.seed,
-        ))
-    finally:
-        le.load_model = orig_load
+    engine = make_engine(model, cfg_dir, backend=a.backend, max_model_len=a.prompt_len + a.gen_len + 8,
+                         max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, a.prompt_len), seed=a.seed)
     cfg = model.cfg
     routed: list[torch.Tensor] = []
-    orig_route = model.ops.moe_route
-
-    def route(*args, **kw):
-        weights, ids = orig_route(*args, **kw)
-        routed.append(ids.detach().clone())
-        return weights, ids
-
-    model.ops.moe_route = route
     step_info: dict = {}
     orig_run = engine._run
 
@@ -325,34 +396,34 @@ def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, p
     elt = cache.window_kv[0].element_size() if hasattr(cache, "window_kv") else model.p["embed.weight"].element_size()
     rows = []
     pbar = tqdm(total=batch * a.gen_len, desc=f"deepinfer b={batch}", unit="tok", leave=False)
-    try:
-        while engine.has_unfinished_requests():
-            routed.clear()
-            step_info.clear()
-            sync(device)
-            t0 = time.perf_counter()
-            outs = engine.step()
-            sync(device)
-            dt = time.perf_counter() - t0
-            n = step_info.get("n", [])
-            is_decode = len(n) == batch and all(x == 1 for x in n)
-            if is_decode:
-                wbytes = static_bytes + batch * cfg.hidden_size * model.p["embed.weight"].element_size()
-                n_exp = []
-                moe_layers = sorted(per_expert, key=lambda k: int(k.split('.')[1]))
-                for layer_prefix, ids in zip(moe_layers, routed):
-                    u = int(torch.unique(ids).numel())
-                    n_exp.append(u)
-                    wbytes += u * per_expert[layer_prefix]
-                kb = kv_bytes(cfg, step_info["ctx"], elt)
-                rows.append(dict(step_s=dt, weight_bytes=wbytes, kv_bytes=kb, experts=n_exp,
-                                 floor_s=(wbytes + kb) / bw))
-                pbar.update(batch)
-            _ = outs
-    finally:
-        pbar.close()
-        model.ops.moe_route = orig_route
-        del engine
+    with record_routing(model, routed.append):
+        try:
+            while engine.has_unfinished_requests():
+                routed.clear()
+                step_info.clear()
+                sync(device)
+                t0 = time.perf_counter()
+                outs = engine.step()
+                sync(device)
+                dt = time.perf_counter() - t0
+                n = step_info.get("n", [])
+                is_decode = len(n) == batch and all(x == 1 for x in n)
+                if is_decode:
+                    wbytes = static_bytes + batch * cfg.hidden_size * model.p["embed.weight"].element_size()
+                    n_exp = []
+                    moe_layers = sorted(per_expert, key=lambda k: int(k.split('.')[1]))
+                    for layer_prefix, ids in zip(moe_layers, routed):
+                        u = int(torch.unique(ids).numel())
+                        n_exp.append(u)
+                        wbytes += u * per_expert[layer_prefix]
+                    kb = kv_bytes(cfg, step_info["ctx"], elt)
+                    rows.append(dict(step_s=dt, weight_bytes=wbytes, kv_bytes=kb, experts=n_exp,
+                                     floor_s=(wbytes + kb) / bw))
+                    pbar.update(batch)
+                _ = outs
+        finally:
+            pbar.close()
+            del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not rows:
@@ -394,49 +465,28 @@ def run_hf(hf_model, a, batch, prompts, device):
                 decode_step_ms_est=per_step * 1e3, decode_tok_s_est=batch / per_step if per_step > 0 else None)
 
 
+def model_summary(a, rm: RandomModel) -> dict:
+    """The widths and options the random model was built with."""
+    return {k: getattr(a, k) for k in FLASH} | dict(
+        layer_types=rm.hf_config.layer_types, mlp_layer_types=rm.hf_config.mlp_layer_types, dtype=a.dtype,
+        backend=a.backend, std=a.std, small=a.small)
+
+
 def main(argv=None):
     a = parse_args(argv)
-    from transformers import DeepseekV4ForCausalLM
-
-    from deepinfer_core.config import ModelConfig
-
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
     batches = [int(b) for b in a.batch_sizes.split(",") if b.strip()]
-    config = make_config(a)
-    t0 = time.perf_counter()
-    prev_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build directly in the target dtype on the target device (no fp32 copy)
-    try:
-        with torch.device(device):
-            hf_model = DeepseekV4ForCausalLM(config).to(dtype)
-    finally:
-        torch.set_default_dtype(prev_dtype)
-    randomize(hf_model, config, a.std, a.seed)
-    hf_model.eval()
-    sync(device)
-    init_s = time.perf_counter() - t0
-    tmp = tempfile.TemporaryDirectory()
-    config.save_pretrained(tmp.name)
-    cfg = ModelConfig.from_pretrained(Path(tmp.name))
-    result = dict(config={k: getattr(a, k) for k in FLASH} | dict(
-        layer_types=config.layer_types, mlp_layer_types=config.mlp_layer_types, dtype=a.dtype,
-        prompt_len=a.prompt_len, gen_len=a.gen_len, backend=a.backend, std=a.std, small=a.small),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        torch=torch.__version__, init_s=init_s, rows=[])
-    try:
-        import triton
-        result["triton"] = triton.__version__
-    except Exception:
-        result["triton"] = None
-    import transformers
-    result["transformers"] = transformers.__version__
+    rm = RandomModel(a, device, dtype)
+    hf_model, cfg, init_s = rm.hf_model, rm.cfg, rm.init_s
+    result = dict(config=model_summary(a, rm) | dict(prompt_len=a.prompt_len, gen_len=a.gen_len),
+                  **environment(device), init_s=init_s, rows=[])
     if a.check_convert:
-        result["conversion_check"] = check_conversion(hf_model, tmp.name, cfg, a, dtype, device)
+        result["conversion_check"] = check_conversion(hf_model, rm.cfg_dir, cfg, a, dtype, device)
         print("conversion check: in-memory params and logits identical to save_pretrained+load_model")
 
-    params = convert_params(hf_model, cfg, dtype)
-    model = build_deepinfer_model(cfg, params, a.backend, dtype, device)
+    model = rm.deepinfer_model()
+    params = model.p
     static_bytes, per_expert = static_weight_bytes(params)
     bw = measure_copy_bandwidth(device)
     result["copy_bandwidth_gb_s"] = bw / 1e9
@@ -445,19 +495,19 @@ def main(argv=None):
     prompts = {b: torch.randint(2, cfg.vocab_size, (b, a.prompt_len), generator=gen).tolist() for b in batches}
     rows = {b: {"batch": b} for b in batches}
     for b in tqdm(batches, desc="deepinfer"):
-        rows[b]["deepinfer"] = run_deepinfer(model, tmp.name, a, b, prompts[b], device, bw, static_bytes, per_expert)
+        rows[b]["deepinfer"] = run_deepinfer(model, rm.cfg_dir, a, b, prompts[b], device, bw, static_bytes, per_expert)
     del model, params
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not a.skip_hf:
         for b in tqdm(batches, desc="transformers"):
             rows[b]["hf"] = run_hf(hf_model, a, b, prompts[b], device)
-    del hf_model
+    del hf_model, rm.hf_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     result["rows"] = [rows[b] for b in batches]
-    tmp.cleanup()
+    rm.cleanup()
 
     print(f"\ndevice {result['device']}  torch {result['torch']}  triton {result['triton']}  "
           f"copy bw {bw / 1e9:.0f} GB/s  params {result['param_gb']:.2f} GB  init {init_s:.1f}s")
