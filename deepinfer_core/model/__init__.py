@@ -8,6 +8,7 @@ import torch
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.fp8 import quantize_params_fp8
 from deepinfer_core.model.loader import load_weights
 from deepinfer_core.plugins import build_op_table
 
@@ -33,9 +34,10 @@ def load_model(
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
     if quantization not in (None, "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; expected None or 'fp8'")
-    if quantization == "fp8":
-        raise NotImplementedError("fp8 weights are not wired yet")
-    params = load_weights(cfg, path, dtype, device, show_progress=show_progress)
+    fp8 = quantization == "fp8"
+    params = load_weights(cfg, path, dtype, device, keep_fp8=fp8, show_progress=show_progress)
+    if fp8:  # what the checkpoint did not ship in E4M3 is quantised now
+        quantize_params_fp8(params, cfg)
     load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
     return DeepseekV4Model(cfg, params, ops, dtype)
 

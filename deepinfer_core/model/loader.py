@@ -4,8 +4,12 @@ Accepted names: DeepSeek's own (``layers.N.attn.wq_a.weight``, ``layers.N.ffn.ex
 ``hc_head_fn``, ``mtp.0.*``), with or without a leading ``model.``, and the few leaf names transformers
 keeps when it saves (``embed_tokens``, ``hc_head.hc_fn``). Routed experts are stacked on load into
 ``experts.w13`` [E, 2I, D] (gate rows then up rows) and ``experts.w2`` [E, D, I]. FP8 E4M3 weights with
-128x128 block scales (``.scale`` or ``.weight_scale_inv``) are dequantised unless ``keep_fp8``
-(routed and shared experts are always dequantised: they are stacked on load).
+128x128 block scales (``.scale`` or ``.weight_scale_inv``) are dequantised, unless ``keep_fp8``: then
+the parameters FP8 mode keeps in E4M3 (:func:`~deepinfer_core.model.fp8.fp8_weight_names`) stay E4M3
+with their scales as ``name + "_scale"``, routed experts stacked in E4M3 with stacked scales (an
+unquantised expert is quantised as it is stacked). Where 128-row tiles would straddle the gate and up
+halves (``moe_intermediate_size`` not a multiple of 128) the experts are stacked dequantised and left
+for :func:`~deepinfer_core.model.fp8.quantize_params_fp8` to quantise whole.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.fp8 import FP8_BLOCK, FP8_DTYPE, fp8_weight_names, quantize_fp8_block, scale_shape
+from deepinfer_core.model.fp8 import dequantize_fp8_block as dequantize_fp8
 
 
 class CheckpointError(ValueError):
@@ -33,7 +39,6 @@ _LEAF_RENAMES = [
 ]
 _FP32_PARAM = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias|norm\.weight$)")
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
-FP8_BLOCK = 128
 
 
 def canonical_name(name: str) -> str:
@@ -142,11 +147,14 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, handle.get_tensor(key)
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """E4M3 weight [N, K] with one scale per ``block`` x ``block`` tile -> float32."""
-    n, k = weight.shape
-    s = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return weight.float() * s
+def check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """One scale per 128x128 tile of ``weight``, or a :class:`CheckpointError` naming both shapes."""
+    want = scale_shape(*weight.shape[-2:])
+    if tuple(scale.shape) != want:
+        raise CheckpointError(
+            f"block scale of {name} has shape {tuple(scale.shape)}, expected {want} "
+            f"(one per {FP8_BLOCK}x{FP8_BLOCK} tile of its {tuple(weight.shape)} weight)"
+        )
 
 
 def load_weights(
@@ -170,6 +178,8 @@ def load_weights(
     filled_experts: set[str] = set()
     scales: dict[str, torch.Tensor] = {}
     pending_fp8: dict[str, torch.Tensor] = {}
+    kept_fp8 = fp8_weight_names(cfg) if keep_fp8 else set()
+    inter = cfg.moe_intermediate_size
 
     def param_dtype(name: str) -> torch.dtype:
         if name.endswith("tid2eid"):
@@ -178,34 +188,55 @@ def load_weights(
             return torch.float32
         return dtype
 
-    def store(name: str, tensor: torch.Tensor) -> None:
+    def store_expert(name: str, m: re.Match, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
+        prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
+        if which in ("w1", "w3"):
+            key = prefix + ".w13"
+            rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+        else:
+            key, rows = prefix + ".w2", slice(None)
+        if key not in shapes or expert >= shapes[key][0]:
+            raise CheckpointError(
+                f"unexpected expert tensor {name} (the config has {cfg.n_routed_experts} experts)"
+            )
+        # stacked in E4M3 only where each expert's tiles are whole tiles of the stack
+        fp8_stack = key in kept_fp8 and (which == "w2" or inter % FP8_BLOCK == 0)
+        if key not in params:
+            params[key] = torch.empty(shapes[key], dtype=FP8_DTYPE if fp8_stack else param_dtype(key), device=device)
+            if fp8_stack:
+                params[key + "_scale"] = torch.empty((shapes[key][0], *scale_shape(*shapes[key][1:])),
+                                                     dtype=torch.float32, device=device)
+        target = params[key][expert, rows]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        if scale is not None:
+            check_scale(name, tensor, scale)
+        if fp8_stack:
+            q, s = (tensor, scale) if scale is not None else quantize_fp8_block(tensor)
+            tile_rows = slice(rows.start // FP8_BLOCK, rows.stop // FP8_BLOCK) if which != "w2" else slice(None)
+            target.copy_(q)
+            params[key + "_scale"][expert, tile_rows].copy_(s)
+        else:
+            target.copy_(tensor if scale is None else dequantize_fp8(tensor, scale))
+        filled_experts.add(name)
+
+    def store(name: str, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         m = _EXPERT.match(name)
         if m:
-            prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
-            inter = cfg.moe_intermediate_size
-            if which in ("w1", "w3"):
-                key = prefix + ".w13"
-                rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-            else:
-                key, rows = prefix + ".w2", slice(None)
-            if key not in shapes or expert >= shapes[key][0]:
-                raise CheckpointError(
-                    f"unexpected expert tensor {name} (the config has {cfg.n_routed_experts} experts)"
-                )
-            if key not in params:
-                params[key] = torch.empty(shapes[key], dtype=param_dtype(key), device=device)
-            target = params[key][expert, rows]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            filled_experts.add(name)
+            store_expert(name, m, tensor, scale)
             return
         if name not in shapes:
             return  # tensors the engine does not use (e.g. rotary buffers) are skipped
         if tuple(tensor.shape) != shapes[name]:
             raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shapes[name]}")
-        keep = tensor.dtype == torch.float8_e4m3fn
-        params[name] = tensor.to(device=device, dtype=tensor.dtype if keep else param_dtype(name))
+        if scale is not None:
+            check_scale(name, tensor, scale)
+            if name in kept_fp8:
+                params[name + "_scale"] = scale.to(device=device, dtype=torch.float32)
+                params[name] = tensor.to(device=device)
+                return
+            tensor = dequantize_fp8(tensor, scale)
+        params[name] = tensor.to(device=device, dtype=param_dtype(name))
 
     progress = tqdm(total=len(raw_keys), desc="loading weights", unit="tensor", disable=not show_progress)
     for key, tensor in _iter_tensors(files):
@@ -214,13 +245,13 @@ def load_weights(
         if name.endswith(".scale") or name.endswith(".weight_scale_inv"):
             base = name.rsplit(".", 1)[0] + ".weight"
             if base in pending_fp8:
-                store(base, _fp8_to(pending_fp8.pop(base), tensor, keep_fp8 and "experts" not in base, params, base))
+                store(base, pending_fp8.pop(base), tensor)
             else:
                 scales[base] = tensor
             continue
         if tensor.dtype == torch.float8_e4m3fn:
             if name in scales:
-                store(name, _fp8_to(tensor, scales.pop(name), keep_fp8 and "experts" not in name, params, name))
+                store(name, tensor, scales.pop(name))
             else:
                 pending_fp8[name] = tensor
             continue
@@ -238,19 +269,23 @@ def load_weights(
                     if f"{prefix}.{e}.{w}.weight" not in filled_experts and key in params]
     if missing:
         raise CheckpointError(f"checkpoint in {path} lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
-    _stack_shared_experts(params)
+    _stack_shared_experts(params, inter, param_dtype)
     return params
 
 
-def _fp8_to(weight, scale, keep_fp8, params, name):
-    if keep_fp8:
-        params[name + "_scale"] = scale.float()
-        return weight
-    return dequantize_fp8(weight, scale)
-
-
-def _stack_shared_experts(params: dict[str, torch.Tensor]) -> None:
+def _stack_shared_experts(params: dict[str, torch.Tensor], inter: int, param_dtype) -> None:
+    """w1 and w3 -> w13 [2I, D]; E4M3 halves with their scales stay E4M3 when their tiles stack whole,
+    otherwise they are dequantised first (FP8 mode quantises the stacked projection afterwards)."""
     for w1_name in [n for n in params if n.endswith("shared_experts.w1.weight")]:
         prefix = w1_name[: -len("w1.weight")]
-        if prefix + "w3.weight" in params:
-            params[prefix + "w13"] = torch.cat([params.pop(w1_name), params.pop(prefix + "w3.weight")], dim=0)
+        halves = [prefix + "w1.weight", prefix + "w3.weight"]
+        if halves[1] not in params:
+            continue
+        scales = [params.pop(h + "_scale", None) for h in halves]
+        if all(s is not None for s in scales) and inter % FP8_BLOCK == 0:
+            params[prefix + "w13_scale"] = torch.cat(scales, dim=0)
+        elif any(s is not None for s in scales):
+            for h, s in zip(halves, scales):
+                if s is not None:
+                    params[h] = dequantize_fp8(params[h], s).to(param_dtype(prefix + "w13"))
+        params[prefix + "w13"] = torch.cat([params.pop(h) for h in halves], dim=0)

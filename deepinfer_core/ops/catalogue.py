@@ -124,6 +124,27 @@ _SPECS = [
         batch_invariant=False,
     ),
     OpSpec(
+        "linear_fp8",
+        "(x: [..., K], weight: E4M3 [N, K], weight_scale: f32 [ceil(N/128), ceil(K/128)]) -> [..., N]",
+        "DeepSeek's block FP8 (as DeepGEMM): each row of x is quantised per 128-channel group g (the last "
+        "may be partial) from its float32 values: s_x = max(amax_g |x|, 1e-4) / 448, q_x = e4m3(x / s_x) "
+        "(round to nearest even); weight_scale[i, j] scales the 128x128 weight tile (i, j). "
+        "out = sum_g (q_x . q_w) * s_x * s_w over the K groups, accumulated in at least float32, "
+        "returned in x.dtype.",
+        batch_invariant=False,
+    ),
+    OpSpec(
+        "moe_experts_fp8",
+        "(x: [T, D], w13: E4M3 [E, 2I, D], w13_scale: f32 [E, ceil(2I/128), ceil(D/128)], "
+        "w2: E4M3 [E, D, I], w2_scale: f32 [E, ceil(D/128), ceil(I/128)], topk_ids: Long[T, k], "
+        "topk_weights: [T, k], swiglu_limit: float) -> [T, D]",
+        "moe_experts with both projections as linear_fp8: gate_up = linear_fp8(x[t], w13[e], w13_scale[e]) "
+        "and h = swiglu(gate_up) kept in float32 (not rounded to x.dtype), h quantised per 128 channels "
+        "like x, out[t] = sum_k topk_weights[t,k] * linear_fp8(h, w2[e], w2_scale[e]) summed in at least float32 "
+        "(ids < 0 skipped), returned in x.dtype.",
+        batch_invariant=False,
+    ),
+    OpSpec(
         "apply_penalties",
         "(logits: [B, V], prompt_mask: Bool[B, V], output_counts: [B, V], repetition: [B], "
         "presence: [B], frequency: [B]) -> [B, V]",

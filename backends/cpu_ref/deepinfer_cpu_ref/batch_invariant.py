@@ -5,8 +5,8 @@ Registered with ``batch_invariant=True`` and chosen only when the engine runs in
 reference's semantics and changes only how the work is cut, so that every row goes through kernel
 calls whose shapes depend on that row alone:
 
-* GEMMs (``linear``, ``grouped_linear``, the projections of ``moe_experts``, the ``fn`` products of
-  ``hc_pre`` / ``hc_head``): torch's CPU ``F.linear`` (MKL) computes a row with one of three kernels
+* GEMMs (``linear``, ``grouped_linear``, the projections of ``moe_experts``, their FP8 variants, the
+  ``fn`` products of ``hc_pre`` / ``hc_head``): torch's CPU ``F.linear`` (MKL) computes a row with one of three kernels
   picked by the number of rows M (M = 1: GEMV; M = 2..3; M >= 4), so a token's projection changes in
   the last bits with the size of its batch. Here rows are computed in tiles of exactly
   :data:`TILE` rows (the last one zero-padded) in freshly allocated, aligned buffers: every call has
@@ -111,6 +111,9 @@ moe_route = partial(ref.moe_route, scoring={
     "softmax": lambda x: torch.softmax(x, dim=-1),
 })
 moe_experts = partial(ref.moe_experts, linear=linear, swiglu=swiglu)
+# FP8: activations are quantised per row already; only the GEMMs and the SwiGLU need the invariant versions
+linear_fp8 = partial(ref.linear_fp8, linear=linear)
+moe_experts_fp8 = partial(ref.moe_experts_fp8, linear=linear, swiglu=swiglu)
 
 
 def _used_width(indices: torch.Tensor) -> torch.Tensor:
@@ -167,4 +170,6 @@ ALL_OPS = {
     "hc_pre": hc_pre,
     "hc_head": hc_head,
     "moe_experts": moe_experts,
+    "linear_fp8": linear_fp8,
+    "moe_experts_fp8": moe_experts_fp8,
 }

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
+
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -232,6 +234,46 @@ def moe_experts(
     return out
 
 
+def _fake_quant_act(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x quantised per token per 128 channels (from float32) and dequantised again, in ``dtype``."""
+    return dequantize_act_fp8(*quantize_act_fp8(x), dtype=dtype)
+
+
+def linear_fp8(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, linear: Callable = F.linear
+) -> torch.Tensor:
+    """Quantised activations times the dequantised weight (both exact in float64)."""
+    acc = _acc(x.dtype)
+    w = dequantize_fp8_block(weight, weight_scale, dtype=acc)
+    return linear(_fake_quant_act(x, acc), w).to(x.dtype)
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    """Experts in ascending id order; gate/up, SwiGLU and the sum stay in the accumulation dtype."""
+    acc = _acc(x.dtype)
+    xq = _fake_quant_act(x, acc)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        gate_up = linear(xq[token_idx], dequantize_fp8_block(w13[expert], w13_scale[expert], dtype=acc))
+        h = _fake_quant_act(swiglu(gate_up, swiglu_limit), acc)
+        y = linear(h, dequantize_fp8_block(w2[expert], w2_scale[expert], dtype=acc))
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].to(acc))
+    return out.to(x.dtype)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -290,7 +332,7 @@ ALL_OPS = {
     name: globals()[name]
     for name in (
         "embedding rms_norm rotary_emb linear grouped_linear swiglu sparse_attention compress_windows "
-        "indexer_topk hc_pre hc_post hc_head moe_route moe_experts apply_penalties top_k_top_p_min_p "
-        "random_sample apply_token_bitmask"
+        "indexer_topk hc_pre hc_post hc_head moe_route moe_experts linear_fp8 moe_experts_fp8 apply_penalties "
+        "top_k_top_p_min_p random_sample apply_token_bitmask"
     ).split()
 }
