@@ -171,25 +171,27 @@ def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
     from deepinfer_core.model.loader import _FP32_PARAM, _stack_shared_experts, expected_shapes
 
     shapes = expected_shapes(cfg, with_mtp=False)
+
+    def param_dtype(name: str) -> torch.dtype:
+        if name.endswith("tid2eid"):
+            return torch.long
+        if dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(name):
+            return torch.float32
+        return dtype
+
     params = {}
     for name, t in hf_model.state_dict().items():
         ds = hf_to_ds_name(name)
         if ds not in shapes and not ds.endswith(("shared_experts.w1.weight", "shared_experts.w3.weight")):
             continue
-        if ds.endswith("tid2eid"):
-            want = torch.long
-        elif dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(ds):
-            want = torch.float32
-        else:
-            want = dtype
-        params[ds] = t.detach().to(want)
+        params[ds] = t.detach().to(param_dtype(ds))
     if "head.weight" not in params and cfg.tie_word_embeddings:
         params["head.weight"] = params["embed.weight"]
     missing = [n for n in shapes if n not in params]
     bad = [n for n in shapes if n in params and tuple(params[n].shape) != tuple(shapes[n])]
     if missing or bad:
         raise RuntimeError(f"conversion incomplete: missing {missing[:5]}, wrong shape {bad[:5]}")
-    _stack_shared_experts(params)
+    _stack_shared_experts(params, cfg.moe_intermediate_size, param_dtype)
     return params
 
 
