@@ -12,6 +12,8 @@ from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
 
+DEFAULT_MAX_CAPTURE_SIZE = 256  # larger decode batches run eagerly: launch overhead no longer dominates
+
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4Model, cache: ModelCache, block_size: int, graph_runner: Any = None):
@@ -24,8 +26,7 @@ class ModelRunner:
         """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``."""
         graphs = None
         if not args.enforce_eager:
-            max_size = min(args.max_cudagraph_capture_size or scheduler_config.max_num_seqs,
-                           scheduler_config.max_num_seqs)
+            max_size = min(args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE, scheduler_config.max_num_seqs)
             graphs = backend.hook.deepinfer_graph_runner(
                 model=model, cache=cache, capture_sizes=capture_sizes(max_size),
                 max_model_len=scheduler_config.max_model_len, block_size=args.block_size,
