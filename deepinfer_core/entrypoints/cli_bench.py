@@ -1,10 +1,17 @@
-"""``deepinfer bench``: engine prefill/decode throughput against transformers' ``generate``."""
+"""``deepinfer bench``: engine prefill/decode throughput against transformers' ``generate``.
+
+``--mode throughput`` (the default) runs :mod:`deepinfer_core.benchmark` on a checkpoint (the embedded
+tiny model by default). ``--mode decode|prefill|sweep`` run the GPU sweep of a source checkout
+(``benchmarks/gpu_sweep``) on random V4-Flash-width weights (``--small``: tiny widths, for a CPU).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from deepinfer_core.entrypoints.cli_generate import UsageError, add_engine_arguments, engine_kwargs, fail
 
@@ -29,15 +36,23 @@ def _positive(text: str) -> int:
     return value
 
 
+MODES = ("throughput", "decode", "prefill", "sweep")
+# --batch-sizes, --prompt-len, --gen-len defaults: throughput mode here, the sweep modes in benchmarks/gpu_sweep
+THROUGHPUT_DEFAULTS = {"batch_sizes": [1, 32], "prompt_len": 64, "gen_len": 32}
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=MODES, default="throughput",
+                        help="throughput: engine vs transformers on a checkpoint (default); decode, prefill, sweep: "
+                             "the GPU sweep on random V4-Flash-width weights (needs a source checkout)")
     add_engine_arguments(parser)
     b = parser.add_argument_group("benchmark")
-    b.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 32], metavar="B,B,...",
-                   help="batch sizes to measure (default: 1,32)")
-    b.add_argument("--prompt-len", type=_positive, default=64, metavar="N",
-                   help="prompt tokens (default: 64)")
-    b.add_argument("--gen-len", type=_positive, default=32, metavar="N",
-                   help="generated tokens per prompt (default: 32)")
+    b.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="B,B,...",
+                   help="batch sizes to measure (default: 1,32; sweep modes: 1,2,4,...,256)")
+    b.add_argument("--prompt-len", type=_positive, default=None, metavar="N",
+                   help="prompt tokens (default: 64; sweep modes: 256)")
+    b.add_argument("--gen-len", type=_positive, default=None, metavar="N",
+                   help="generated tokens per prompt (default: 32; sweep modes: 64 all-decode steps)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     b.add_argument("--repeats", type=_positive, default=1, metavar="N",
                    help="timed runs per batch size; medians are reported (default: 1)")
@@ -48,9 +63,80 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     b.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw the throughput (needs matplotlib)")
+    w = parser.add_argument_group("sweep modes (--mode decode|prefill|sweep; engine options other than --backend, "
+                                  "--device and --dtype do not apply)")
+    w.add_argument("--small", action="store_true", help="tiny widths instead of V4-Flash widths (CPU smoke test)")
+    w.add_argument("--layers", type=_positive, default=None, metavar="N", help="decoder layers (default: 4)")
+    w.add_argument("--configs", default=None, metavar="NAME,...",
+                   help="engine configs: graphs|eager, optionally +async, +fp8 "
+                        "(default: graphs+async,graphs,eager+async,eager)")
+    w.add_argument("--fp8", action="store_true", help="also every config with FP8 weights")
+    w.add_argument("--chunk-sizes", type=_batch_sizes, default=None, metavar="C,C,...",
+                   help="prefill chunk sizes (default: 512,2048,8192)")
+    w.add_argument("--prefill-len", type=_positive, default=None, metavar="N",
+                   help="prefill prompt tokens (default: the largest chunk)")
+    w.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                   help="decode steps per batch size left out of the medians (default: 3)")
+    w.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for sweep.json, summary.md and the plots (default: bench_results/gpu_sweep)")
+    w.add_argument("--plot-only", default=None, metavar="SWEEP_JSON",
+                   help="only redraw the plots and summary.md of a sweep.json (into --out if given)")
+
+
+def _sweep_cli() -> Any:
+    """``benchmarks.gpu_sweep.cli`` of the source checkout this package runs from."""
+    import deepinfer_core
+
+    root = Path(deepinfer_core.__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "gpu_sweep" / "cli.py").is_file():
+        raise UsageError(f"the sweep modes need a source checkout of deepinfer; {root} has no benchmarks/gpu_sweep")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.gpu_sweep import cli
+
+    return cli
+
+
+def _sweep_argv(args: argparse.Namespace) -> list[str]:
+    """The sweep's own command line for these options (it validates them)."""
+    device = args.device or ("cuda" if args.backend != "cpu_ref" else "cpu")
+    argv = ["--mode", args.mode, "--backend", args.backend, "--device", device, "--seed", str(args.seed)]
+    if args.dtype not in (None, "auto"):
+        argv += ["--dtype", args.dtype]
+    for name in ("batch_sizes", "chunk_sizes"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), ",".join(map(str, value))]
+    for name in ("prompt_len", "gen_len", "prefill_len", "warmup_steps", "layers", "configs", "out", "plot_only"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    argv += [flag for flag, on in (("--small", args.small), ("--fp8", args.fp8), ("--no-hf", args.no_hf)) if on]
+    return argv
+
+
+def run_sweep_mode(args: argparse.Namespace) -> int:
+    try:
+        cli = _sweep_cli()
+    except UsageError as exc:
+        return fail("bench", str(exc))
+    import torch
+
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return cli.main(_sweep_argv(args))
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.mode != "throughput":
+        return run_sweep_mode(args)
+    for name, value in THROUGHPUT_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     try:
         kwargs = engine_kwargs(args)
     except UsageError as exc:
