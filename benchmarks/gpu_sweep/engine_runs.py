@@ -57,9 +57,12 @@ def _step_row(probe: EngineProbe, cost: ModelCost, index: int, wall: float) -> d
     return row
 
 
-def _drive(engine: Any, probe: EngineProbe, total: int, desc: str) -> None:
-    with tqdm(total=total, desc=desc, unit="step", leave=False) as bar:
+def _drive(engine: Any, probe: EngineProbe, expected: int, desc: str) -> None:
+    """Step until every request is done; more than a few times the expected steps is a hung engine."""
+    with tqdm(total=expected, desc=desc, unit="step", leave=False) as bar:
         while engine.has_unfinished_requests():
+            if len(probe.calls) > 4 * expected + 16:
+                raise RuntimeError(f"{desc}: requests unfinished after {len(probe.calls)} steps")
             probe.step()
             bar.update(1)
 

@@ -129,10 +129,6 @@ class EngineProbe:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
         return outs
 
-    def restart_clock(self) -> None:
-        """The next call's wall time starts now (after work outside the engine)."""
-        self._last = time.perf_counter()
-
     def timings(self, fwd: Forward) -> dict[str, float | None]:
         """Seconds of a forward's parts; after ``__exit__`` (the device is synchronized then)."""
         sec = self.clock.seconds
