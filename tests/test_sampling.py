@@ -103,7 +103,7 @@ def seq_with(params: SamplingParams, prompt=(5,), outputs=(), seed=0) -> Sequenc
 
 def sample(llm, logits_rows, seqs):
     logits = torch.tensor(logits_rows, dtype=torch.float64)
-    return llm.llm_engine.sampler(logits, seqs)
+    return llm.llm_engine.sampler(logits, seqs).to_host().tolists(seqs)
 
 
 def row(values: dict[int, float], base: float = 0.0) -> list[float]:

@@ -166,7 +166,7 @@ class BlockManager:
 
     # --- allocation ------------------------------------------------------------------------------
 
-    def _needs(self, seq: Sequence, num_new: int) -> tuple[int, list[int], bool]:
+    def needs(self, seq: Sequence, num_new: int) -> tuple[int, list[int], bool]:
         """(new compressed blocks, logical window blocks missing, needs a state slot) for a step."""
         end = seq.num_computed_tokens + num_new
         bs = self.block_size
@@ -177,13 +177,13 @@ class BlockManager:
         return new_blocks, missing, seq.state_slot is None
 
     def can_allocate(self, seq: Sequence, num_new: int) -> bool:
-        blocks, window, slot = self._needs(seq, num_new)
+        blocks, window, slot = self.needs(seq, num_new)
         return (blocks <= self.blocks.num_free and len(window) <= self.window_blocks.num_free
                 and (not slot or self.slots.num_free > 0))
 
     def allocate(self, seq: Sequence, num_new: int) -> None:
         """Give ``seq`` everything a step of ``num_new`` tokens writes; call ``can_allocate`` first."""
-        blocks, window, slot = self._needs(seq, num_new)
+        blocks, window, slot = self.needs(seq, num_new)
         if slot:
             seq.state_slot = self.slots.allocate()
         seq.block_table.extend(self.blocks.allocate() for _ in range(blocks))

@@ -14,14 +14,14 @@ from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, res
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.memory import plan_pools, profile_activation_bytes
 from deepinfer_core.engine.model_runner import ModelRunner
-from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache, check_block_size
 from deepinfer_core.model.metadata import SeqSpan
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import Sampler
+from deepinfer_core.sampling.sampler import Sampler, SamplerOutput
 from deepinfer_core.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,17 @@ class EngineArgs:
 class _Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]):
         self.request_id, self.prompt, self.prompt_token_ids, self.seqs = request_id, prompt, prompt_token_ids, seqs
+
+
+@dataclass
+class _Step:
+    """A launched step: what it computed, whom it sampled, and at which output index each sample goes."""
+
+    scheduled: list[tuple[Sequence, int]]
+    sampled: list[Sequence]
+    positions: list[int]
+    tokens: torch.Tensor | None  # the samples on the device
+    host: SamplerOutput | None  # the samples on their way to the host
 
 
 class LLMEngine:
@@ -116,6 +127,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(args.seed)
+        self._inflight: _Step | None = None  # async scheduling: the launched step not yet finished
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -204,17 +216,41 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # --- the step --------------------------------------------------------------------------------
+    #
+    # A step is launched (``_run``: batch, forward, sample, the sampled tokens start for the host) and
+    # finished (``_finish``: tokens appended, stop checks, text). Synchronously the two follow each
+    # other. With async scheduling step N stays in flight: the next call schedules and launches N+1
+    # (a sequence whose token of N is still on the device is scheduled with a placeholder that the
+    # device fills in) and then finishes N. ``_can_overlap`` falls back to finishing N first whenever
+    # launching N+1 early could change what N+1 computes for any sequence.
 
     def step(self) -> list[RequestOutput]:
-        scheduled, unfittable = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
+        prev, self._inflight = self._inflight, None
+        if prev is not None and not self._can_overlap(prev):
+            self._finish(prev, touched)
+            prev = None
+        if prev is not None:  # a sequence whose in-flight token is its last leaves now, as it would have
+            for seq in prev.sampled:
+                if seq.finish_reason is None and self._out_of_room(seq):
+                    self.scheduler.finish(seq)
+        preemptions = self.scheduler.num_preemptions
+        scheduled, unfittable = self.scheduler.schedule()
+        assert prev is None or (self.scheduler.num_preemptions == preemptions and not unfittable)
         for seq in unfittable:  # already finished by the scheduler, which put the reason in stop_reason
             seq.finish_reason = "error"
             touched[seq.request_id] = self.requests[seq.request_id]
-        if scheduled:
-            samplers = self._run(scheduled)
-            for seq in samplers:
-                touched[seq.request_id] = self.requests[seq.request_id]
+        launched = self._run(scheduled, prev) if scheduled else None
+        if prev is not None:
+            self._finish(prev, touched)
+        if launched is not None:
+            for seq, _ in launched.scheduled:
+                if not seq.is_finished:
+                    self.block_manager.commit(seq)
+            if self.args.async_scheduling:
+                self._inflight = launched
+            else:
+                self._finish(launched, touched)
         outputs = []
         for req in touched.values():
             out = self._output(req)
@@ -223,8 +259,38 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
-    def _run(self, scheduled: list[tuple[Sequence, int]]) -> list[Sequence]:
-        spans, ids, rows, to_sample = [], [], [], []
+    def _can_overlap(self, prev: _Step) -> bool:
+        """Whether step N+1 may be scheduled and launched before ``prev`` (step N) is finished.
+
+        Not when a sequence going on needs its token of N on the host to sample N+1 (grammar, penalties,
+        min_tokens), nor when the schedule would preempt. A sequence that may stop on its token of N
+        (stop or end-of-sequence tokens, stop strings) is scheduled and its row discarded if it did stop;
+        that is exact only if nobody else's schedule depends on it (``Scheduler.running_fits``, strict).
+        """
+        live = [s for s in prev.sampled if s.finish_reason is None]
+        leaving = {s.seq_id for s in live if self._out_of_room(s)}
+        going = [s for s in live if s.seq_id not in leaving]
+        if any(s.grammar is not None or s.params.has_penalties or len(s.output_token_ids) < s.params.min_tokens
+               for s in going):
+            return False
+        return self.scheduler.running_fits(leaving, strict=any(self._may_stop(s) for s in going))
+
+    def _may_stop(self, seq: Sequence) -> bool:
+        """Whether the token being sampled could end ``seq`` through its value."""
+        p = seq.params
+        return bool(p.stop_token_ids or (p.stop and self.tokenizer is not None)
+                    or (not p.ignore_eos and self.model_config.eos_token_ids))
+
+    def _out_of_room(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is at its length limit (its last output token counted, in flight or not)."""
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and len(seq.output_token_ids) >= max_tokens) or (
+            len(seq) >= self.scheduler_config.max_model_len)
+
+    def _run(self, scheduled: list[tuple[Sequence, int]], prev: _Step | None) -> _Step:
+        """Launch a step; its sampled tokens become placeholders until ``_finish``."""
+        spans, ids, rows, to_sample, fill = [], [], [], [], []
+        src = {seq.seq_id: i for i, seq in enumerate(prev.sampled)} if prev is not None else {}
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             if seq.pending_restore is not None:
@@ -232,31 +298,54 @@ class LLMEngine:
                 seq.pending_restore = None
             spans.append(SeqSpan(start, num_new, seq.block_table, seq.window_block_table, seq.state_slot,
                                  seq.write_from))
-            ids.extend(seq.token_ids[start:start + num_new])
+            ids.extend(seq.token_slice(start, start + num_new))
+            if seq.num_inflight:  # its last token is prev's sample, still on the device
+                fill.append((len(ids) - 1, src[seq.seq_id]))
             if start + num_new == len(seq):
                 rows.append(len(ids) - 1)
                 to_sample.append(seq)
-        logits = self.runner.execute(self.runner.prepare(ids, spans, rows))
+        batch = self.runner.prepare(ids, spans, rows)
+        if fill:
+            where = torch.tensor(fill, dtype=torch.long).to(self.device, non_blocking=True)
+            batch.input_ids[where[:, 0]] = prev.tokens[where[:, 1]]
+        logits = self.runner.execute(batch)  # may be a graph's output buffer: sampled before the next execute
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq)
-        if to_sample:
-            tokens, logprobs = self.sampler(logits, to_sample)
-            for seq, tok, lp in zip(to_sample, tokens, logprobs):
-                self._append(seq, tok, lp)
-        return to_sample
+        out = self.sampler(logits, to_sample) if to_sample else None
+        positions = []
+        for seq in to_sample:
+            positions.append(len(seq.output_token_ids))
+            seq.output_token_ids.append(PLACEHOLDER)
+            seq.num_inflight += 1
+        if out is None:
+            return _Step(scheduled, [], [], None, None)
+        return _Step(scheduled, to_sample, positions, out.sampled_token_ids, out.to_host())
 
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+    def _finish(self, launched: _Step, touched: dict[str, _Request]) -> None:
+        """Post-process a launched step: put its tokens in place of the placeholders, check stops."""
+        if launched.host is None:
+            return
+        tokens, logprobs = launched.host.tolists(launched.sampled)
+        for seq, pos, token, lp in zip(launched.sampled, launched.positions, tokens, logprobs):
+            if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
+                continue
+            seq.output_token_ids[pos] = token
+            seq.num_inflight -= 1
+            touched[seq.request_id] = self.requests[seq.request_id]
+            self._append(seq, pos, token, lp)
+
+    def _append(self, seq: Sequence, pos: int, token: int, logprobs: dict[int, float] | None) -> None:
+        """Stop checks and text for ``seq``'s output token ``pos`` (already in place); a finished
+        sequence loses anything sampled after it."""
         params = seq.params
         if seq.grammar is not None and not seq.grammar.accept(token):  # the request ends, the batch goes on
             seq.finish_reason, seq.stop_reason = "error", seq.grammar.rejection_message(token)
-            self._detokenize(seq, drop_last=False, check_stop=False, last=True)
-            self.scheduler.finish(seq)
+            self._end(seq, pos)
+            self._detokenize(seq, seq.output_token_ids, check_stop=False, last=True)
             return
-        seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
-        n_out = len(seq.output_token_ids)
+        n_out = pos + 1
         may_stop = n_out >= params.min_tokens
         if may_stop and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
@@ -265,24 +354,29 @@ class LLMEngine:
         elif seq.grammar is not None and seq.grammar.is_terminated:
             seq.finish_reason = "stop"  # the grammar is complete (it accepted an end-of-sequence token)
         out_of_room = (params.max_tokens is not None and n_out >= params.max_tokens) or (
-            len(seq) >= self.scheduler_config.max_model_len)
+            len(seq.prompt_token_ids) + n_out >= self.scheduler_config.max_model_len)
         # a stop string ending in this token still wins over the length limit
-        self._detokenize(seq, drop_last=seq.finish_reason == "stop", check_stop=may_stop,
-                         last=out_of_room or seq.finish_reason is not None)
+        ids = seq.output_token_ids[:pos] if seq.finish_reason == "stop" else seq.output_token_ids[:n_out]
+        self._detokenize(seq, ids, check_stop=may_stop, last=out_of_room or seq.finish_reason is not None)
         if seq.finish_reason is None and out_of_room:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+            self._end(seq, n_out)
 
-    def _detokenize(self, seq: Sequence, drop_last: bool, check_stop: bool, last: bool) -> None:
-        """Text of the output; a stop token is not shown, nor anything from a stop string on.
+    def _end(self, seq: Sequence, num_outputs: int) -> None:
+        """Finish ``seq`` keeping its first ``num_outputs`` output tokens (in-flight ones are dropped)."""
+        del seq.output_token_ids[num_outputs:]
+        seq.num_inflight = 0
+        self.scheduler.finish(seq)
+
+    def _detokenize(self, seq: Sequence, ids: list[int], check_stop: bool, last: bool) -> None:
+        """Text of the output ``ids``; a stop token is not shown, nor anything from a stop string on.
 
         Until the last token, text ending in an incomplete UTF-8 character (shown as U+FFFD) is held
         back, so every text a stream reports is a prefix of the final one.
         """
         if self.tokenizer is None:
             return
-        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         if not last and text.endswith("\ufffd"):
             return
@@ -301,11 +395,11 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         outs = []
         for seq in req.seqs:
-            cum = None
+            cum, ids = None, seq.completed_output_ids
             if seq.output_logprobs:
-                cum = sum(lp[t] for lp, t in zip(seq.output_logprobs, seq.output_token_ids))
+                cum = sum(lp[t] for lp, t in zip(seq.output_logprobs, ids))
             outs.append(CompletionOutput(
-                seq.index, seq.text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+                seq.index, seq.text, ids, seq.finish_reason, seq.stop_reason,
                 list(seq.output_logprobs) if seq.params.logprobs is not None else None, cum,
             ))
         finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)

@@ -113,6 +113,30 @@ class Scheduler:
             budget -= fit
         return scheduled, unfittable
 
+    def running_fits(self, leaving: set[int], strict: bool) -> bool:
+        """Whether the next ``schedule()`` gives every running sequence (but those in ``leaving``, seq ids
+        about to finish) its chunk without preempting anything.
+
+        ``strict`` also asks that nothing waits, every chunk is whole and only never-cached free blocks are
+        taken: then a running sequence that finishes before this schedule is used changes nothing for
+        the others (their chunks, the admissions and the prefix cache stay those of a schedule without it).
+        """
+        if strict and self.waiting:
+            return False
+        bm, budget = self.block_manager, self.config.max_num_batched_tokens
+        blocks = window = slots = 0
+        for seq in self.running:
+            if seq.seq_id in leaving:
+                continue
+            num_new = self._chunk(seq, budget)
+            if strict and num_new < seq.num_uncomputed:
+                return False
+            new_blocks, missing, slot = bm.needs(seq, num_new)
+            blocks, window, slots, budget = blocks + new_blocks, window + len(missing), slots + slot, budget - num_new
+        pools = (bm.blocks, bm.window_blocks, bm.slots)
+        free = [len(pool.free) if strict else pool.num_free for pool in pools]
+        return blocks <= free[0] and window <= free[1] and slots <= free[2]
+
     def _release_waiting(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0

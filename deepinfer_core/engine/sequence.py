@@ -9,6 +9,8 @@ import torch
 
 from deepinfer_core.sampling.params import SamplingParams
 
+PLACEHOLDER = -1  # an output token still on the device (async scheduling)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -24,7 +26,8 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.request_id, self.index = request_id, index
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # may end in ``num_inflight`` placeholders
+        self.num_inflight = 0
         self.output_logprobs: list[dict[int, float]] = []
         self.params = params
         self.generator = generator
@@ -46,6 +49,18 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def completed_output_ids(self) -> list[int]:
+        """The output tokens known on the host (without the in-flight placeholders)."""
+        return self.output_token_ids[: len(self.output_token_ids) - self.num_inflight]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list."""
+        cut = len(self.prompt_token_ids)
+        if start >= cut:
+            return self.output_token_ids[start - cut : end - cut]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - cut)]
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -1,14 +1,22 @@
-"""Turns the last-position logits of a batch into next tokens (and logprobs) through backend ops.
+"""Turns the last-position logits of a batch into next tokens (and logprobs) on the logits' device.
 
-Random sampling is an exponential race (``random_sample``) whose Exp(1) noise is counter-based: the
-noise of a sequence's output position ``p`` comes from a generator seeded with
-``noise_seed(base, p)``, where ``base`` is the sequence's seed (the engine derives it from the
-request's ``seed`` and the sample index, or draws it from the engine seed for unseeded requests).
-Nothing carries over from one step to the next, so the draw at a position is the same whatever the
-batch, the number of earlier sampling calls, preemption and recomputation, or an engine restart.
+An all-greedy batch without penalties, grammar, ``min_tokens`` masks or logprobs is one argmax. Random
+rows are sampled by an exponential race (``random_sample``: argmax of probs / noise) whose Exp(1)
+noise is counter-based and made on the device: element ``v`` of the noise of a sequence's output
+position ``p`` is ``-log u`` with ``u`` made of the top 53 bits of output ``v + 1`` of the splitmix64 stream
+seeded with ``noise_seed(base, p)``, where ``base`` is the sequence's seed (the engine derives it from
+the request's ``seed`` and the sample index, or draws it from the engine seed for unseeded requests).
+The hash is exact 64-bit integer arithmetic in int64 tensor ops, so the draw at a position is the same
+on every device and whatever the batch, the number of earlier steps, preemption and recomputation, or
+an engine restart.
+
+The per-row parameters travel to the device in one copy per step. Tokens come back as a device tensor
+(``SamplerOutput``); the engine copies them to the host (``to_host``) when it post-processes the step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,25 +24,91 @@ from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.ops import OpTable
 
 _MASK64 = (1 << 64) - 1
+_GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
     return x ^ (x >> 31)
 
 
+def _signed(x: int) -> int:
+    """The int64 holding the bit pattern of the uint64 ``x``."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 def noise_seed(base_seed: int, position: int) -> int:
-    """The 64-bit generator seed of the sampling noise at output ``position`` of a sequence."""
+    """The 64-bit seed of the sampling noise at output ``position`` of a sequence."""
     return _splitmix64(_splitmix64(base_seed & _MASK64) ^ position)
 
 
+def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] (float64) on ``seeds``' device from per-row int64 ``seeds`` [B].
+
+    Row ``b`` holds outputs 1..V of the splitmix64 stream seeded with ``seeds[b]``: int64 products and
+    sums wrap modulo 2**64 exactly as the unsigned ones do, and masking the sign copies that ``>>``
+    brings in makes the shifts logical. One scratch buffer serves every shift (no per-op allocation).
+    """
+    steps = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _signed(_GAMMA)
+    z = seeds.to(torch.int64).unsqueeze(1) + steps
+    shifted = torch.empty_like(z)
+    for bits, multiplier in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(z, bits, out=shifted)
+        z ^= shifted.bitwise_and_((1 << (64 - bits)) - 1)
+        if multiplier is not None:
+            z *= _signed(multiplier)
+    # the top 53 bits as a signed number, offset into [0, 2**53), then centred: u in (0, 1) so the
+    # noise is finite and > 0
+    u = torch.bitwise_right_shift(z, 11, out=shifted).to(torch.float64).add_(2.0**52 + 0.5).mul_(2.0**-53)
+    return u.log_().neg_()
+
+
+def _base_seed(seq: Sequence) -> int:
+    return seq.generator.initial_seed() if seq.generator is not None else 0
+
+
 def sampling_noise(seq: Sequence, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [V] (float64) for ``seq``'s next output position."""
-    base = seq.generator.initial_seed() if seq.generator is not None else 0
-    gen = torch.Generator().manual_seed(noise_seed(base, len(seq.output_token_ids)))
-    return torch.empty(vocab_size, dtype=torch.float64).exponential_(generator=gen)
+    """Exp(1) noise [V] (float64, on the CPU) for ``seq``'s next output position."""
+    seed = _signed(noise_seed(_base_seed(seq), len(seq.output_token_ids)))
+    return exponential_noise(torch.tensor([seed]), vocab_size)[0]
+
+
+@dataclass
+class SamplerOutput:
+    """One step's samples, on the device until ``to_host`` (vLLM's layout for logprobs: column 0 is the
+    sampled token, then the top ``max(logprobs)`` tokens of the row)."""
+
+    sampled_token_ids: torch.Tensor  # Long [B]
+    logprob_token_ids: torch.Tensor | None = None  # Long [B, 1 + k]
+    logprobs: torch.Tensor | None = None  # [B, 1 + k]
+    ready: torch.cuda.Event | None = None  # recorded after the copies ``to_host`` started
+
+    def to_host(self) -> SamplerOutput:
+        """Start copying to pinned host memory without waiting (the event says when it is there)."""
+        tensors = [self.sampled_token_ids, self.logprob_token_ids, self.logprobs]
+        if self.sampled_token_ids.device.type != "cuda":
+            return SamplerOutput(*[t.cpu() if t is not None else None for t in tensors])
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                if t is not None else None for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return SamplerOutput(*host, ready=event)
+
+    def tolists(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Tokens and, for the rows that asked, {token: logprob} of the sample and the row's top n."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.sampled_token_ids.tolist()
+        if self.logprobs is None:
+            return tokens, [None] * len(seqs)
+        ids, values = self.logprob_token_ids.tolist(), self.logprobs.tolist()
+        out: list[dict[int, float] | None] = []
+        for seq, row_ids, row_values in zip(seqs, ids, values):
+            n = seq.params.logprobs
+            out.append(None if n is None else dict(zip(row_ids[: n + 1], row_values[: n + 1])))
+        return tokens, out
 
 
 class Sampler:
@@ -42,17 +116,17 @@ class Sampler:
         self.ops, self.vocab_size, self.eos = ops, vocab_size, eos_token_ids
         self.structured = structured  # a StructuredOutputManager (only needed for grammar rows)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-        ops, device = self.ops, logits.device
-        grammars = [getattr(s, "grammar", None) for s in seqs]
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        grammars = [s.grammar for s in seqs]
         if any(g is not None for g in grammars):
             # as vLLM does, the grammar mask comes first: logprobs are those of the constrained logits
-            logits = ops.apply_token_bitmask(logits, self.structured.bitmask(grammars).to(device))
+            bitmask = self.structured.bitmask(grammars).to(logits.device)
+            logits = self.ops.apply_token_bitmask(logits, bitmask)
         # logprobs are otherwise the model's own distribution (vLLM's raw logprobs): taken before
         # min_tokens masking, penalties and temperature
-        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        want_logprobs = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._mask_early_stops(logits.clone(), seqs)
+        logits = self._mask_early_stops(logits, seqs)
         if any(g is not None for g in grammars):
             stuck = torch.isneginf(logits).all(dim=-1).tolist()
             for g, dead in zip(grammars, stuck):
@@ -60,60 +134,67 @@ class Sampler:
                     g.dead_end = dead
         if any(s.params.has_penalties for s in seqs):
             logits = self._penalise(logits, seqs)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
-        temps = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs],
-                             dtype=logits.dtype, device=device)
-        scaled = logits / temps.unsqueeze(1)
-        filtered = ops.top_k_top_p_min_p(
-            scaled,
-            torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device),
-            torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype, device=device),
-            torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype, device=device),
-        )
-        probs = torch.softmax(filtered, dim=-1)
-        vocab = logits.shape[-1]
-        noise = torch.stack([
-            torch.ones(vocab, dtype=torch.float64) if s.params.greedy else sampling_noise(s, vocab) for s in seqs
-        ]).to(device=device, dtype=probs.dtype)
-        sampled = ops.random_sample(probs, noise)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled).tolist()
-        logprobs: list[dict[int, float] | None] = []
-        for row, (seq, tok) in enumerate(zip(seqs, tokens)):
-            n = seq.params.logprobs
-            if n is None or raw_logprobs is None:
-                logprobs.append(None)
-                continue
-            top = torch.topk(raw_logprobs[row], min(n, self.vocab_size)) if n > 0 else None
-            entry = {tok: float(raw_logprobs[row, tok])}
-            if top is not None:
-                entry.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
-            logprobs.append(entry)
-        return tokens, logprobs
+        tokens = logits.argmax(dim=-1)
+        random_rows = [row for row, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            sampled, rows = self._sample(logits, [seqs[r] for r in random_rows], random_rows)
+            tokens = sampled if len(random_rows) == len(seqs) else tokens.index_copy(0, rows, sampled)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            top = torch.topk(raw_logprobs, min(max(want_logprobs), self.vocab_size), dim=-1)
+            ids = torch.cat([tokens.unsqueeze(1), top.indices], dim=1)
+            out.logprob_token_ids, out.logprobs = ids, raw_logprobs.gather(1, ids)
+        return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled tokens, their rows in ``logits``) for the random rows ``rows``; one copy to the device."""
+        p = [s.params for s in seqs]
+        ints = torch.tensor([rows, [_signed(noise_seed(_base_seed(s), len(s.output_token_ids))) for s in seqs],
+                             [x.top_k for x in p]], dtype=torch.int64)
+        floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]],
+                              dtype=torch.float64)
+        packed = torch.cat([ints, floats.view(torch.int64)]).to(logits.device, non_blocking=True)
+        idx, seeds, top_k = packed[0], packed[1], packed[2]
+        temperature, top_p, min_p = packed[3:].view(torch.float64).to(logits.dtype)
+        if len(rows) < logits.shape[0]:
+            logits = logits.index_select(0, idx)
+        scaled = logits / temperature.unsqueeze(1)
+        if any(x.top_k > 0 or x.top_p < 1 or x.min_p > 0 for x in p):
+            scaled = self.ops.top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = exponential_noise(seeds, logits.shape[-1]).to(probs.dtype)
+        return self.ops.random_sample(probs, noise), idx
 
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols = [], []
         for row, seq in enumerate(seqs):
             if len(seq.output_token_ids) < seq.params.min_tokens:
                 banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else self.eos)
-                if banned:
-                    logits[row, banned] = float("-inf")
-        return logits
+                rows += [row] * len(banned)
+                cols += banned
+        if not rows:
+            return logits
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                   device=logits.device))
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        vocab, device = logits.shape[-1], logits.device
-        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-        counts = torch.zeros(len(seqs), vocab, dtype=torch.long)
+        """Prompt masks and output counts scattered on the device from one copy of the token ids."""
+        rows, tokens, is_output = [], [], []
         for row, seq in enumerate(seqs):
-            prompt_mask[row, seq.prompt_token_ids] = True
-            if seq.output_token_ids:
-                out = torch.tensor(seq.output_token_ids)
-                counts[row].index_add_(0, out, torch.ones(len(out), dtype=torch.long))
+            for ids, flag in ((seq.prompt_token_ids, 0), (seq.output_token_ids, 1)):
+                rows += [row] * len(ids)
+                tokens += ids
+                is_output += [flag] * len(ids)
+        device, shape = logits.device, logits.shape
+        index = torch.tensor([rows, tokens, is_output], dtype=torch.long).to(device, non_blocking=True)
+        prompt_counts = torch.zeros(shape, dtype=torch.long, device=device)
+        prompt_counts.index_put_((index[0], index[1]), 1 - index[2], accumulate=True)
+        counts = torch.zeros(shape, dtype=torch.long, device=device)
+        counts.index_put_((index[0], index[1]), index[2], accumulate=True)
         p = [s.params for s in seqs]
-
-        def col(values):
-            return torch.tensor(values, dtype=logits.dtype, device=device)
-
-        return self.ops.apply_penalties(
-            logits, prompt_mask.to(device), counts.to(device),
-            col([x.repetition_penalty for x in p]), col([x.presence_penalty for x in p]),
-            col([x.frequency_penalty for x in p]),
-        )
+        values = torch.tensor([[x.repetition_penalty for x in p], [x.presence_penalty for x in p],
+                               [x.frequency_penalty for x in p]], dtype=torch.float64)
+        repetition, presence, frequency = values.to(device, non_blocking=True).to(logits.dtype)
+        return self.ops.apply_penalties(logits, prompt_counts > 0, counts, repetition, presence, frequency)
