@@ -60,6 +60,27 @@ def prefill_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def goals(report: dict[str, Any], max_batch: int = 64, step_goal: float = 1.5,
+          prefill_goal: float = 0.5) -> list[str]:
+    """Per config: worst decode step/floor up to ``max_batch``, and the largest chunk's share of the matmul rate."""
+    out = []
+    for name, res in report["configs"].items():
+        ratios = [r["summary"]["step_over_floor"] for r in res["decode"]
+                  if r["batch"] <= max_batch and r.get("summary", {}).get("step_over_floor")]
+        if ratios:
+            verdict = "met" if max(ratios) <= step_goal else "not met"
+            out.append(f"- {name}: decode step/floor at batch <= {max_batch}: worst {max(ratios):.2f}x "
+                       f"(goal <= {step_goal}x: {verdict})")
+        pre = [r for r in res["prefill"] if r.get("summary")]
+        if pre:
+            last = max(pre, key=lambda r: r["chunk"])
+            frac = last["summary"]["matmul_fraction"]
+            verdict = "met" if frac >= prefill_goal else "not met"
+            out.append(f"- {name}: prefill chunk {last['chunk']}: {frac:.1%} of the matmul rate "
+                       f"(goal >= {prefill_goal:.0%}: {verdict})")
+    return out
+
+
 def errors(report: dict[str, Any]) -> list[str]:
     out = []
     for name, res in report["configs"].items():
@@ -99,6 +120,9 @@ def markdown_summary(report: dict[str, Any]) -> str:
         lines += _table(["chunk", "config", "tok/s", "chunk ms", "TFLOP/s", "of matmul", "HF tok/s", "engine/HF",
                          "floor ms", "time/floor", "note"], prefill_rows(report))
         lines.append("")
+    met = goals(report)
+    if met:
+        lines += ["## Goals", "", *met, ""]
     errs = errors(report)
     if errs:
         lines += ["## Errors", "", *errs, ""]
