@@ -28,12 +28,12 @@ def load_model(
     the linear and expert weights E4M3 with 128x128 block scales."""
     from deepinfer_core.plugins import load_backend
 
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; expected None or 'fp8'")
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"unknown quantization {quantization!r}; expected None or 'fp8'")
     fp8 = quantization == "fp8"
     params = load_weights(cfg, path, dtype, device, keep_fp8=fp8, show_progress=show_progress)
     if fp8:  # what the checkpoint did not ship in E4M3 is quantised now
