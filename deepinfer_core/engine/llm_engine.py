@@ -264,8 +264,10 @@ class LLMEngine:
 
         Not when a sequence going on needs its token of N on the host to sample N+1 (grammar, penalties,
         min_tokens), nor when the schedule would preempt. A sequence that may stop on its token of N
-        (stop or end-of-sequence tokens, stop strings) is scheduled and its row discarded if it did stop;
-        that is exact only if nobody else's schedule depends on it (``Scheduler.running_fits``, strict).
+        (stop or end-of-sequence tokens, stop strings) is scheduled and its row discarded if it did stop.
+        The extra row moves the other rows' arithmetic unless the engine is batch-invariant, and the rest
+        of the schedule must not depend on it (``Scheduler.running_fits``, strict): otherwise N is
+        finished first.
         """
         live = [s for s in prev.sampled if s.finish_reason is None]
         leaving = {s.seq_id for s in live if self._out_of_room(s)}
@@ -273,7 +275,10 @@ class LLMEngine:
         if any(s.grammar is not None or s.params.has_penalties or len(s.output_token_ids) < s.params.min_tokens
                for s in going):
             return False
-        return self.scheduler.running_fits(leaving, strict=any(self._may_stop(s) for s in going))
+        may_stop = any(self._may_stop(s) for s in going)
+        if may_stop and not self.batch_invariant:
+            return False
+        return self.scheduler.running_fits(leaving, strict=may_stop)
 
     def _may_stop(self, seq: Sequence) -> bool:
         """Whether the token being sampled could end ``seq`` through its value."""
