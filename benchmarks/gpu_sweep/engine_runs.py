@@ -78,7 +78,9 @@ def run_decode(engine: Any, cost: ModelCost, batch: int, prompts: list[list[int]
 
     chunks = -(-batch * len(prompts[0]) // engine.scheduler_config.max_num_batched_tokens)
     n = gen_len + chunks + 1
-    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+    # no min_tokens: a sequence under its min_tokens needs its last token on the host, so async scheduling
+    # would not overlap; ignore_eos alone keeps every sequence going to max_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
     with EngineProbe(engine) as probe:
