@@ -30,7 +30,8 @@ BACKEND = "nvidia_sm100"
 PROVIDER = f"deepinfer.backends:{BACKEND}"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 KERNEL_DTYPES = DTYPES[:3]
-TRITON_OPS = ["compress_windows", "indexer_topk", "moe_experts", "rms_norm", "rotary_emb", "sparse_attention"]
+TRITON_OPS = ["compress_windows", "hc_head", "hc_post", "hc_pre", "indexer_topk", "moe_experts", "rms_norm",
+              "rotary_emb", "sparse_attention"]
 REPO = Path(__file__).resolve().parents[1]
 
 def _triton_installed() -> bool:

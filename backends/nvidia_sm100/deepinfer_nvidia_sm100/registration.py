@@ -17,7 +17,8 @@ from deepinfer_nvidia_sm100 import capability
 
 TORCH, TRITON, LIBRARY = 1, 2, 3
 
-TRITON_OPS = ("rms_norm", "rotary_emb", "sparse_attention", "compress_windows", "indexer_topk", "moe_experts")
+TRITON_OPS = ("rms_norm", "rotary_emb", "sparse_attention", "compress_windows", "indexer_topk", "moe_experts",
+              "hc_pre", "hc_post", "hc_head")
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,22 @@ def _torch_fn(op: str) -> Callable[[], Callable]:
 
 def _triton_fn(op: str) -> Callable[[], Callable]:
     def load() -> Callable:
-        from deepinfer_nvidia_sm100 import triton_ops
+        from deepinfer_nvidia_sm100 import hc_ops, triton_ops
 
-        return triton_ops.ALL_OPS[op]
+        return {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}[op]
+
+    return load
+
+
+#: the block-FP8 ops, served from :mod:`.fp8_ops` (a torch and a Triton implementation each)
+FP8_OPS = ("linear_fp8", "moe_experts_fp8")
+
+
+def _fp8_fn(op: str, kind: str) -> Callable[[], Callable]:
+    def load() -> Callable:
+        from deepinfer_nvidia_sm100 import fp8_ops
+
+        return (fp8_ops.TRITON_OPS if kind == "triton" else fp8_ops.TORCH_OPS)[op]
 
     return load
 
@@ -64,7 +78,9 @@ def implementations() -> list[Impl]:
     from deepinfer_core.ops.catalogue import CATALOGUE
     from deepinfer_nvidia_sm100 import external
 
-    impls = [Impl(op, "torch", TORCH, _torch_fn(op), _always) for op in CATALOGUE]
+    impls = [Impl(op, "torch", TORCH, _torch_fn(op), _always) for op in CATALOGUE if op not in FP8_OPS]
+    impls += [Impl(op, "torch", TORCH, _fp8_fn(op, "torch"), _always) for op in FP8_OPS]
+    impls += [Impl(op, "triton", TRITON, _fp8_fn(op, "triton"), _triton) for op in FP8_OPS]
     impls += [Impl(op, "triton", TRITON, _triton_fn(op), _triton) for op in TRITON_OPS]
     impls += [
         Impl(a.op, a.library, LIBRARY, a.load, a.usable) for a in external.ADAPTERS

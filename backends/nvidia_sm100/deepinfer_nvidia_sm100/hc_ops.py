@@ -1,0 +1,73 @@
+"""Launchers of the mHC Triton kernels (``hc_pre``, ``hc_post``, ``hc_head``), catalogue signatures.
+
+The mixing projection fn . flatten(streams) is one float32 GEMM; everything after it is one kernel.
+Inputs the kernels do not take (float64 golden runs) go to :mod:`.torch_ops`. No host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepinfer_nvidia_sm100 import torch_ops
+from deepinfer_nvidia_sm100.triton_ops import KERNEL_DTYPES, _k, _pow2, _rows
+
+BLOCK_D = 512
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    _k()  # the interpreter patches, when interpreting
+    from deepinfer_nvidia_sm100 import hc_kernels
+
+    return hc_kernels
+
+
+def _usable(streams: torch.Tensor) -> bool:
+    return streams.dtype in KERNEL_DTYPES and streams.dim() == 3 and streams.shape[0] > 0
+
+
+def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
+    tokens, n, d = streams.shape
+    streams = streams.contiguous()
+    mixes = (streams.reshape(tokens, n * d).float() @ fn.float().T).contiguous()
+    post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
+    comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
+    out = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
+    _kernels().hc_pre_kernel[(tokens,)](
+        streams, streams.stride(0), streams.stride(1), mixes, mixes.stride(0), base.float().contiguous(),
+        scale.float().contiguous(), post, comb, out, out.stride(0), n, d, int(iters), float(hc_eps),
+        float(norm_eps), HEAD=head, BLOCK_N=max(_pow2(n), 2), BLOCK_D=min(_pow2(d), BLOCK_D), num_warps=4,
+    )
+    return post, comb, out
+
+
+def hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+    if not _usable(streams):
+        return torch_ops.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+
+
+def hc_head(streams, fn, base, scale, hc_eps, norm_eps):
+    if not _usable(streams):
+        return torch_ops.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
+    return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, head=True)[2]
+
+
+def hc_post(block_out, streams, post, comb):
+    if not _usable(streams) or block_out.dtype not in KERNEL_DTYPES:
+        return torch_ops.hc_post(block_out, streams, post, comb)
+    tokens, n, d = streams.shape
+    streams, block_out = streams.contiguous(), _rows(block_out)
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    out = torch.empty_like(streams)
+    block = min(_pow2(d), 256)
+    _kernels().hc_post_kernel[(tokens, -(-d // block))](
+        block_out, block_out.stride(0), streams, streams.stride(0), streams.stride(1), post, comb,
+        out, out.stride(0), out.stride(1), n, d, BLOCK_N=max(_pow2(n), 2), BLOCK_D=block, num_warps=4,
+    )
+    return out
+
+
+ALL_OPS = {"hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head}
