@@ -147,7 +147,19 @@ _WORKER = textwrap.dedent(
         err = (got - reference.rms_norm(x.double(), w.double(), 1e-6)).abs().max().item()
         assert err < 5e-2, err
 
-    checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm}
+    def fp8_rounding():
+        # every E4M3 binade (subnormals included) and exact ties: the kernel's rounding must be torch's
+        from deepinfer_core.model.fp8 import dequantize_act_fp8, quantize_act_fp8, quantize_fp8_block
+        x = torch.randn(48, 384) * torch.logspace(-9, 3, 48).unsqueeze(1)
+        x[5] = 0
+        x[6, :8] = torch.tensor([448.0, 1.0625, 1.1875, -3 * 2.0**-10, 5 * 2.0**-10, 0.5, 2.0**-7, 17.0])
+        w, s = quantize_fp8_block(torch.eye(384))
+        got = table("float32").linear_fp8(x, w, s)
+        want = dequantize_act_fp8(*quantize_act_fp8(x))
+        err = ((got - want).abs() / want.abs().clamp(min=1e-30)).max().item()
+        assert err < 1e-5, err
+
+    checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding}
     out = {"__device__": str(device)}
     for key, job in jobs.items():
         try:
@@ -162,7 +174,8 @@ _WORKER = textwrap.dedent(
             bad = [str(r) for r in results if not r.passed]
             bad += [f"{r.op}[{r.case}] fell back to cpu_ref" for r in results if r.fallback]
             out[key] = {"ok": bool(results) and not bad, "message": "\\n\\n".join(bad),
-                        "module": t.chosen[job["op"]].fn.__module__, "provider": t.provider(job["op"])}
+                        "module": t.chosen[job["op"]].fn.__module__, "provider": t.provider(job["op"]),
+                        "name": t.chosen[job["op"]].fn.__name__}
         except Exception:
             out[key] = {"ok": False, "message": traceback.format_exc(), "module": ""}
     print("RESULTS " + json.dumps(out))
@@ -179,6 +192,14 @@ JOBS.update({f"wide/{op}/{d}": _job(op, d, "wide", WIDE) for op in TRITON_OPS fo
 JOBS["big_moe"] = _job("moe_experts", "bfloat16", "big_moe", BIG_MOE)
 JOBS["nan_rows"] = _job(check="nan_rows")
 JOBS["wide_rms_norm"] = _job(check="wide_rms_norm")
+#: the block-FP8 ops (``fp8_ops``: a Triton launcher and a torch stand-in each). Triton 3.6's interpreter
+#: gets E4M3 dots and float-to-E4M3 rounding wrong, so there the kernels multiply the same exact E4M3
+#: values in float32 (``FP8_DOT`` off); their quantisation is checked bit for bit (``fp8_rounding``)
+FP8_OPS = ["linear_fp8", "moe_experts_fp8"]
+#: several 128-channel groups with a partial last one, 160 (token, expert) pairs: the 64-row MoE blocks
+FP8_WIDE = dict(tokens=20, top_k=4, hidden=384, q_lora=320, moe_inter=256, local_experts=5)
+JOBS.update({f"wide/{op}/{d}": _job(op, d, "fp8_wide", FP8_WIDE) for op in FP8_OPS for d in ("bfloat16", "float32")})
+JOBS["fp8_rounding"] = _job(check="fp8_rounding")
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +229,9 @@ def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
     assert result["provider"] == PROVIDER
     if op in TRITON_OPS and dtype in KERNEL_DTYPES:
         assert result["module"] == "deepinfer_nvidia_sm100.triton_ops", op
+    if op in FP8_OPS:
+        assert result["module"] == "deepinfer_nvidia_sm100.fp8_ops", op
+        assert result["name"] == (op if dtype in KERNEL_DTYPES else f"{op}_torch"), op
 
 
 @needs_triton
@@ -215,6 +239,18 @@ def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
 @pytest.mark.parametrize("op", TRITON_OPS)
 def test_interpreted_kernels_at_real_widths(op, dtype, interpreted):
     assert _report(interpreted, f"wide/{op}/{dtype}")["module"] == "deepinfer_nvidia_sm100.triton_ops"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op", FP8_OPS)
+def test_interpreted_fp8_kernels_over_several_groups(op, dtype, interpreted):
+    assert _report(interpreted, f"wide/{op}/{dtype}")["name"] == op
+
+
+@needs_triton
+def test_interpreted_fp8_quantisation_rounds_like_torch(interpreted):
+    _report(interpreted, "fp8_rounding")
 
 
 @needs_triton
@@ -235,7 +271,8 @@ def test_interpreted_sparse_attention_never_reads_nan_rows(interpreted):
 @pytest.mark.parametrize("op", sorted(CATALOGUE))
 def test_torch_op_matches_cpu_ref(op, dtype, torch_only, reference, one_thread):
     table = torch_only(dtype)
-    assert table.chosen[op].fn.__module__ == "deepinfer_nvidia_sm100.torch_ops", op
+    module = "fp8_ops" if op in FP8_OPS else "torch_ops"
+    assert table.chosen[op].fn.__module__ == f"deepinfer_nvidia_sm100.{module}", op
     _conform(op, table, reference, "tiny", dtype)
 
 
@@ -259,7 +296,7 @@ def test_ops_are_registered_only_for_this_backend():
     for op, impls in registry.impls.items():
         priorities = sorted(i.priority for i in impls)
         assert priorities[0] == 1 and max(priorities) <= 3, op  # a kernel pack at 10 overrides them
-    assert {op for op, impls in registry.impls.items() if len(impls) > 1} == set(TRITON_OPS)
+    assert {op for op, impls in registry.impls.items() if len(impls) > 1} == set(TRITON_OPS) | set(FP8_OPS)
 
 
 def test_cpu_switch_controls_availability_and_device(monkeypatch):
@@ -316,7 +353,7 @@ def test_plan_prefers_kernels_where_they_run(monkeypatch):
     monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     chosen = plan(torch.device("cpu"), torch.bfloat16)
-    assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS)
+    assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS) | set(FP8_OPS)
     assert set(plan(torch.device("cpu"), torch.float64).values()) == {"torch"}
 
 
@@ -367,6 +404,37 @@ def test_deep_gemm_adapter_matches_the_reference():
         got = external.deep_gemm_moe_with(_fake_grouped_gemm, 8, x, w13, w2, ids, weights, limit)
         want = torch_ops.moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double(), limit)
         assert (got.double() - want).abs().max() < 1e-4
+
+
+def _fake_fp8_gemm(a, b, d, m_indices=None):
+    """DeepGEMM's block-FP8 GEMMs: d[r] = (a[r] dequantised) @ (b or b[m_indices[r]] dequantised).T; rows
+    with m_index -1 are padding."""
+    from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block
+
+    x = dequantize_act_fp8(*a, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        g = None if m_indices is None else int(m_indices[r])
+        if g is None or g >= 0:
+            w = dequantize_fp8_block(*(b if g is None else (b[0][g], b[1][g])), dtype=torch.float64)
+            d[r] = (x[r] @ w.T).to(d.dtype)
+
+
+def test_deep_gemm_fp8_adapters_match_the_reference(reference):
+    from deepinfer_nvidia_sm100 import external
+
+    for case in conf.make_cases("linear_fp8", "tiny", torch.bfloat16):
+        x, w, s = case.args
+        got = external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, x, w, s)
+        assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], w.shape[0])
+        conf.assert_close(got, reference.linear_fp8(x.double(), w, s), dtype=torch.bfloat16, name=case.name)
+    for case in conf.make_cases("moe_experts_fp8", "tiny", torch.bfloat16):
+        got = external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *case.args)
+        args64 = [a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in case.args]
+        want = reference.moe_experts_fp8(*args64)
+        # the library rounds gate/up and the down output to bfloat16 (outputs here reach ~1600): judged
+        # against the output's scale
+        assert (got.double() - want).abs().max() <= 0.02 * want.abs().max(), case.name
+        assert torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0) > 0.9999
 
 
 def test_adapters_decline_without_their_library_or_a_gpu():
@@ -445,8 +513,8 @@ def test_backend_is_installed_with_its_entry_point():
 
 def test_op_table_accepts_the_nvidia_functions_directly():
     """The functions are plain callables with the catalogue signatures (the hot path calls them)."""
-    from deepinfer_nvidia_sm100 import torch_ops
+    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops
 
-    table = OpTable({op: OpImpl(op, fn, 0, "t") for op, fn in torch_ops.ALL_OPS.items()})
+    table = OpTable({op: OpImpl(op, fn, 0, "t") for op, fn in {**torch_ops.ALL_OPS, **fp8_ops.TORCH_OPS}.items()})
     assert set(table.chosen) == set(CATALOGUE)
     assert (REPO / "backends/nvidia_sm100/README.md").is_file()

@@ -8,6 +8,12 @@ self-check on the device agrees with this backend's own implementation.
 * DeepGEMM ``m_grouped_bf16_gemm_nt_contiguous(a[M, K], b[G, N, K], d[M, N], m_indices[M] int32)``
   (rows sorted by group, each group's run padded to the library's M alignment, padding rows -1)
   serves ``moe_experts`` in bfloat16.
+* DeepGEMM ``fp8_gemm_nt((a, sfa), (b, sfb), d)`` (a [M, K] E4M3 with float32 scales [M, ceil(K/128)],
+  b [N, K] E4M3 with [ceil(N/128), ceil(K/128)], d [M, N] bfloat16) serves ``linear_fp8`` and
+  ``m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, m_indices)`` (b [G, N, K] with scales
+  [G, ceil(N/128), ceil(K/128)]) serves ``moe_experts_fp8``, both in bfloat16 with K a multiple of 128.
+  Activations are quantised here with the catalogue's recipe; the library's bfloat16 output rounds
+  gate/up before the SwiGLU, which the catalogue keeps in float32 (within bfloat16 tolerance).
 
 The self-check runs once per device at engine build, on small adversarial inputs (NaN in unused pool
 rows, -1 slots, a query with no key); any exception or mismatch declines the adapter and the Triton
@@ -26,6 +32,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.model.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_act_fp8, quantize_fp8_block
 from deepinfer_nvidia_sm100 import capability
 
 logger = logging.getLogger(__name__)
@@ -41,8 +48,10 @@ class Adapter:
 
 def _fallback(op: str, device: torch.device) -> Callable:
     """The implementation that serves ``op`` when the library does not: Triton if it runs here."""
-    from deepinfer_nvidia_sm100 import torch_ops, triton_ops
+    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops, triton_ops
 
+    if op in fp8_ops.TORCH_OPS:
+        return (fp8_ops.TRITON_OPS if capability.triton_usable(device)[0] else fp8_ops.TORCH_OPS)[op]
     return triton_ops.ALL_OPS[op] if capability.triton_usable(device)[0] else torch_ops.ALL_OPS[op]
 
 
@@ -185,12 +194,20 @@ def deep_gemm_moe_with(gemm: Callable, align: int, x, w13, w2, topk_ids, topk_we
     h = torch_ops.swiglu(gate_up, swiglu_limit).contiguous()
     down = torch.empty((a.shape[0], d), dtype=x.dtype, device=x.device)
     gemm(h, w2, down, m_indices)
+    return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
+
+
+def _combine(down: torch.Tensor, sorted_pairs: torch.Tensor, topk_weights: torch.Tensor, tokens: int,
+             k: int) -> torch.Tensor:
+    """Rows of expert outputs (in ``sorted_pairs`` order) -> the weighted sum per token, float32."""
+    pairs, d = tokens * k, down.shape[-1]
+    row_ok = sorted_pairs < pairs
     weights = topk_weights.reshape(-1).float()
     dest = torch.where(row_ok, sorted_pairs, pairs)
     contrib = down.float() * weights[torch.where(row_ok, sorted_pairs, 0)].unsqueeze(-1)
     contrib = torch.where(row_ok.unsqueeze(-1), contrib, 0.0)
-    out = torch.zeros((pairs + 1, d), dtype=torch.float32, device=x.device).index_add_(0, dest, contrib)
-    return out[:pairs].view(tokens, k, d).sum(dim=1).to(x.dtype)
+    out = torch.zeros((pairs + 1, d), dtype=torch.float32, device=down.device).index_add_(0, dest, contrib)
+    return out[:pairs].view(tokens, k, d).sum(dim=1)
 
 
 def deep_gemm_moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
@@ -237,26 +254,135 @@ def _moe_check_inputs(device: torch.device):
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+# --- DeepGEMM: block-FP8 GEMMs -----------------------------------------------------------------------
+
+
+def deep_gemm_linear_fp8_with(gemm: Callable, x, weight, weight_scale) -> torch.Tensor:
+    """``linear_fp8`` through an ``fp8_gemm_nt``-like callable (for tests too)."""
+    n, k = weight.shape
+    xq, xs = quantize_act_fp8(x.reshape(-1, k))
+    out = torch.empty((xq.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    gemm((xq, xs), (weight, weight_scale.float()), out)
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                           swiglu_limit) -> torch.Tensor:
+    """``moe_experts_fp8`` through an ``m_grouped_fp8_gemm_nt_contiguous``-like callable (for tests too)."""
+    from deepinfer_nvidia_sm100.triton_ops import expert_layout
+
+    tokens, d = x.shape
+    k = topk_ids.shape[-1]
+    sorted_pairs, block_expert = expert_layout(topk_ids, w13.shape[0], align)
+    row_ok = sorted_pairs < tokens * k
+    m_indices = torch.where(row_ok, block_expert.repeat_interleave(align), -1).to(torch.int32)
+    a = x[torch.where(row_ok, sorted_pairs // k, 0)]
+    gate_up = torch.empty((a.shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
+    gemm(quantize_act_fp8(a), (w13, w13_scale.float()), gate_up, m_indices)
+    h = quantize_act_fp8(_swiglu(gate_up.float(), swiglu_limit))
+    down = torch.empty((a.shape[0], d), dtype=torch.bfloat16, device=x.device)
+    gemm(h, (w2, w2_scale.float()), down, m_indices)
+    return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
+
+
+def _swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    from deepinfer_nvidia_sm100 import torch_ops
+
+    return torch_ops.swiglu(gate_up, limit)
+
+
+def _fp8_fits(x, *weights) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() > 0
+            and all(w.dtype == FP8_DTYPE and w.shape[-1] % FP8_BLOCK == 0 for w in weights))
+
+
+def deep_gemm_linear_fp8(x, weight, weight_scale):
+    if _fp8_fits(x, weight):
+        try:
+            dg = importlib.import_module("deep_gemm")
+            return deep_gemm_linear_fp8_with(dg.fp8_gemm_nt, x, weight, weight_scale)
+        except Exception as exc:
+            _warn_once("deep_gemm_fp8", f"fp8_gemm_nt failed ({type(exc).__name__}: {exc}); "
+                                        "linear_fp8 falls back to the Triton kernel")
+    return _fallback("linear_fp8", x.device)(x, weight, weight_scale)
+
+
+def deep_gemm_moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit):
+    if _fp8_fits(x, w13, w2):
+        try:
+            dg = importlib.import_module("deep_gemm")
+            return deep_gemm_moe_fp8_with(dg.m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(dg), x, w13,
+                                          w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+        except Exception as exc:
+            _warn_once("deep_gemm_moe_fp8", f"m_grouped_fp8_gemm_nt_contiguous failed ({type(exc).__name__}: "
+                                            f"{exc}); moe_experts_fp8 falls back to the Triton grouped GEMM")
+    return _fallback("moe_experts_fp8", x.device)(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                                  swiglu_limit)
+
+
+def _deep_gemm_fp8_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
+    def usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+        device = capability.as_device(device)
+        cap = capability.device_capability(device)
+        if cap is None or cap < (9, 0):
+            return False, "needs a CUDA device of compute capability 9.0+"
+        if dtype is not None and dtype != torch.bfloat16:
+            return False, "bfloat16 only"
+        if model_config is not None:
+            dims = (model_config.hidden_size, model_config.moe_intermediate_size)
+            if any(n % FP8_BLOCK for n in dims):
+                return False, f"hidden/moe_intermediate {dims} are not multiples of {FP8_BLOCK}"
+        if not capability.library_feature("deep_gemm", feature):
+            return False, f"deep_gemm with {feature} is not importable"
+        if self_check:
+            return _self_check(check, str(device))
+        return True, ""
+
+    return usable
+
+
+def _linear_fp8_check_inputs(device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(5, 512, generator=g)
+    x[1] = 0  # the amax floor
+    w, s = quantize_fp8_block(torch.randn(384, 512, generator=g) * 512**-0.5)
+    return x.bfloat16().to(device), w.to(device), s.to(device)
+
+
+def _moe_fp8_check_inputs(device: torch.device):
+    x, w13, w2, ids, weights, limit = _moe_check_inputs(torch.device("cpu"))
+    q13, s13 = quantize_fp8_block(w13.float())
+    q2, s2 = quantize_fp8_block(w2.float())
+    args = (x, q13, s13, q2, s2, ids, weights, limit)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 # --- self-check -------------------------------------------------------------------------------------
 
+#: check name -> (op, adapter, inputs)
 _CHECKS: dict[str, tuple[str, Callable, Callable]] = {
     "flash_mla": ("sparse_attention", lambda: flash_mla_sparse_attention, _attention_check_inputs),
     "deep_gemm": ("moe_experts", lambda: deep_gemm_moe_experts, _moe_check_inputs),
+    "deep_gemm_fp8": ("linear_fp8", lambda: deep_gemm_linear_fp8, _linear_fp8_check_inputs),
+    "deep_gemm_moe_fp8": ("moe_experts_fp8", lambda: deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),
 }
 
 
 @functools.cache
 def _self_check(library: str, device: str) -> tuple[bool, str]:
-    """Run the adapter and the plain-torch op on the same inputs on ``device``; cached per device."""
-    from deepinfer_nvidia_sm100 import torch_ops
+    """Run the adapter and the plain-torch op on the same inputs on ``device``; cached per device.
+
+    ``library`` names the check (a library may serve several ops)."""
+    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops
 
     op, adapter, inputs = _CHECKS[library]
     try:
         args = inputs(torch.device(device))
         direct = _direct(library)
         got = direct(*args)
-        want = torch_ops.ALL_OPS[op](*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                       else a for a in args])
+        plain = {**torch_ops.ALL_OPS, **fp8_ops.TORCH_OPS}[op]
+        want = plain(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != FP8_DTYPE
+                       else a for a in args])
         got, want = got.double().cpu(), want.cpu()
         if torch.isnan(got).any():
             raise AssertionError("NaN in the output")
@@ -277,6 +403,10 @@ def _direct(library: str) -> Callable:
         fwd = importlib.import_module("flash_mla").flash_mla_sparse_fwd
         return functools.partial(flash_mla_attention_with, fwd)
     dg = importlib.import_module("deep_gemm")
+    if library == "deep_gemm_fp8":
+        return functools.partial(deep_gemm_linear_fp8_with, dg.fp8_gemm_nt)
+    if library == "deep_gemm_moe_fp8":
+        return functools.partial(deep_gemm_moe_fp8_with, dg.m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(dg))
     gemm = dg.m_grouped_bf16_gemm_nt_contiguous
     return functools.partial(deep_gemm_moe_with, gemm, _deep_gemm_alignment(dg))
 
@@ -284,4 +414,8 @@ def _direct(library: str) -> Callable:
 ADAPTERS = [
     Adapter("sparse_attention", "flash_mla", lambda: flash_mla_sparse_attention, _flash_mla_usable),
     Adapter("moe_experts", "deep_gemm", lambda: deep_gemm_moe_experts, _deep_gemm_usable),
+    Adapter("linear_fp8", "deep_gemm", lambda: deep_gemm_linear_fp8,
+            _deep_gemm_fp8_usable("fp8_gemm_nt", "deep_gemm_fp8")),
+    Adapter("moe_experts_fp8", "deep_gemm", lambda: deep_gemm_moe_experts_fp8,
+            _deep_gemm_fp8_usable("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8")),
 ]

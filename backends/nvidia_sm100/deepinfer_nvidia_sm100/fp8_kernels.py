@@ -1,0 +1,164 @@
+"""Triton kernels of the block-FP8 ops (imported lazily, like :mod:`.triton_kernels`).
+
+Activations are quantised inside the GEMMs, one 128-channel group per K step: ``s = max(amax, 1e-4) / 448``
+and ``q = x / s`` (IEEE division) rounded to E4M3 by :func:`round_e4m3`, so the quantised values equal
+the reference's bit for bit. Each K step's dot product is scaled by ``s_x * s_w`` and added to a float32
+accumulator. ``FP8_DOT`` multiplies E4M3 operands on the tensor cores; without it (Triton's interpreter,
+whose E4M3 dot and float-to-E4M3 rounding are wrong in 3.6) the same exact values are multiplied in
+float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+GROUP = 128  # channels per activation scale = weight tile edge
+
+
+@triton.jit
+def round_e4m3(x):
+    """float32 -> the nearest E4M3 value (ties to even) as float32, for |x| <= 448."""
+    bits = x.to(tl.int32, bitcast=True)
+    # normal range: drop 20 of float32's 23 mantissa bits, rounding to nearest even (a carry may bump the
+    # exponent, as it should)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # below 2^-6 E4M3 is subnormal, in steps of 2^-9: adding 1.5 * 2^14 leaves exactly that step
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def quantize_rows(x, valid):
+    """One 128-channel group per row of ``x`` [M, 128] (float32): (E4M3 values as float32, scales [M])."""
+    amax = tl.max(tl.where(valid, tl.abs(x), 0.0), 1)
+    scale = tl.maximum(amax, 1e-4) / 448.0
+    q = tl.math.div_rn(x, scale[:, None])
+    return round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)), scale
+
+
+@triton.jit
+def _dot(a, b, FP8_DOT: tl.constexpr):
+    if FP8_DOT:
+        return tl.dot(a.to(tl.float8e4nv), b.to(tl.float8e4nv))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def linear_fp8_kernel(
+    x_ptr, stride_xm,
+    w_ptr, stride_wn,
+    ws_ptr, stride_wsn,
+    out_ptr, stride_os, stride_om,
+    M, N, K, groups_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    """out[split] = the K groups of ``split`` of x . w.T, float32 (split-K for small decode batches)."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g_start = split * groups_per_split
+    for g in range(g_start, g_start + groups_per_split):
+        offs_k = g * GROUP + tl.arange(0, GROUP)
+        k_mask = offs_k < K
+        valid = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
+        xq, xs = quantize_rows(x, valid)
+        w = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :],
+                    other=0.0)
+        ws = tl.load(ws_ptr + (cols // GROUP) * stride_wsn + g, mask=n_mask & (g * GROUP < K), other=0.0)
+        acc += _dot(xq, w, FP8_DOT) * xs[:, None] * ws[None, :]
+    tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_fp8_gate_up_kernel(
+    x_ptr, stride_xt,
+    w_ptr, stride_we, stride_wn,
+    ws_ptr, stride_wse, stride_wsn,
+    sorted_ptr, block_expert_ptr,
+    hq_ptr, stride_hm, hs_ptr, stride_hsm,
+    num_pairs, TOP_K, D, I, limit,
+    BLOCK_M: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    """For one M-block of rows of expert e and one 128-channel group of h: h = swiglu(w13[e] . x) in float32,
+    quantised per row into ``hq`` (E4M3) and ``hs`` (its scale, column = this group)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
+        token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+        offs_n = pid_n * GROUP + tl.arange(0, GROUP)
+        n_mask = offs_n < I
+        gate_rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        up_rows = gate_rows + I
+        w_e = w_ptr + expert * stride_we
+        ws_e = ws_ptr + expert * stride_wse
+        gate = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)
+        for g in range(0, tl.cdiv(D, GROUP)):
+            offs_k = g * GROUP + tl.arange(0, GROUP)
+            k_mask = offs_k < D
+            valid = row_ok[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
+            xq, xs = quantize_rows(x, valid)
+            wmask = k_mask[:, None] & n_mask[None, :]
+            wg = tl.load(w_e + gate_rows[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+            wu = tl.load(w_e + up_rows[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+            sg = tl.load(ws_e + (gate_rows // GROUP) * stride_wsn + g, mask=n_mask, other=0.0)
+            su = tl.load(ws_e + (up_rows // GROUP) * stride_wsn + g, mask=n_mask, other=0.0)
+            gate += _dot(xq, wg, FP8_DOT) * xs[:, None] * sg[None, :]
+            up += _dot(xq, wu, FP8_DOT) * xs[:, None] * su[None, :]
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up
+        valid = row_ok[:, None] & n_mask[None, :]
+        hq, hs = quantize_rows(tl.where(valid, h, 0.0), valid)
+        tl.store(hq_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], hq.to(hq_ptr.dtype.element_ty), mask=valid)
+        tl.store(hs_ptr + offs_m * stride_hsm + pid_n, hs, mask=row_ok)
+
+
+@triton.jit
+def moe_fp8_down_kernel(
+    hq_ptr, stride_hm, hs_ptr, stride_hsm,
+    w_ptr, stride_we, stride_wn,
+    ws_ptr, stride_wse, stride_wsn,
+    sorted_ptr, block_expert_ptr, topk_w_ptr,
+    out_ptr, stride_op,
+    num_pairs, D, I,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    """out[pair] = topk_weight[pair] * (w2[e] . h[row]) for one M-block of rows of expert e, float32."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
+        safe_pair = tl.where(row_ok, pair, 0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < D
+        cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        w_e = w_ptr + expert * stride_we
+        ws_e = ws_ptr + expert * stride_wse
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, tl.cdiv(I, GROUP)):
+            offs_k = g * GROUP + tl.arange(0, GROUP)
+            k_mask = offs_k < I
+            a = tl.load(hq_ptr + offs_m[:, None] * stride_hm + offs_k[None, :],
+                        mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+            hs = tl.load(hs_ptr + offs_m * stride_hsm + g, mask=row_ok, other=0.0)
+            w = tl.load(w_e + cols[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            ws = tl.load(ws_e + (cols // GROUP) * stride_wsn + g, mask=n_mask, other=0.0)
+            acc += _dot(a, w, FP8_DOT) * hs[:, None] * ws[None, :]
+        weight = tl.load(topk_w_ptr + safe_pair, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + safe_pair[:, None] * stride_op + offs_n[None, :], acc * weight[:, None],
+                 mask=row_ok[:, None] & n_mask[None, :])

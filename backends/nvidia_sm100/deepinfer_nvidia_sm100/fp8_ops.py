@@ -1,0 +1,164 @@
+"""The block-FP8 ops: Triton launchers and their plain-torch stand-ins, with the catalogue signatures.
+
+The Triton paths take float32, bfloat16 and float16 activations with E4M3 weights on a device where
+this backend's Triton kernels run; they never wait for the device (sizes come from shapes), so they can
+be captured in CUDA graphs. Anything else goes to the torch versions (``TORCH_OPS``), which dequantise
+the weights and multiply in the accumulation dtype; the torch ``moe_experts_fp8`` loops over the experts
+that have tokens and so reads the routing back to the host, like ``torch_ops.moe_experts``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.model.fp8 import FP8_DTYPE, dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
+from deepinfer_nvidia_sm100 import torch_ops
+from deepinfer_nvidia_sm100.triton_ops import KERNEL_DTYPES, expert_layout
+
+GROUP = 128
+#: aim for this many programs per GEMM before splitting K (an H200 has 132 SMs)
+TARGET_PROGRAMS = 264
+
+
+@functools.lru_cache(maxsize=1)
+def _k():
+    from deepinfer_nvidia_sm100 import fp8_kernels, triton_ops
+
+    triton_ops._k()  # imports Triton the same way, with the interpreter's gaps closed
+    return fp8_kernels
+
+
+@functools.cache
+def _fp8_dot(device: torch.device) -> bool:
+    """Tensor-core E4M3 dots need a compiled kernel on compute capability 8.9+ (not the interpreter)."""
+    from deepinfer_nvidia_sm100.capability import device_capability, interpreting
+
+    cap = device_capability(device)
+    return not interpreting() and cap is not None and cap >= (8, 9)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _triton_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """The kernels' dtypes (the registration already checked that Triton runs on the device)."""
+    return x.dtype in KERNEL_DTYPES and all(w.dtype == FP8_DTYPE for w in weights) and x.numel() > 0
+
+
+# --- plain torch -----------------------------------------------------------------------------------
+
+
+def _fake_quant(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    return dequantize_act_fp8(*quantize_act_fp8(x), dtype=acc)
+
+
+def linear_fp8_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    acc = torch_ops.acc_dtype(x.dtype)
+    w = dequantize_fp8_block(weight, weight_scale, dtype=acc)
+    return F.linear(_fake_quant(x, acc), w).to(x.dtype)
+
+
+def moe_experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
+    acc = torch_ops.acc_dtype(x.dtype)
+    num_experts = w13.shape[0]
+    tokens, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
+    xq = _fake_quant(x, acc)
+    out = torch.zeros((tokens * k, x.shape[-1]), dtype=acc, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        gate_up = F.linear(xq[pairs // k], dequantize_fp8_block(w13[expert], w13_scale[expert], dtype=acc))
+        h = _fake_quant(torch_ops.swiglu(gate_up, swiglu_limit), acc)
+        y = F.linear(h, dequantize_fp8_block(w2[expert], w2_scale[expert], dtype=acc))
+        out[pairs] = y * topk_weights.reshape(-1)[pairs].to(acc).unsqueeze(-1)
+    return out.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+# --- Triton ----------------------------------------------------------------------------------------
+
+
+def _linear_tiles(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) by the number of rows."""
+    if m <= 16:
+        return 16, 64, 4
+    if m <= 64:
+        return 64, 64, 4
+    return 128, 128, 8
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    if not _triton_ok(x, weight):
+        return linear_fp8_torch(x, weight, weight_scale)
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    block_m, block_n, warps = _linear_tiles(m)
+    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
+    groups = _cdiv(k, GROUP)
+    split = max(1, min(groups, TARGET_PROGRAMS // tiles))
+    per_split = _cdiv(groups, split)
+    split = _cdiv(groups, per_split)
+    weight, weight_scale = weight.contiguous(), weight_scale.float().contiguous()
+    if split == 1:
+        out = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _k().linear_fp8_kernel[(_cdiv(m, block_m), _cdiv(n, block_n), split)](
+        x2, x2.stride(0), weight, weight.stride(0), weight_scale, weight_scale.stride(0),
+        out, out.stride(0), out.stride(1), m, n, k, per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, FP8_DOT=_fp8_dot(x.device), num_warps=warps,
+    )
+    result = out[0] if split == 1 else out.sum(0).to(x.dtype)
+    return result.view(*x.shape[:-1], n)
+
+
+def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
+    """Grouped FP8 MoE over rows sorted by expert: gate/up + SwiGLU with h quantised in the epilogue,
+    then down scaled by the routing weight; a token's k contributions are summed in float32."""
+    if not _triton_ok(x, w13, w2):
+        return moe_experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+    tokens, d = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[-1]
+    pairs = tokens * k
+    block_m = 16 if pairs <= 64 else 64
+    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
+    rows = sorted_pairs.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    hq = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
+    hs = torch.empty((rows, _cdiv(inter, GROUP)), dtype=torch.float32, device=x.device)
+    out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    fp8_dot, kern = _fp8_dot(x.device), _k()
+    kern.moe_fp8_gate_up_kernel[(rows // block_m, _cdiv(inter, GROUP))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        sorted_pairs, block_expert, hq, hq.stride(0), hs, hs.stride(0),
+        pairs, k, d, inter, float(swiglu_limit),
+        BLOCK_M=block_m, FP8_DOT=fp8_dot, num_warps=8 if block_m == 64 else 4,
+    )
+    kern.moe_fp8_down_kernel[(rows // block_m, _cdiv(d, 64))](
+        hq, hq.stride(0), hs, hs.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+        sorted_pairs, block_expert, weights, out, out.stride(0), pairs, d, inter,
+        BLOCK_M=block_m, BLOCK_N=64, FP8_DOT=fp8_dot, num_warps=4,
+    )
+    return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
+
+
+TORCH_OPS = {"linear_fp8": linear_fp8_torch, "moe_experts_fp8": moe_experts_fp8_torch}
+TRITON_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8}

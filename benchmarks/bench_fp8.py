@@ -1,0 +1,149 @@
+"""Block-FP8 weights: accuracy against bf16 on the embedded tiny checkpoint, and on a GPU the FP8 GEMM and
+grouped-MoE kernel times against the bf16 ones at DeepSeek-V4-Flash decode shapes.
+
+Accuracy (through ``LLM``, greedy): free-running token agreement per prompt, and, teacher-forced on the
+bf16 model's own tokens, the per-step logit cosine and top-1 agreement. Kernels: each projection of the
+model (N, K) and the routed experts (256 experts, top-6, hidden 4096, moe_intermediate 2048) for
+M = 1..256 tokens, timed with CUDA events after a warm-up.
+
+    python benchmarks/bench_fp8.py --out fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from functools import partial
+
+import torch
+
+from deepinfer_core.entrypoints.llm import LLM
+from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.testing.model_runner import SimpleRunner
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os, sys", "for i in range(10):", "class Node:",
+           'print("hello', "DeepSeek-V4 compresses", "    if i % 2 == 0:", "sliding windows keep",
+           "    def walk(self):", "The lazy dog", "a, b = b, a + b"]
+#: V4-Flash projections (N, K): wq_a, wq_b, wkv, wo_b, shared experts w13 and w2, compressor wkv
+LINEAR_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+                 "shared_w13": (4096, 4096), "shared_w2": (4096, 2048), "compressor_wkv": (1024, 4096)}
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    return SimpleRunner(model, 1, len(ids), block_size=128).step({0: ids}, all_logits=True)[0].double()
+
+
+def accuracy(backend: str, dtype: str, max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    base = LLM(backend=backend, dtype=dtype, max_num_seqs=len(PROMPTS))
+    want = base.generate(PROMPTS, params, use_tqdm=False)
+    fp8 = LLM(backend=backend, dtype=dtype, max_num_seqs=len(PROMPTS), quantization="fp8")
+    got = fp8.generate(PROMPTS, params, use_tqdm=False)
+    per_prompt, cos, top1 = [], [], []
+    for a, b in zip(want, got):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        first = next((i for i, (u, v) in enumerate(zip(ta, tb)) if u != v), len(ta))
+        ids = list(a.prompt_token_ids) + list(ta)
+        n = len(a.prompt_token_ids)
+        la = _logits(base.llm_engine.model, ids)[n - 1 : -1]
+        lb = _logits(fp8.llm_engine.model, ids)[n - 1 : -1]
+        c = torch.nn.functional.cosine_similarity(la, lb, dim=-1)
+        t = (la.argmax(-1) == lb.argmax(-1)).double()
+        cos.append(c)
+        top1.append(t)
+        per_prompt.append({"prompt": a.prompt, "first_divergence": first,
+                           "free_running_agreement": sum(u == v for u, v in zip(ta, tb)) / len(ta),
+                           "cosine_mean": c.mean().item(), "top1_agreement": t.mean().item()})
+    cos, top1 = torch.cat(cos), torch.cat(top1)
+    return {"backend": backend, "dtype": dtype, "max_tokens": max_tokens, "prompts": per_prompt,
+            "cosine_mean": cos.mean().item(), "cosine_min": cos.min().item(),
+            "top1_agreement": top1.mean().item(),
+            "identical_completions": sum(p["first_divergence"] == max_tokens for p in per_prompt)}
+
+
+def _time(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of one call over ``iters`` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: int) -> list[dict]:
+    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops, triton_ops
+
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, (n, k) in LINEAR_SHAPES.items():
+        w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) * k**-0.5
+        q, s = quantize_fp8_block(w)
+        for m in batches:
+            x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
+            bf16 = _time(partial(torch_ops.linear, x, w), warmup, iters)
+            fp8 = _time(partial(fp8_ops.linear_fp8, x, q, s), warmup, iters)
+            rows.append({"kernel": f"linear {name}", "N": n, "K": k, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
+    experts, top_k, d, inter = 256, 6, 4096, 2048
+    w13 = torch.randn(experts, 2 * inter, d, device=device, generator=g, dtype=torch.bfloat16) * d**-0.5
+    q13, s13 = torch.empty_like(w13, dtype=torch.float8_e4m3fn), torch.empty(experts, 32, 32, device=device)
+    for e in range(experts):
+        q13[e], s13[e] = quantize_fp8_block(w13[e])
+    w2 = torch.randn(experts, d, inter, device=device, generator=g, dtype=torch.bfloat16) * inter**-0.5
+    q2, s2 = torch.empty_like(w2, dtype=torch.float8_e4m3fn), torch.empty(experts, 32, 16, device=device)
+    for e in range(experts):
+        q2[e], s2[e] = quantize_fp8_block(w2[e])
+    for m in batches:
+        x = torch.randn(m, d, device=device, generator=g, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts, device=device, generator=g)[:top_k] for _ in range(m)])
+        weights = torch.rand(m, top_k, device=device, generator=g) + 0.2
+        bf16 = _time(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), warmup, iters)
+        fp8 = _time(partial(fp8_ops.moe_experts_fp8, x, q13, s13, q2, s2, ids, weights, 10.0), warmup, iters)
+        rows.append({"kernel": "moe 256x top6", "N": 2 * inter, "K": d, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="M values, comma-separated")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    if not args.skip_accuracy:
+        backend, dtype = ("nvidia_sm100", "bfloat16") if cuda else ("cpu_ref", "float32")
+        acc = accuracy(backend, dtype, args.max_tokens)
+        result["accuracy"] = acc
+        print(f"accuracy ({backend}, {dtype}, {len(PROMPTS)} prompts x {args.max_tokens} tokens): "
+              f"logit cosine mean {acc['cosine_mean']:.5f} min {acc['cosine_min']:.5f}, teacher-forced top-1 "
+              f"agreement {acc['top1_agreement']:.4f}, identical completions "
+              f"{acc['identical_completions']}/{len(PROMPTS)}")
+    if cuda and not args.skip_kernels:
+        batches = tuple(int(b) for b in args.batches.split(","))
+        rows = kernels(torch.device("cuda"), batches, args.warmup, args.iters)
+        result["kernels"] = rows
+        print(f"{'kernel':22s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'fp8 us':>9s} {'speedup':>8s}")
+        for r in rows:
+            print(f"{r['kernel']:22s} {r['N']:6d} {r['K']:6d} {r['M']:4d} {1e3 * r['bf16_ms']:9.1f} "
+                  f"{1e3 * r['fp8_ms']:9.1f} {r['bf16_ms'] / r['fp8_ms']:8.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

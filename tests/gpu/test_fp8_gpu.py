@@ -1,0 +1,120 @@
+"""The block-FP8 Triton kernels on the GPU at DeepSeek-V4-Flash shapes against the cpu_ref reference
+(float64 on the CPU), their capture in a CUDA graph, and the engine with ``quantization="fp8"``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_support import BACKEND, gpu_marks
+
+from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.testing import conformance as conf
+from deepinfer_core.testing.compare import assert_close
+
+pytestmark = gpu_marks()
+
+#: V4-Flash projections (N, K): wq_a, wq_b, wkv, wo_b, shared w13, shared w2, and a ragged one
+LINEAR_SHAPES = [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (4096, 4096), (4096, 2048), (1000, 4100)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return conf.reference_op_table()
+
+
+@pytest.fixture(scope="module")
+def table(device):
+    return conf.candidate_op_table(BACKEND, torch.bfloat16, device)
+
+
+def _weight(g: torch.Generator, *shape: int):
+    return quantize_fp8_block(torch.randn(*shape, generator=g) * shape[-1] ** -0.5)
+
+
+def _args64(args):
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def test_fp8_ops_are_served_by_a_kernel(table):
+    """The Triton kernels (or DeepGEMM where it is installed and passed its self-check), never torch."""
+    for op in ("linear_fp8", "moe_experts_fp8"):
+        fn = table.chosen[op].fn
+        assert fn.__module__ in ("deepinfer_nvidia_sm100.fp8_ops", "deepinfer_nvidia_sm100.external"), op
+        assert not fn.__name__.endswith("_torch"), op
+
+
+@pytest.mark.parametrize("m", [1, 64, 200])
+@pytest.mark.parametrize("n, k", LINEAR_SHAPES)
+def test_linear_fp8_at_v4_flash_shapes(n, k, m, reference, device):
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    g = torch.Generator().manual_seed(n + k + m)
+    x = torch.randn(m, k, generator=g)
+    x[..., 3] *= 30.0
+    w, s = _weight(g, n, k)
+    want = reference.linear_fp8(*_args64((x.bfloat16(), w, s)))
+    got = fp8_ops.linear_fp8(x.bfloat16().to(device), w.to(device), s.to(device))
+    assert got.dtype == torch.bfloat16
+    assert_close(got.cpu(), want, dtype=torch.bfloat16, name=f"linear_fp8 {m}x{k} -> {n}")
+    got32 = fp8_ops.linear_fp8(x.to(device), w.to(device), s.to(device))
+    assert_close(got32.cpu(), reference.linear_fp8(*_args64((x, w, s))), dtype=torch.float32,
+                 name=f"linear_fp8 float32 {m}x{k} -> {n}")
+
+
+def _moe_case(g: torch.Generator, tokens: int, experts: int = 256, top_k: int = 6, d: int = 4096, inter: int = 2048):
+    x = torch.randn(tokens, d, generator=g).bfloat16()
+    w13, s13 = _weight(g, experts, 2 * inter, d)
+    w2, s2 = _weight(g, experts, d, inter)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[0, :2] = -1  # experts of another rank
+    weights = torch.rand(tokens, top_k, generator=g) + 0.2
+    return x, w13, s13, w2, s2, ids, weights, 10.0
+
+
+@pytest.mark.parametrize("tokens", [3, 12])
+def test_moe_experts_fp8_256_experts_top6(tokens, reference, device):
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    args = _moe_case(torch.Generator().manual_seed(tokens), tokens)
+    want = reference.moe_experts_fp8(*_args64(args))
+    got = fp8_ops.moe_experts_fp8(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    assert got.dtype == torch.bfloat16
+    assert_close(got.cpu(), want, dtype=torch.bfloat16, name=f"moe_experts_fp8 {tokens} tokens")
+
+
+def test_fp8_ops_capture_in_a_cuda_graph(device):
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4096, generator=g).bfloat16().to(device)
+    w, s = (t.to(device) for t in _weight(g, 1024, 4096))
+    moe = [a.to(device) if isinstance(a, torch.Tensor) else a for a in _moe_case(g, 8, experts=16)]
+    moe[0] = x
+    eager = (fp8_ops.linear_fp8(x, w, s), fp8_ops.moe_experts_fp8(*moe))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = (fp8_ops.linear_fp8(x, w, s), fp8_ops.moe_experts_fp8(*moe))
+    x.copy_(torch.randn(8, 4096, generator=g).bfloat16().to(device))
+    graph.replay()
+    torch.cuda.synchronize()
+    again = (fp8_ops.linear_fp8(x, w, s), fp8_ops.moe_experts_fp8(*moe))
+    for a, b in zip(captured, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(captured[0], eager[0])
+
+
+def test_engine_with_fp8_weights_on_the_gpu():
+    from deepinfer_core.entrypoints.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    prompts = ["def fibonacci(n):", "The quick brown fox", "import os, sys", "class Node:"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base = LLM(backend=BACKEND, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
+    want = base.generate(prompts, params, use_tqdm=False)
+    del base
+    fp8 = LLM(backend=BACKEND, dtype="bfloat16", max_num_seqs=4, quantization="fp8")
+    got = fp8.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in got)
+    same = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(want, got))
+    assert same >= 2, [(a.outputs[0].token_ids, b.outputs[0].token_ids) for a, b in zip(want, got)]
