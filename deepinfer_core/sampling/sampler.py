@@ -3,12 +3,13 @@
 An all-greedy batch without penalties, grammar, ``min_tokens`` masks or logprobs is one argmax. Random
 rows are sampled by an exponential race (``random_sample``: argmax of probs / noise) whose Exp(1)
 noise is counter-based and made on the device: element ``v`` of the noise of a sequence's output
-position ``p`` is ``-log u`` with ``u`` made of the top 53 bits of output ``v + 1`` of the splitmix64 stream
-seeded with ``noise_seed(base, p)``, where ``base`` is the sequence's seed (the engine derives it from
-the request's ``seed`` and the sample index, or draws it from the engine seed for unseeded requests).
-The hash is exact 64-bit integer arithmetic in int64 tensor ops, so the draw at a position is the same
-on every device and whatever the batch, the number of earlier steps, preemption and recomputation, or
-an engine restart.
+position ``p`` is ``-log u`` with ``u`` made of the top 52 bits of output ``v + 1`` of the splitmix64
+stream seeded with ``noise_seed(base, p)``, where ``base`` is the sequence's seed (the engine derives it
+from the request's ``seed`` and the sample index, or draws it from the engine seed for unseeded
+requests).
+The hash is exact 64-bit integer arithmetic in int64 tensor ops, so the uniforms of a position are the
+same on every device (the noise is then the device's ``log``) and whatever the batch, the number of
+earlier steps, preemption and recomputation, or an engine restart.
 
 The per-row parameters travel to the device in one copy per step. Tokens come back as a device tensor
 (``SamplerOutput``); the engine copies them to the host (``to_host``) when it post-processes the step.
@@ -59,9 +60,9 @@ def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
         z ^= shifted.bitwise_and_((1 << (64 - bits)) - 1)
         if multiplier is not None:
             z *= _signed(multiplier)
-    # the top 53 bits as a signed number, offset into [0, 2**53), then centred: u in (0, 1) so the
-    # noise is finite and > 0
-    u = torch.bitwise_right_shift(z, 11, out=shifted).to(torch.float64).add_(2.0**52 + 0.5).mul_(2.0**-53)
+    # the top 52 bits as a signed number, offset into [0, 2**52) and centred: every step is exact in
+    # float64 and u lies in (0, 1), so the noise is finite and > 0
+    u = torch.bitwise_right_shift(z, 12, out=shifted).to(torch.float64).add_(2.0**51 + 0.5).mul_(2.0**-52)
     return u.log_().neg_()
 
 
