@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-GROUP = 128  # channels per activation scale = weight tile edge
+GROUP = tl.constexpr(128)  # channels per activation scale = weight tile edge
 
 
 @triton.jit
