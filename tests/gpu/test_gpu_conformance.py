@@ -54,15 +54,17 @@ def test_each_op_is_served_by_the_planned_implementation(dtype, tables, device):
     from deepinfer_nvidia_sm100.registration import plan
 
     expected = plan(device, dtype)
-    modules = {"torch": "torch_ops", "triton": "triton_ops", "flash_mla": "external", "deep_gemm": "external"}
+    modules = {"torch": {"torch_ops", "fp8_ops"}, "triton": {"triton_ops", "hc_ops", "fp8_ops"},
+               "flash_mla": {"external"}, "deep_gemm": {"external"}}
     table = tables(dtype)
     for op in CATALOGUE:
         fn = table.chosen[op].fn
         assert table.provider(op) == f"deepinfer.backends:{BACKEND}", op
-        assert fn.__module__ == f"deepinfer_nvidia_sm100.{modules[expected[op]]}", (op, expected[op], fn)
+        package, module = fn.__module__.rsplit(".", 1)
+        assert package == "deepinfer_nvidia_sm100" and module in modules[expected[op]], (op, expected[op], fn)
     kernels = {op for op, impl in expected.items() if impl in ("triton", "flash_mla", "deep_gemm")}
     own_kernels = {"sparse_attention", "indexer_topk", "compress_windows", "rms_norm", "rotary_emb",
-                   "moe_experts"}
+                   "moe_experts", "hc_pre", "hc_post", "hc_head"}
     assert own_kernels <= kernels, expected
 
 
