@@ -47,6 +47,10 @@ needs_triton = pytest.mark.skipif(
 )
 
 
+def _kernel_module(op: str) -> str:
+    return "hc_ops" if op.startswith("hc_") else "triton_ops"
+
+
 def _dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -228,7 +232,7 @@ def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
     result = _report(interpreted, f"tiny/{op}/{_dtype_id(dtype)}")
     assert result["provider"] == PROVIDER
     if op in TRITON_OPS and dtype in KERNEL_DTYPES:
-        assert result["module"] == "deepinfer_nvidia_sm100.triton_ops", op
+        assert result["module"] == f"deepinfer_nvidia_sm100.{_kernel_module(op)}", op
     if op in FP8_OPS:
         assert result["module"] == "deepinfer_nvidia_sm100.fp8_ops", op
         assert result["name"] == (op if dtype in KERNEL_DTYPES else f"{op}_torch"), op
@@ -238,7 +242,7 @@ def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("op", TRITON_OPS)
 def test_interpreted_kernels_at_real_widths(op, dtype, interpreted):
-    assert _report(interpreted, f"wide/{op}/{dtype}")["module"] == "deepinfer_nvidia_sm100.triton_ops"
+    assert _report(interpreted, f"wide/{op}/{dtype}")["module"] == f"deepinfer_nvidia_sm100.{_kernel_module(op)}"
 
 
 @needs_triton
