@@ -60,6 +60,7 @@ def _env(interpret: bool) -> pytest.MonkeyPatch:
     mp.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
     if interpret:
         mp.setenv("TRITON_INTERPRET", "1")
+        mp.setenv("DEEPINFER_NVIDIA_FP8_TRITON", "1")
     else:
         mp.delenv("TRITON_INTERPRET", raising=False)
     return mp
@@ -209,7 +210,7 @@ JOBS["fp8_rounding"] = _job(check="fp8_rounding")
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     """Results of every interpreted job, from one fresh process."""
-    env = {**os.environ, "DEEPINFER_NVIDIA_ALLOW_CPU": "1", "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "DEEPINFER_NVIDIA_ALLOW_CPU": "1", "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_FP8_TRITON": "1"}
     done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(JOBS)], capture_output=True, text=True,
                           env=env, timeout=1800)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")), None)
@@ -356,6 +357,10 @@ def test_plan_prefers_kernels_where_they_run(monkeypatch):
 
     monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
+    monkeypatch.delenv("DEEPINFER_NVIDIA_FP8_TRITON", raising=False)
+    chosen = plan(torch.device("cpu"), torch.bfloat16)
+    assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS)  # FP8 kernels: opt-in
+    monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TRITON", "1")
     chosen = plan(torch.device("cpu"), torch.bfloat16)
     assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS) | set(FP8_OPS)
     assert set(plan(torch.device("cpu"), torch.float64).values()) == {"torch"}

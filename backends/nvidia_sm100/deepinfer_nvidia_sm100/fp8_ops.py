@@ -160,5 +160,6 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
 
 
+moe_experts_fp8_torch.syncs_host = True  # per-expert loop over counts read back: no CUDA graph around it
 TORCH_OPS = {"linear_fp8": linear_fp8_torch, "moe_experts_fp8": moe_experts_fp8_torch}
 TRITON_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8}

@@ -10,12 +10,15 @@ stop ``deepinfer backends`` from listing the other backends.
 
 from __future__ import annotations
 
+import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugins import BackendInfo, probe_library
 from deepinfer_nvidia_sm100 import capability as caps
+
+logger = logging.getLogger(__name__)
 
 NAME = "nvidia_sm100"
 DISTRIBUTION = "deepinfer-nvidia-sm100"
@@ -157,6 +160,11 @@ def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_siz
     if model.device.type != "cuda" or not capture_sizes:
         return None
     from deepinfer_core.engine.cuda_graph import CUDAGraphRunner
+
+    syncing = sorted(op for op, impl in model.ops.chosen.items() if getattr(impl.fn, "syncs_host", False))
+    if syncing:
+        logger.warning("decode runs without CUDA graphs: %s wait(s) for the host", ", ".join(syncing))
+        return None
 
     return CUDAGraphRunner(model, cache, capture_sizes, max_model_len, block_size)
 

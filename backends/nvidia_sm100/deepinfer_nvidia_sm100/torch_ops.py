@@ -270,6 +270,8 @@ def moe_experts(
 # --- sampling --------------------------------------------------------------------------------------
 
 
+moe_experts.syncs_host = True  # per-expert loop over counts read back: no CUDA graph around it
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_mask: torch.Tensor,
