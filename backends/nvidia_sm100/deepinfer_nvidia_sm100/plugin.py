@@ -161,7 +161,9 @@ def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_siz
         return None
     from deepinfer_core.engine.cuda_graph import CUDAGraphRunner
 
-    syncing = sorted(op for op, impl in model.ops.chosen.items() if getattr(impl.fn, "syncs_host", False))
+    fp8 = any(name.endswith("_scale") for name in model.p)  # the *_fp8 ops run only on FP8 weights
+    syncing = sorted(op for op, impl in model.ops.chosen.items()
+                     if getattr(impl.fn, "syncs_host", False) and (fp8 or not op.endswith("_fp8")))
     if syncing:
         logger.warning("decode runs without CUDA graphs: %s wait(s) for the host", ", ".join(syncing))
         return None
