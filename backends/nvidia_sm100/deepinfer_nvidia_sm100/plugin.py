@@ -161,7 +161,7 @@ def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_siz
         return None
     from deepinfer_core.engine.cuda_graph import CUDAGraphRunner
 
-    fp8 = any(name.endswith("_scale") for name in model.p)  # the *_fp8 ops run only on FP8 weights
+    fp8 = any(k.endswith("_scale") and k[: -len("_scale")] in model.p for k in model.p)  # *_fp8 ops need FP8 weights
     syncing = sorted(op for op, impl in model.ops.chosen.items()
                      if getattr(impl.fn, "syncs_host", False) and (fp8 or not op.endswith("_fp8")))
     if syncing:
