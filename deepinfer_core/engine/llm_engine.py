@@ -346,7 +346,7 @@ class LLMEngine:
         if seq.grammar is not None and not seq.grammar.accept(token):  # the request ends, the batch goes on
             seq.finish_reason, seq.stop_reason = "error", seq.grammar.rejection_message(token)
             self._end(seq, pos)
-            self._detokenize(seq, seq.output_token_ids, check_stop=False, last=True)
+            self._detokenize(seq, pos, check_stop=False, last=True)
             return
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -361,8 +361,8 @@ class LLMEngine:
         out_of_room = (params.max_tokens is not None and n_out >= params.max_tokens) or (
             len(seq.prompt_token_ids) + n_out >= self.scheduler_config.max_model_len)
         # a stop string ending in this token still wins over the length limit
-        ids = seq.output_token_ids[:pos] if seq.finish_reason == "stop" else seq.output_token_ids[:n_out]
-        self._detokenize(seq, ids, check_stop=may_stop, last=out_of_room or seq.finish_reason is not None)
+        num_shown = pos if seq.finish_reason == "stop" else n_out
+        self._detokenize(seq, num_shown, check_stop=may_stop, last=out_of_room or seq.finish_reason is not None)
         if seq.finish_reason is None and out_of_room:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
@@ -374,16 +374,18 @@ class LLMEngine:
         seq.num_inflight = 0
         self.scheduler.finish(seq)
 
-    def _detokenize(self, seq: Sequence, ids: list[int], check_stop: bool, last: bool) -> None:
-        """Text of the output ``ids``; a stop token is not shown, nor anything from a stop string on.
+    def _detokenize(self, seq: Sequence, num_ids: int, check_stop: bool, last: bool) -> None:
+        """Text of the first ``num_ids`` output tokens; a stop token is not shown, nor anything from a stop
+        string on.
 
         Until the last token, text ending in an incomplete UTF-8 character (shown as U+FFFD) is held
         back, so every text a stream reports is a prefix of the final one.
         """
         if self.tokenizer is None:
             return
-        text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-        if not last and text.endswith("\ufffd"):
+        text = seq.detokenizer.update(self.tokenizer, seq.output_token_ids, num_ids, seq.params.skip_special_tokens,
+                                      last)
+        if text is None:
             return
         if check_stop and seq.finish_reason is None:
             # only a stop string that ends in text new since the last update counts: one completed

@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.sampling.params import SamplingParams
 
 PLACEHOLDER = -1  # an output token still on the device (async scheduling)
@@ -43,6 +44,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.pending_restore: int | None = None  # block whose boundary record seeds the compressor state
         self.text = ""
+        self.detokenizer = IncrementalDetokenizer()  # the decoded output, grown a few tokens at a time
         self.num_preemptions = 0
         self.grammar = None  # structured output: this sequence's GrammarState (sampling/structured.py)
 

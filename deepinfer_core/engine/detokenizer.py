@@ -1,0 +1,48 @@
+"""Incremental detokenisation: a sequence's output text grown by decoding only its most recent tokens.
+
+Decoding the whole output at every step costs time linear in its length, so quadratic over a generation.
+Two offsets into the output ids cut the work to a small window: ``read_offset`` is where the text shown so
+far ends, ``prefix_offset`` a point before it. Each step decodes ``ids[prefix_offset:]`` and
+``ids[prefix_offset:read_offset]``; what the first decodes to beyond the second is the new text. The
+context before ``read_offset`` lets tokenizers whose text depends on its neighbours (a leading space that
+is dropped at the start, for one) decode the new tokens as they would within the whole output.
+
+Text ending in U+FFFD (an incomplete UTF-8 character, as far as the tokens go) is held back and the
+offsets stay put until a later token completes it, so the offsets only ever stop where the full decode
+splits cleanly: the text built up equals ``tokenizer.decode(ids)``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """The output text of one sequence, kept up to date as its output ids grow."""
+
+    def __init__(self) -> None:
+        self.text = ""  # decode of ids[:read_offset]
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def update(self, tokenizer: Decoder, ids: list[int], end: int, skip_special_tokens: bool,
+               last: bool) -> str | None:
+        """The text of ``ids[:end]``: the ids of the previous call, possibly with more after them.
+
+        ``None`` while the text ends in an incomplete character, unless ``last``: then that text is
+        returned as is (with its U+FFFD) and the offsets stay where they were.
+        """
+        window = tokenizer.decode(ids[self.prefix_offset : end], skip_special_tokens=skip_special_tokens)
+        if window.endswith(REPLACEMENT_CHAR) and not last:
+            return None
+        prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip_special_tokens)
+        text = self.text + window[len(prefix) :]
+        if len(window) > len(prefix) and not window.endswith(REPLACEMENT_CHAR):
+            self.text, self.prefix_offset, self.read_offset = text, self.read_offset, end
+        return text
