@@ -7,7 +7,7 @@ import pytest
 import torch
 from gpu_support import BACKEND, gpu_marks
 
-from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.model.fp8 import quantize_act_fp8, quantize_fp8_block
 from deepinfer_core.testing import conformance as conf
 from deepinfer_core.testing.compare import assert_close
 
@@ -44,6 +44,25 @@ def test_fp8_ops_are_served_by_a_kernel(table):
         fn = table.chosen[op].fn
         assert fn.__module__ in ("deepinfer_nvidia_sm100.fp8_ops", "deepinfer_nvidia_sm100.external"), op
         assert not fn.__name__.endswith("_torch"), op
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("m, k", [(5, 4096), (200, 4100)])
+def test_activation_quantisation_matches_torch_bit_for_bit(m, k, dtype, device):
+    """The compiled quantisation kernel: E4M3 values and scales equal ``quantize_act_fp8``'s exactly (an
+    all-zero row, a massive-activation channel, a partial last group, E4M3 subnormals)."""
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[:, 3] *= 30.0
+    x[:, 130] = 1e-5  # far below its group's amax / 448 / 64: an E4M3 subnormal or zero
+    x[0] = 0.0
+    x = x.to(dtype)
+    want_q, want_s = quantize_act_fp8(x)
+    got_q, got_s = fp8_ops.quantize_act(x.to(device))
+    assert torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("m", [1, 64, 200])

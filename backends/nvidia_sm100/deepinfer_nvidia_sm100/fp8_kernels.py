@@ -1,11 +1,14 @@
 """Triton kernels of the block-FP8 ops (imported lazily, like :mod:`.triton_kernels`).
 
-Activations are quantised inside the GEMMs, one 128-channel group per K step: ``s = max(amax, 1e-4) / 448``
-and ``q = x / s`` (IEEE division) rounded to E4M3 by :func:`round_e4m3`, so the quantised values equal
-the reference's bit for bit. Each K step's dot product is scaled by ``s_x * s_w`` and added to a float32
-accumulator. ``FP8_DOT`` multiplies E4M3 operands on the tensor cores; without it (Triton's interpreter,
-whose E4M3 dot and float-to-E4M3 rounding are wrong in 3.6) the same exact values are multiplied in
-float32.
+Activations are quantised by :func:`quantize_fp8_kernel` before the GEMMs read them, one 128-channel
+group per row: ``s = max(amax, 1e-4) / 448`` and ``q = x / s`` (both IEEE divisions, as torch computes
+them; a plain ``/`` compiles to an approximate division) rounded to E4M3 by :func:`round_e4m3`, so the
+quantised values and scales equal the reference's bit for bit. The GEMMs then load E4M3 operands and
+float32 scales from memory, like any block-FP8 GEMM: each K step's dot product is scaled by
+``s_x * s_w`` and added to a float32 accumulator. No dot operand is built in registers from a
+reduction of the same loop (the fused form, quantising inside the GEMM, failed on an H200).
+``FP8_DOT`` multiplies E4M3 operands on the tensor cores; without it (Triton's interpreter, whose E4M3
+dot and float-to-E4M3 rounding are wrong in 3.6) the same exact values are multiplied in float32.
 """
 
 from __future__ import annotations
@@ -32,28 +35,50 @@ def round_e4m3(x):
 def quantize_rows(x, valid):
     """One 128-channel group per row of ``x`` [M, 128] (float32): (E4M3 values as float32, scales [M])."""
     amax = tl.max(tl.where(valid, tl.abs(x), 0.0), 1)
-    scale = tl.maximum(amax, 1e-4) / 448.0
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
     q = tl.math.div_rn(x, scale[:, None])
     return round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)), scale
 
 
 @triton.jit
 def _dot(a, b, FP8_DOT: tl.constexpr):
+    """a [M, K] . b [K, N], both E4M3 loaded from memory, in float32."""
     if FP8_DOT:
-        return tl.dot(a.to(tl.float8e4nv), b.to(tl.float8e4nv))
+        return tl.dot(a, b, out_dtype=tl.float32)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
-def linear_fp8_kernel(
+def quantize_fp8_kernel(
     x_ptr, stride_xm,
+    q_ptr, stride_qm, s_ptr, stride_sm,
+    M, K,
+    BLOCK_M: tl.constexpr,
+):
+    """q[m, g*128 : (g+1)*128] (E4M3) and s[m, g] (float32) for one block of rows and one group g."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = g * GROUP + tl.arange(0, GROUP)
+    m_mask = offs_m < M
+    valid = m_mask[:, None] & (offs_k < K)[None, :]
+    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
+    xq, xs = quantize_rows(x, valid)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], xq.to(q_ptr.dtype.element_ty), mask=valid)
+    tl.store(s_ptr + rows * stride_sm + g, xs, mask=m_mask)
+
+
+@triton.jit
+def linear_fp8_kernel(
+    xq_ptr, stride_xm, xs_ptr, stride_xsm,
     w_ptr, stride_wn,
     ws_ptr, stride_wsn,
     out_ptr, stride_os, stride_om,
     M, N, K, groups_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
-    """out[split] = the K groups of ``split`` of x . w.T, float32 (split-K for small decode batches)."""
+    """out[split] = the K groups of ``split`` of xq . w.T, each scaled by its x and w scales, float32
+    (split-K for small decode batches)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,20 +90,21 @@ def linear_fp8_kernel(
     for g in range(g_start, g_start + groups_per_split):
         offs_k = g * GROUP + tl.arange(0, GROUP)
         k_mask = offs_k < K
-        valid = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
-        xq, xs = quantize_rows(x, valid)
+        g_ok = g * GROUP < K
+        a = tl.load(xq_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        xs = tl.load(xs_ptr + rows * stride_xsm + g, mask=m_mask & g_ok, other=0.0)
         w = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :],
                     other=0.0)
-        ws = tl.load(ws_ptr + (cols // GROUP) * stride_wsn + g, mask=n_mask & (g * GROUP < K), other=0.0)
-        acc += _dot(xq, w, FP8_DOT) * xs[:, None] * ws[None, :]
+        ws = tl.load(ws_ptr + (cols // GROUP) * stride_wsn + g, mask=n_mask & g_ok, other=0.0)
+        acc += _dot(a, w, FP8_DOT) * xs[:, None] * ws[None, :]
     tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def moe_fp8_gate_up_kernel(
-    x_ptr, stride_xt,
+    xq_ptr, stride_xt, xs_ptr, stride_xst,
     w_ptr, stride_we, stride_wn,
     ws_ptr, stride_wse, stride_wsn,
     sorted_ptr, block_expert_ptr,
@@ -86,8 +112,9 @@ def moe_fp8_gate_up_kernel(
     num_pairs, TOP_K, D, I, limit,
     BLOCK_M: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
-    """For one M-block of rows of expert e and one 128-channel group of h: h = swiglu(w13[e] . x) in float32,
-    quantised per row into ``hq`` (E4M3) and ``hs`` (its scale, column = this group)."""
+    """For one M-block of rows of expert e and one 128-channel group of h: h = swiglu(w13[e] . x) in float32
+    from the quantised tokens (``xq``, ``xs``), quantised per row into ``hq`` (E4M3) and ``hs`` (its scale,
+    column = this group)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= 0:
@@ -106,16 +133,16 @@ def moe_fp8_gate_up_kernel(
         for g in range(0, tl.cdiv(D, GROUP)):
             offs_k = g * GROUP + tl.arange(0, GROUP)
             k_mask = offs_k < D
-            valid = row_ok[:, None] & k_mask[None, :]
-            x = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
-            xq, xs = quantize_rows(x, valid)
+            a = tl.load(xq_ptr + token[:, None] * stride_xt + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :],
+                        other=0.0)
+            xs = tl.load(xs_ptr + token * stride_xst + g, mask=row_ok, other=0.0)
             wmask = k_mask[:, None] & n_mask[None, :]
             wg = tl.load(w_e + gate_rows[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_e + up_rows[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
             sg = tl.load(ws_e + (gate_rows // GROUP) * stride_wsn + g, mask=n_mask, other=0.0)
             su = tl.load(ws_e + (up_rows // GROUP) * stride_wsn + g, mask=n_mask, other=0.0)
-            gate += _dot(xq, wg, FP8_DOT) * xs[:, None] * sg[None, :]
-            up += _dot(xq, wu, FP8_DOT) * xs[:, None] * su[None, :]
+            gate += _dot(a, wg, FP8_DOT) * xs[:, None] * sg[None, :]
+            up += _dot(a, wu, FP8_DOT) * xs[:, None] * su[None, :]
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         h = gate * tl.sigmoid(gate) * up

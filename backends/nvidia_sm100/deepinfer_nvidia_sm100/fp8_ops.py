@@ -97,6 +97,20 @@ def _linear_tiles(m: int) -> tuple[int, int, int]:
     return 128, 128, 8
 
 
+def quantize_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [M, K] (stride 1 along K) -> (E4M3 [M, K], float32 scales [M, ceil(K/128)]), bit for bit
+    :func:`deepinfer_core.model.fp8.quantize_act_fp8`."""
+    m, k = x2.shape
+    groups = _cdiv(k, GROUP)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    # 16-row tiles: on an H200 they quantised bit for bit, 32-row tiles did not (cause not yet found)
+    _k().quantize_fp8_kernel[(_cdiv(m, 16), groups)](
+        x2, x2.stride(0), q, q.stride(0), s, s.stride(0), m, k, BLOCK_M=16, num_warps=4,
+    )
+    return q, s
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     if not _triton_ok(x, weight):
         return linear_fp8_torch(x, weight, weight_scale)
@@ -105,6 +119,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    xq, xs = quantize_act(x2)
     block_m, block_n, warps = _linear_tiles(m)
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     groups = _cdiv(k, GROUP)
@@ -117,7 +132,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     else:
         out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _k().linear_fp8_kernel[(_cdiv(m, block_m), _cdiv(n, block_n), split)](
-        x2, x2.stride(0), weight, weight.stride(0), weight_scale, weight_scale.stride(0),
+        xq, xq.stride(0), xs, xs.stride(0), weight, weight.stride(0), weight_scale, weight_scale.stride(0),
         out, out.stride(0), out.stride(1), m, n, k, per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, FP8_DOT=_fp8_dot(x.device), num_warps=warps,
     )
@@ -126,8 +141,9 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
-    """Grouped FP8 MoE over rows sorted by expert: gate/up + SwiGLU with h quantised in the epilogue,
-    then down scaled by the routing weight; a token's k contributions are summed in float32."""
+    """Grouped FP8 MoE over rows sorted by expert: the tokens quantised once, gate/up + SwiGLU with h
+    quantised in the epilogue, then down scaled by the routing weight; a token's k contributions are
+    summed in float32."""
     if not _triton_ok(x, w13, w2):
         return moe_experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
     tokens, d = x.shape
@@ -138,7 +154,7 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     block_m = 16 if pairs <= 64 else 64
     sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
     rows = sorted_pairs.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    xq, xs = quantize_act(x if x.stride(-1) == 1 else x.contiguous())
     w13, w2 = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
     hq = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
@@ -147,7 +163,7 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     weights = topk_weights.reshape(-1).contiguous()
     fp8_dot, kern = _fp8_dot(x.device), _k()
     kern.moe_fp8_gate_up_kernel[(rows // block_m, _cdiv(inter, GROUP))](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        xq, xq.stride(0), xs, xs.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         sorted_pairs, block_expert, hq, hq.stride(0), hs, hs.stride(0),
         pairs, k, d, inter, float(swiglu_limit),
         BLOCK_M=block_m, FP8_DOT=fp8_dot, num_warps=8 if block_m == 64 else 4,
