@@ -31,14 +31,9 @@ class _StaticInputs:
     staging buffers (a host buffer is reused only after its previous copy has run)."""
 
     def __init__(self, host: ForwardBatch, device: torch.device):
-        tensors = host.tensors()
-        flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+        flat = host.packed()
         self.packed = flat.to(device)
-        views, offset = {}, 0
-        for name, t in tensors.items():
-            views[name] = self.packed[offset:offset + t.numel()].view(t.shape)
-            offset += t.numel()
-        self.batch = host.replace_tensors(views)
+        self.batch = host.with_storage(self.packed)
         pin = device.type == "cuda"
         self.staging = [torch.empty_like(flat, pin_memory=pin) for _ in range(2)]
         self.copied = [torch.cuda.Event() if pin else None for _ in range(2)]
@@ -48,7 +43,7 @@ class _StaticInputs:
         k, self.turn = self.turn, 1 - self.turn
         if self.copied[k] is not None:
             self.copied[k].synchronize()
-        torch.cat([t.reshape(-1) for t in host.tensors().values()], out=self.staging[k])
+        host.packed(out=self.staging[k])
         self.packed.copy_(self.staging[k], non_blocking=True)
         if self.copied[k] is not None:
             self.copied[k].record()

@@ -59,10 +59,4 @@ def upload(host: ForwardBatch, device: torch.device) -> ForwardBatch:
     """The batch on ``device`` through one host-to-device copy of all its index tensors."""
     if device.type == "cpu":
         return host
-    tensors = host.tensors()
-    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).pin_memory().to(device, non_blocking=True)
-    views, offset = {}, 0
-    for name, t in tensors.items():
-        views[name] = flat[offset:offset + t.numel()].view(t.shape)
-        offset += t.numel()
-    return host.replace_tensors(views)
+    return host.with_storage(host.packed().pin_memory().to(device, non_blocking=True))

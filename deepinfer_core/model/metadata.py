@@ -93,6 +93,18 @@ class ForwardBatch:
             comps[key] = CompressorMeta(**{**vars(meta), **fields})
         return ForwardBatch(**{**vars(self), **top, "compressors": comps})
 
+    def packed(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every index tensor flattened into one int64 tensor (the order of :meth:`tensors`)."""
+        return torch.cat([t.reshape(-1) for t in self.tensors().values()], out=out)
+
+    def with_storage(self, flat: torch.Tensor) -> ForwardBatch:
+        """A copy whose tensors are views into ``flat``, laid out as :meth:`packed` lays them out."""
+        views, offset = {}, 0
+        for name, t in self.tensors().items():
+            views[name] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        return self.replace_tensors(views)
+
     def to(self, device: torch.device | str) -> ForwardBatch:
         return self.replace_tensors({k: v.to(device) for k, v in self.tensors().items()})
 
