@@ -168,16 +168,12 @@ def hf_to_ds_name(name: str) -> str:
 
 def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
     """HF state_dict -> deepinfer params (same storage wherever the dtype already matches)."""
-    from deepinfer_core.model.loader import _FP32_PARAM, _stack_shared_experts, expected_shapes
+    from deepinfer_core.model.loader import _stack_shared_experts, expected_shapes, parameter_dtype
 
     shapes = expected_shapes(cfg, with_mtp=False)
 
     def param_dtype(name: str) -> torch.dtype:
-        if name.endswith("tid2eid"):
-            return torch.long
-        if dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(name):
-            return torch.float32
-        return dtype
+        return parameter_dtype(name, dtype)
 
     params = {}
     for name, t in hf_model.state_dict().items():

@@ -157,6 +157,16 @@ def check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
         )
 
 
+def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter ``name`` is kept in when the model runs in ``dtype`` (hash-routing tables are
+    integers; the parameters transformers keeps in float32 stay float32 under bf16/fp16)."""
+    if name.endswith("tid2eid"):
+        return torch.long
+    if dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(name):
+        return torch.float32
+    return dtype
+
+
 def load_weights(
     cfg: ModelConfig,
     path: Path,
@@ -182,11 +192,7 @@ def load_weights(
     inter = cfg.moe_intermediate_size
 
     def param_dtype(name: str) -> torch.dtype:
-        if name.endswith("tid2eid"):
-            return torch.long
-        if dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(name):
-            return torch.float32
-        return dtype
+        return parameter_dtype(name, dtype)
 
     def store_expert(name: str, m: re.Match, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
         prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
