@@ -222,24 +222,6 @@ def deep_gemm_moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
     return _fallback("moe_experts", x.device)(x, w13, w2, topk_ids, topk_weights, swiglu_limit)
 
 
-def _deep_gemm_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
-    device = capability.as_device(device)
-    cap = capability.device_capability(device)
-    if cap is None or cap < (9, 0):
-        return False, "needs a CUDA device of compute capability 9.0+"
-    if dtype is not None and dtype != torch.bfloat16:
-        return False, "bfloat16 only"
-    if model_config is not None:
-        dims = (model_config.hidden_size, model_config.moe_intermediate_size)
-        if any(n % 128 for n in dims):
-            return False, f"hidden/moe_intermediate {dims} are not multiples of 128"
-    if not capability.library_feature("deep_gemm", "m_grouped_bf16_gemm_nt_contiguous"):
-        return False, "deep_gemm with m_grouped_bf16_gemm_nt_contiguous is not importable"
-    if self_check:
-        return _self_check("deep_gemm", str(device))
-    return True, ""
-
-
 def _moe_check_inputs(device: torch.device):
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens, d, inter, experts, k = 9, 256, 256, 4, 3
@@ -320,7 +302,7 @@ def deep_gemm_moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_we
                                                   swiglu_limit)
 
 
-def _deep_gemm_fp8_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
+def _deep_gemm_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
     def usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
         device = capability.as_device(device)
         cap = capability.device_capability(device)
@@ -413,9 +395,10 @@ def _direct(library: str) -> Callable:
 
 ADAPTERS = [
     Adapter("sparse_attention", "flash_mla", lambda: flash_mla_sparse_attention, _flash_mla_usable),
-    Adapter("moe_experts", "deep_gemm", lambda: deep_gemm_moe_experts, _deep_gemm_usable),
+    Adapter("moe_experts", "deep_gemm", lambda: deep_gemm_moe_experts,
+            _deep_gemm_usable("m_grouped_bf16_gemm_nt_contiguous", "deep_gemm")),
     Adapter("linear_fp8", "deep_gemm", lambda: deep_gemm_linear_fp8,
-            _deep_gemm_fp8_usable("fp8_gemm_nt", "deep_gemm_fp8")),
+            _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
     Adapter("moe_experts_fp8", "deep_gemm", lambda: deep_gemm_moe_experts_fp8,
-            _deep_gemm_fp8_usable("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8")),
+            _deep_gemm_usable("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8")),
 ]
