@@ -64,20 +64,10 @@ def linear_fp8_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 def moe_experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
     acc = torch_ops.acc_dtype(x.dtype)
-    num_experts = w13.shape[0]
     tokens, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
     xq = _fake_quant(x, acc)
     out = torch.zeros((tokens * k, x.shape[-1]), dtype=acc, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        start += count
+    for expert, pairs in torch_ops.expert_pairs(topk_ids, w13.shape[0]):
         gate_up = F.linear(xq[pairs // k], dequantize_fp8_block(w13[expert], w13_scale[expert], dtype=acc))
         h = _fake_quant(torch_ops.swiglu(gate_up, swiglu_limit), acc)
         y = F.linear(h, dequantize_fp8_block(w2[expert], w2_scale[expert], dtype=acc))

@@ -8,6 +8,8 @@ dtype, as the catalogue says. Nothing here synchronises with the host except ``m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -237,6 +239,20 @@ def moe_route(
     return weights * routed_scaling_factor, ids
 
 
+def expert_pairs(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, its flat ``token * k + slot`` pairs) for every expert with pairs, in expert order; ids
+    outside ``[0, num_experts)`` get none. Reads the counts back to the host."""
+    flat = topk_ids.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, order[start : start + count]
+            start += count
+
+
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -247,30 +263,20 @@ def moe_experts(
 ) -> torch.Tensor:
     """Tokens sorted by expert, one GEMM pair per expert that has tokens (a host sync for the loop)."""
     acc = acc_dtype(x.dtype)
-    num_experts = w13.shape[0]
     tokens, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
     out = torch.zeros((tokens * k, x.shape[-1]), dtype=acc, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        start += count
+    for expert, pairs in expert_pairs(topk_ids, w13.shape[0]):
         h = swiglu(F.linear(x[pairs // k], w13[expert]), swiglu_limit)
         y = F.linear(h, w2[expert]).to(acc)
         out[pairs] = y * topk_weights.reshape(-1)[pairs].to(acc).unsqueeze(-1)
     return out.view(tokens, k, -1).sum(dim=1).to(x.dtype)
 
 
+moe_experts.syncs_host = True  # per-expert loop over counts read back: no CUDA graph around it
+
+
 # --- sampling --------------------------------------------------------------------------------------
 
-
-moe_experts.syncs_host = True  # per-expert loop over counts read back: no CUDA graph around it
 
 def apply_penalties(
     logits: torch.Tensor,
