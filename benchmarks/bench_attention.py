@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fp8 import cuda_time_ms  # noqa: E402
 
 FLASH_MLA_US = {2: 14.7, 64: 49.0, 128: 93.0, 256: 177.0}
 HEADS, DIM, WINDOW, TOPK = 64, 512, 128, 512
@@ -26,17 +29,7 @@ CONFIGS = [  # BLOCK_H, BLOCK_K, BLOCK_DV, num_warps, num_stages
 
 
 def time_us(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return 1e3 * cuda_time_ms(fn, warmup=5, iters=iters)
 
 
 def inputs(batch: int, device: str = "cuda"):

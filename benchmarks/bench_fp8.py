@@ -64,7 +64,7 @@ def accuracy(backend: str, dtype: str, max_tokens: int) -> dict:
             "identical_completions": sum(p["first_divergence"] == max_tokens for p in per_prompt)}
 
 
-def _time(fn, warmup: int, iters: int) -> float:
+def cuda_time_ms(fn, warmup: int, iters: int) -> float:
     """Median milliseconds of one call over ``iters`` CUDA-event-timed calls."""
     for _ in range(warmup):
         fn()
@@ -90,8 +90,8 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
         q, s = quantize_fp8_block(w)
         for m in batches:
             x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
-            bf16 = _time(partial(torch_ops.linear, x, w), warmup, iters)
-            fp8 = _time(partial(fp8_ops.linear_fp8, x, q, s), warmup, iters)
+            bf16 = cuda_time_ms(partial(torch_ops.linear, x, w), warmup, iters)
+            fp8 = cuda_time_ms(partial(fp8_ops.linear_fp8, x, q, s), warmup, iters)
             rows.append({"kernel": f"linear {name}", "N": n, "K": k, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
     experts, top_k, d, inter = 256, 6, 4096, 2048
     w13 = torch.randn(experts, 2 * inter, d, device=device, generator=g, dtype=torch.bfloat16) * d**-0.5
@@ -106,8 +106,8 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
         x = torch.randn(m, d, device=device, generator=g, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(experts, device=device, generator=g)[:top_k] for _ in range(m)])
         weights = torch.rand(m, top_k, device=device, generator=g) + 0.2
-        bf16 = _time(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), warmup, iters)
-        fp8 = _time(partial(fp8_ops.moe_experts_fp8, x, q13, s13, q2, s2, ids, weights, 10.0), warmup, iters)
+        bf16 = cuda_time_ms(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), warmup, iters)
+        fp8 = cuda_time_ms(partial(fp8_ops.moe_experts_fp8, x, q13, s13, q2, s2, ids, weights, 10.0), warmup, iters)
         rows.append({"kernel": "moe 256x top6", "N": 2 * inter, "K": d, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
     return rows
 
