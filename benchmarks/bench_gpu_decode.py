@@ -193,11 +193,11 @@ def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
 
 def build_deepinfer_model(cfg, params, backend, dtype, device):
     from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+    from deepinfer_core.model.loader import build_weights
     from deepinfer_core.plugins import build_op_table, load_backend
 
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg)
-    load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
-    return DeepseekV4Model(cfg, params, ops, dtype)
+    return DeepseekV4Model(cfg, build_weights(cfg, params, load_backend(backend).hook), ops, dtype)
 
 
 def check_conversion(hf_model, cfg_dir, cfg, a, dtype, device):
@@ -209,9 +209,10 @@ def check_conversion(hf_model, cfg_dir, cfg, a, dtype, device):
         hf_model.save_pretrained(tmp)
         ref = load_model(tmp, a.backend, dtype, device)
     mem = build_deepinfer_model(cfg, convert_params(hf_model, cfg, dtype), a.backend, dtype, device)
-    assert set(ref.p) == set(mem.p), (set(ref.p) ^ set(mem.p))
-    for k in ref.p:
-        assert ref.p[k].dtype == mem.p[k].dtype and torch.equal(ref.p[k], mem.p[k]), k
+    ref_p, mem_p = dict(ref.named_parameters()), dict(mem.named_parameters())
+    assert set(ref_p) == set(mem_p), (set(ref_p) ^ set(mem_p))
+    for k in ref_p:
+        assert ref_p[k].dtype == mem_p[k].dtype and torch.equal(ref_p[k], mem_p[k]), k
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(2, cfg.vocab_size, (min(24, a.prompt_len),), generator=gen).tolist()
     outs = []
@@ -219,7 +220,7 @@ def check_conversion(hf_model, cfg_dir, cfg, a, dtype, device):
         r = SimpleRunner(m, 1, len(ids) + 4, block_size=cfg_block_size(m.cfg))
         outs.append(r.step({0: ids}, all_logits=True)[0])
     assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
-    return {"params": len(ref.p), "logits_equal": True}
+    return {"params": len(ref_p), "logits_equal": True}
 
 
 def cfg_block_size(cfg) -> int:
@@ -269,15 +270,16 @@ class RandomModel:
 def make_engine(model, cfg_dir, **engine_args):
     """An ``LLMEngine`` serving the preloaded ``model`` (only ``cfg_dir``'s config.json is read)."""
     import deepinfer_core.engine.llm_engine as le
+    import deepinfer_core.worker.worker as worker
 
-    orig_load = le.load_model
-    le.load_model = lambda *args, **kw: model
+    orig_load = worker.load_model
+    worker.load_model = lambda *args, **kw: model
     try:
         defaults = dict(dtype=model.dtype, device=str(model.device), enable_prefix_caching=False,
                         block_size=cfg_block_size(model.cfg))
         return le.LLMEngine(le.EngineArgs(model=cfg_dir, **(defaults | engine_args)))
     finally:
-        le.load_model = orig_load
+        worker.load_model = orig_load
 
 
 @contextlib.contextmanager
@@ -381,17 +383,17 @@ def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, p
     step_info: dict = {}
     orig_run = engine._run
 
-    def run(scheduled):
+    def run(scheduled, prev=None):
         step_info["n"] = [n for _, n in scheduled]
         step_info["ctx"] = [s.num_computed_tokens + n for s, n in scheduled]
-        return orig_run(scheduled)
+        return orig_run(scheduled, prev)
 
     engine._run = run
     params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, min_tokens=a.gen_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     cache = engine.cache
-    elt = cache.window_kv[0].element_size() if hasattr(cache, "window_kv") else model.p["embed.weight"].element_size()
+    elt = cache.window_kv[0].element_size() if hasattr(cache, "window_kv") else model.weights.embed.element_size()
     rows = []
     pbar = tqdm(total=batch * a.gen_len, desc=f"deepinfer b={batch}", unit="tok", leave=False)
     with record_routing(model, routed.append):
@@ -407,7 +409,7 @@ def run_deepinfer(model, cfg_dir, a, batch, prompts, device, bw, static_bytes, p
                 n = step_info.get("n", [])
                 is_decode = len(n) == batch and all(x == 1 for x in n)
                 if is_decode:
-                    wbytes = static_bytes + batch * cfg.hidden_size * model.p["embed.weight"].element_size()
+                    wbytes = static_bytes + batch * cfg.hidden_size * model.weights.embed.element_size()
                     n_exp = []
                     moe_layers = sorted(per_expert, key=lambda k: int(k.split('.')[1]))
                     for layer_prefix, ids in zip(moe_layers, routed):
@@ -484,7 +486,7 @@ def main(argv=None):
         print("conversion check: in-memory params and logits identical to save_pretrained+load_model")
 
     model = rm.deepinfer_model()
-    params = model.p
+    params = dict(model.named_parameters())
     static_bytes, per_expert = static_weight_bytes(params)
     bw = measure_copy_bandwidth(device)
     result["copy_bandwidth_gb_s"] = bw / 1e9

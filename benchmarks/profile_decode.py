@@ -34,7 +34,6 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from transformers import DeepseekV4ForCausalLM
 
-    import deepinfer_core.engine.llm_engine as le
     from deepinfer_core.config import ModelConfig
     from deepinfer_core.sampling.params import SamplingParams
 
@@ -52,16 +51,11 @@ def main(argv=None) -> None:
     params = bench.convert_params(hf, cfg, dtype)
     del hf
     model = bench.build_deepinfer_model(cfg, params, "nvidia_sm100", dtype, device)
-    orig = le.load_model
-    le.load_model = lambda *args, **kw: model
-    try:
-        engine = le.LLMEngine(le.EngineArgs(
-            model=tmp.name, backend="nvidia_sm100", dtype=dtype, device="cuda", max_model_len=a.prompt_len + 64,
-            max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.prompt_len), enable_prefix_caching=False,
-            block_size=bench.cfg_block_size(cfg), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
-        ))
-    finally:
-        le.load_model = orig
+    engine = bench.make_engine(
+        model, tmp.name, backend="nvidia_sm100", dtype=dtype, device="cuda", max_model_len=a.prompt_len + 64,
+        max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.prompt_len), enable_prefix_caching=False,
+        block_size=bench.cfg_block_size(cfg), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+    )
     gen = torch.Generator().manual_seed(0)
     params_s = SamplingParams(temperature=0.0, max_tokens=a.steps + 60, ignore_eos=True)
     for i in range(a.batch):

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
     from deepinfer_core.comm import Communicator, EPDispatcher
     from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig
+    from deepinfer_core.model.kv_cache_spec import KVCacheSpec
+    from deepinfer_core.model.weights import ModelWeights
     from deepinfer_core.ops.registry import OpRegistry
+    from deepinfer_core.platform import Platform
     from deepinfer_core.plugins import BackendInfo
     from deepinfer_core.topology import ClusterTopology, ParallelPlan
 
@@ -50,7 +53,21 @@ def deepinfer_configure(model_config: ModelConfig, cache_config: CacheConfig) ->
 
 @hookspec(firstresult=True)
 def deepinfer_init_device(local_rank: int) -> torch.device:
-    """Select and initialise the device this process computes on (``torch.device``)."""
+    """Select and initialise the device this process computes on (``torch.device``).
+
+    Called by each :class:`~deepinfer_core.worker.worker.Worker` with the local rank the parallel plan
+    placed it on, unless the engine was given ``device=``.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_platform(device: torch.device) -> Platform:
+    """The device seam for ``device``: graph capture, memory statistics, events, host copies.
+
+    Called by the Worker after ``deepinfer_init_device``. Return a
+    :class:`deepinfer_core.platform.Platform` subclass, or ``None`` for the base class (a host device:
+    no graphs, synchronous copies, the KV budget from ``kv_cache_bytes``).
+    """
 
 
 # --- operators -------------------------------------------------------------------------------------
@@ -69,30 +86,39 @@ def deepinfer_register_ops(registry: OpRegistry, backend: BackendInfo) -> None:
 
 
 @hookspec(firstresult=True)
-def deepinfer_kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig) -> Any:
-    """Describe the paged-cache layout (dtypes, page size) the backend's attention kernels read.
+def deepinfer_kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype) -> KVCacheSpec:
+    """Describe the paged-cache layout the backend's attention kernels read: a
+    :class:`~deepinfer_core.model.kv_cache_spec.KVCacheSpec` (entry dtype and layout, head-dim split,
+    block size), or ``None`` for the default (``dtype`` entries, what ``ModelCache`` allocates).
 
-    Returns a :class:`deepinfer_core.engine.kv_cache.KVCacheSpec` or ``None`` for the default.
+    Asked once, after ``deepinfer_configure``, by
+    :func:`~deepinfer_core.model.kv_cache_spec.resolve_kv_cache_spec`, which refuses a spec the model
+    config, ``cache_config.block_size`` or ``ModelCache`` cannot serve; the memory plan and the cache
+    then follow the spec.
     """
 
 
 @hookspec
-def deepinfer_process_weights(
-    params: dict[str, torch.Tensor], model_config: ModelConfig
-) -> None:
-    """Post-process loaded weights in place (re-layout, quantise, keep FP8 with scales...).
+def deepinfer_process_weights(weights: ModelWeights, model_config: ModelConfig) -> None:
+    """Re-lay loaded weights in place (transpose, pad, pack, quantise...), before the model is built.
 
-    Called once after loading, on every plugin; ``params`` maps engine parameter names to tensors.
+    Called once by the loader on every plugin, after the checkpoint is read (in FP8 mode: after the rest
+    is quantised). ``weights`` are the typed records the forward reads
+    (:class:`~deepinfer_core.model.weights.ModelWeights`): what a plugin assigns to a field (a new
+    ``Linear``, a re-laid tensor) is what the engine runs with.
     """
 
 
 @hookspec(firstresult=True)
 def deepinfer_graph_runner(
-    model: Any, cache: Any, capture_sizes: list[int], max_model_len: int, block_size: int
+    model: Any, cache: Any, capture_sizes: list[int], max_model_len: int, block_size: int, platform: Platform
 ) -> Any:
     """Capture the decode forward of ``model`` over ``cache`` at each of ``capture_sizes`` sequences and
-    return the runner that replays it (CUDA/ACL graphs; the interface of
-    :class:`deepinfer_core.engine.cuda_graph.CUDAGraphRunner`), or ``None`` to always run eagerly."""
+    return the runner that replays it (usually :class:`deepinfer_core.worker.graph_runner.GraphRunner`
+    over ``platform``'s graphs), or ``None`` to always run eagerly.
+
+    Called by the ModelRunner when graphs are allowed (not ``enforce_eager``), ``platform.supports_graphs``
+    and no op the model runs is registered ``syncs_host``."""
 
 
 # --- communicators ---------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_fixtures import greedy, hf_argmax, make_prompt, run_tokens
 
-from deepinfer_core.engine.cuda_graph import CUDAGraphRunner, capture_sizes
+from deepinfer_core.worker.graph_runner import GraphRunner, capture_sizes
 from deepinfer_core.model.metadata import GraphPadding, SeqSpan, build_forward_batch
 
 make_llm = engine_fixtures.make_llm
@@ -30,7 +30,7 @@ def test_capture_sizes():
 
 def with_padded_graphs(llm, sizes: list[int]):
     engine = llm.llm_engine
-    engine.runner.graph_runner = CUDAGraphRunner(
+    engine.runner.graph_runner = GraphRunner(
         engine.model, engine.cache, sizes, engine.scheduler_config.max_model_len, engine.args.block_size,
         capture=False,
     )

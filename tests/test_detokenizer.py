@@ -113,7 +113,7 @@ def test_long_output_decodes_a_small_window(tokenizer, pools):
     assert counting.longest <= 16
 
 
-class FullDecode:
+class FullDecode(IncrementalDetokenizer):
     """The text rules with the whole output decoded every time (what the engine did before)."""
 
     def update(self, tokenizer, ids: list[int], end: int, skip_special_tokens: bool, last: bool) -> str | None:

@@ -103,7 +103,16 @@ def run_prefill(engine: Any, cost: ModelCost, prompts: list[list[int]], tag: str
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
         with EngineProbe(engine) as probe:
             _drive(engine, probe, -(-len(ids) // chunk), f"{tag} prefill chunk={chunk}")
-        runs.append([_step_row(probe, cost, first, wall) for wall, first, end in probe.calls if end - first == 1])
+        rows: list[dict[str, Any]] = []
+        for wall, first, end in probe.calls:
+            if end - first == 1:
+                rows.append(_step_row(probe, cost, first, wall))
+            elif end == first and rows:
+                # with async scheduling the call that launches nothing waits for the last chunk: its time
+                # belongs to that chunk, or the prompt's time would end before its own last forward
+                rows[-1]["wall_s"] += wall
+                rows[-1]["other_s"] += wall
+        runs.append(rows)
     return runs
 
 

@@ -99,8 +99,8 @@ class EngineProbe:
             return out
 
         runner.prepare, runner.execute = timed_prepare, timed_execute
-        self._sampler = engine.sampler
-        engine.sampler = _TimedSampler(engine.sampler, self)
+        self._sampler = runner.sampler
+        runner.sampler = _TimedSampler(runner.sampler, self)
         self._routing = record_routing(self.model, self._on_route)
         self._routing.__enter__()
         self._last = time.perf_counter()
@@ -112,7 +112,7 @@ class EngineProbe:
 
     def __exit__(self, *exc: Any) -> None:
         self._routing.__exit__(*exc)
-        self.engine.sampler = self._sampler
+        self.engine.runner.sampler = self._sampler
         for name in ("prepare", "execute"):
             self.engine.runner.__dict__.pop(name, None)
         if self.clock.cuda:

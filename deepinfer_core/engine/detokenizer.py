@@ -10,10 +10,14 @@ is dropped at the start, for one) decode the new tokens as they would within the
 Text ending in U+FFFD (an incomplete UTF-8 character, as far as the tokens go) is held back and the
 offsets stay put until a later token completes it, so the offsets only ever stop where the full decode
 splits cleanly: the text built up equals ``tokenizer.decode(ids)``.
+
+Stop strings are found here too (:meth:`IncrementalDetokenizer.advance`): only in text new since the
+last update, and the shown text is cut where the first one begins.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -30,6 +34,26 @@ class IncrementalDetokenizer:
         self.text = ""  # decode of ids[:read_offset]
         self.prefix_offset = 0
         self.read_offset = 0
+        self.output_text = ""  # what the caller shows: the text, cut before a stop string
+
+    def advance(self, tokenizer: Decoder, ids: list[int], end: int, skip_special_tokens: bool, last: bool,
+                stop: Sequence[str] = ()) -> str | None:
+        """Bring ``output_text`` up to ``ids[:end]``; returns the stop string that ended it, if one did.
+
+        Only a stop string that ends in text new since the last update counts: one completed while
+        ``min_tokens`` held stops back (``stop`` empty then) was passed over and must not cut the text now.
+        """
+        text = self.update(tokenizer, ids, end, skip_special_tokens, last)
+        if text is None:
+            return None
+        prev = len(self.output_text)
+        for s in stop:
+            cut = text.find(s, max(0, prev - len(s) + 1))
+            if cut >= 0:
+                self.output_text = text[:cut]
+                return s
+        self.output_text = text
+        return None
 
     def update(self, tokenizer: Decoder, ids: list[int], end: int, skip_special_tokens: bool,
                last: bool) -> str | None:

@@ -1,4 +1,5 @@
-"""LLMEngine: add requests, step (schedule -> run model -> sample -> post-process), collect outputs."""
+"""LLMEngine: requests, scheduling and outputs. Each step the scheduler's output goes to the executor,
+whose workers run the model; the engine post-processes what comes back (stops, text, outputs)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,23 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.memory import plan_pools, profile_activation_bytes
-from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.engine.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from deepinfer_core.model import load_model
-from deepinfer_core.model.cache import ModelCache, check_block_size
-from deepinfer_core.model.metadata import SeqSpan
+from deepinfer_core.engine.stop import FinishStatus, check_stop
+from deepinfer_core.model.cache import check_block_size
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import Sampler, SamplerOutput
 from deepinfer_core.sampling.structured import StructuredOutputManager
+from deepinfer_core.worker.executor import Executor, UniProcExecutor
+from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 BATCH_INVARIANT_ENV = "DEEPINFER_BATCH_INVARIANT"
@@ -66,24 +68,21 @@ class _Step:
     scheduled: list[tuple[Sequence, int]]
     sampled: list[Sequence]
     positions: list[int]
-    tokens: torch.Tensor | None  # the samples on the device
-    host: SamplerOutput | None  # the samples on their way to the host
+    output: AsyncModelRunnerOutput | None  # the samples on their way to the host
+
+
+def _base_seed(seq: Sequence) -> int:
+    return seq.generator.initial_seed() if seq.generator is not None else 0
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, executor_class: type[Executor] = UniProcExecutor):
         from deepinfer_core.default_model import default_model_path
 
         self.args = args
         path = Path(args.model) if args.model is not None else default_model_path()
-        self.model_config = ModelConfig.from_pretrained(path)
+        self.model_config = cfg = ModelConfig.from_pretrained(path)
         backend = load_backend(args.backend)
-        self.device = torch.device(args.device) if args.device else backend.hook.deepinfer_init_device(local_rank=0)
-        default_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        self.dtype = resolve_dtype(args.dtype, default_dtype)
-        if self.dtype == torch.float64 and self.device.type != "cpu":
-            raise ValueError("float64 is for golden runs on the CPU reference backend only")
-        cfg = self.model_config
         max_len = args.max_model_len or min(int(cfg.max_position_embeddings), 4096)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
@@ -92,42 +91,71 @@ class LLMEngine:
             value = getattr(args, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
-                                                args.enable_chunked_prefill)
-        self.cache_config = CacheConfig(args.block_size, args.num_blocks, args.num_window_blocks,
-                                        args.kv_cache_bytes, args.gpu_memory_utilization, args.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill)
+        self.cache_config = CacheConfig(
+            block_size=args.block_size, num_blocks=args.num_blocks, num_window_blocks=args.num_window_blocks,
+            cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching)
+        self.parallel_config = ParallelConfig(data_parallel_size=1, expert_parallel_size=1)
         check_block_size(cfg, args.block_size)
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
         self.batch_invariant = bool(args.batch_invariant) or env in ("1", "true", "yes", "on")
-        self.model = load_model(path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
-                                batch_invariant=self.batch_invariant, quantization=args.quantization)
-        from transformers import AutoTokenizer
+        self.executor = executor_class(args, backend, cfg, path, self.scheduler_config, self.cache_config,
+                                       self.parallel_config, batch_invariant=self.batch_invariant)
+        from deepinfer_core.tokenizer import get_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
-            path / "tokenizer_config.json").is_file() else None
-        activation = 0
-        if self.device.type == "cuda":
-            activation = profile_activation_bytes(self.model, self.scheduler_config, args.block_size)
-        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, self.device, activation)
-        self.pool_sizes = sizes
-        self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
-                                args.block_size, self.dtype, self.device)
-        self.runner = ModelRunner.create(self.model, self.cache, args, self.scheduler_config, backend)
+        self.tokenizer = get_tokenizer(path)
+        sizes = self.pool_sizes = self.executor.pool_sizes
         self.block_manager = BlockManager(
             sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, args.block_size, cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, max_replay_tokens=args.max_replay_tokens,
             cache_salt=f"{path.resolve()}|{self.dtype}",
         )
-        from deepinfer_core.engine.scheduler import Scheduler
-
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
-        self.sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids, self.structured)
         self.requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(args.seed)
         self._inflight: _Step | None = None  # async scheduling: the launched step not yet finished
+        self._known: set[int] = set()  # sequences the workers hold state for
+        self._retired: list[int] = []  # finished sequences the workers have not been told about
+
+    # --- the in-process worker (single-process executor only) -------------------------------------
+
+    @property
+    def _worker(self) -> Any:
+        return self.executor.driver_worker
+
+    @property
+    def model(self) -> Any:
+        return self._worker.model
+
+    @property
+    def cache(self) -> Any:
+        return self._worker.cache
+
+    @property
+    def runner(self) -> Any:
+        return self._worker.model_runner
+
+    @property
+    def sampler(self) -> Any:
+        return self._worker.model_runner.sampler
+
+    @property
+    def device(self) -> torch.device:
+        return self._worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._worker.dtype
+
+    @property
+    def platform(self) -> Any:
+        return self._worker.platform
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -154,7 +182,7 @@ class LLMEngine:
                 gen.manual_seed((params.seed * 1000003 + i) % 2**64)  # any int seed, no overflow
             else:
                 gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
-            seqs.append(Sequence(request_id, i, ids, params, gen))
+            seqs.append(Sequence(request_id, i, ids, params, gen, self.model_config.eos_token_ids))
             if grammar is not None:
                 seqs[-1].grammar = self.structured.new_state(grammar, so)
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
@@ -198,8 +226,8 @@ class LLMEngine:
             return
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                seq.finish_reason = FinishStatus.ABORTED
+                self._end(seq, len(seq.completed_output_ids))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no running request holds (and the hit statistics)."""
@@ -217,18 +245,20 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------------
     #
-    # A step is launched (``_run``: batch, forward, sample, the sampled tokens start for the host) and
-    # finished (``_finish``: tokens appended, stop checks, text). Synchronously the two follow each
-    # other. With async scheduling step N stays in flight: the next call schedules and launches N+1
-    # (a sequence whose token of N is still on the device is scheduled with a placeholder that the
-    # device fills in) and then finishes N. ``_can_overlap`` falls back to finishing N first whenever
-    # launching N+1 early could change what N+1 computes for any sequence.
+    # A step is launched (``_run``: the scheduler output goes to the executor, whose workers batch, run
+    # and sample; the sampled tokens start for the host) and finished (``_finish``: tokens put in place,
+    # stop checks, text). Synchronously the two follow each other. With async scheduling step N stays
+    # in flight: the next call schedules and launches N+1 (a sequence whose token of N is still on the
+    # device is scheduled with a placeholder that the worker fills in) and then finishes N.
+    # ``_can_overlap`` falls back to finishing N first whenever launching N+1 early could change what
+    # N+1 computes for any sequence. An exception while launching or finishing a step fails that step's
+    # sequences (finish reason "error") and nothing else.
 
     def step(self) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}
         prev, self._inflight = self._inflight, None
         if prev is not None and not self._can_overlap(prev):
-            self._finish(prev, touched)
+            self._finish_or_fail(prev, touched)
             prev = None
         if prev is not None:  # a sequence whose in-flight token is its last leaves now, as it would have
             for seq in prev.sampled:
@@ -238,11 +268,17 @@ class LLMEngine:
         scheduled, unfittable = self.scheduler.schedule()
         assert prev is None or (self.scheduler.num_preemptions == preemptions and not unfittable)
         for seq in unfittable:  # already finished by the scheduler, which put the reason in stop_reason
-            seq.finish_reason = "error"
+            seq.finish_reason = FinishStatus.ERROR
+            self._retire(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
-        launched = self._run(scheduled, prev) if scheduled else None
+        launched = None
+        if scheduled:
+            try:
+                launched = self._run(scheduled, prev)
+            except Exception as exc:
+                self._fail([seq for seq, _ in scheduled], exc, touched)
         if prev is not None:
-            self._finish(prev, touched)
+            self._finish_or_fail(prev, touched)
         if launched is not None:
             for seq, _ in launched.scheduled:
                 if not seq.is_finished:
@@ -250,7 +286,7 @@ class LLMEngine:
             if self.args.async_scheduling:
                 self._inflight = launched
             else:
-                self._finish(launched, touched)
+                self._finish_or_fail(launched, touched)
         outputs = []
         for req in touched.values():
             out = self._output(req)
@@ -284,7 +320,7 @@ class LLMEngine:
         """Whether the token being sampled could end ``seq`` through its value."""
         p = seq.params
         return bool(p.stop_token_ids or (p.stop and self.tokenizer is not None)
-                    or (not p.ignore_eos and self.model_config.eos_token_ids))
+                    or (not p.ignore_eos and seq.eos_token_ids))
 
     def _out_of_room(self, seq: Sequence) -> bool:
         """Whether ``seq`` is at its length limit (its last output token counted, in flight or not)."""
@@ -292,80 +328,93 @@ class LLMEngine:
         return (max_tokens is not None and len(seq.output_token_ids) >= max_tokens) or (
             len(seq) >= self.scheduler_config.max_model_len)
 
-    def _run(self, scheduled: list[tuple[Sequence, int]], prev: _Step | None) -> _Step:
-        """Launch a step; its sampled tokens become placeholders until ``_finish``."""
-        spans, ids, rows, to_sample, fill = [], [], [], [], []
-        src = {seq.seq_id: i for i, seq in enumerate(prev.sampled)} if prev is not None else {}
+    def _scheduler_output(self, scheduled: list[tuple[Sequence, int]]) -> tuple[SchedulerOutput, list[Sequence]]:
+        items, new, to_sample = [], [], []
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
-            if seq.pending_restore is not None:
-                self.cache.restore_boundary(seq.pending_restore, seq.state_slot, start)
-                seq.pending_restore = None
-            spans.append(SeqSpan(start, num_new, seq.block_table, seq.window_block_table, seq.state_slot,
-                                 seq.write_from))
-            ids.extend(seq.token_slice(start, start + num_new))
-            if seq.num_inflight:  # its last token is prev's sample, still on the device
-                fill.append((len(ids) - 1, src[seq.seq_id]))
-            if start + num_new == len(seq):
-                rows.append(len(ids) - 1)
+            if seq.seq_id not in self._known:
+                self._known.add(seq.seq_id)
+                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, _base_seed(seq)))
+            sample = start + num_new == len(seq)
+            items.append(ScheduledSeq(seq.seq_id, start, seq.token_slice(start, start + num_new), seq.block_table,
+                                      seq.window_block_table, seq.state_slot, seq.write_from, seq.pending_restore,
+                                      sample))
+            seq.pending_restore = None
+            if sample:
                 to_sample.append(seq)
-        batch = self.runner.prepare(ids, spans, rows)
-        if fill:
-            where = torch.tensor(fill, dtype=torch.long).to(self.device, non_blocking=True)
-            batch.input_ids[where[:, 0]] = prev.tokens[where[:, 1]]
-        logits = self.runner.execute(batch)  # may be a graph's output buffer: sampled before the next execute
+        grammars = [seq.grammar for seq in to_sample]
+        bitmask = self.structured.bitmask(grammars) if any(g is not None for g in grammars) else None
+        finished, self._retired = self._retired, []
+        return SchedulerOutput(items, new, finished, bitmask), to_sample
+
+    def _run(self, scheduled: list[tuple[Sequence, int]], prev: _Step | None = None) -> _Step:
+        """Launch a step; its sampled tokens become placeholders until ``_finish``."""
+        so, to_sample = self._scheduler_output(scheduled)
+        output = self.executor.execute_model(so)
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
-        out = self.sampler(logits, to_sample) if to_sample else None
         positions = []
         for seq in to_sample:
             positions.append(len(seq.output_token_ids))
             seq.output_token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
-        if out is None:
-            return _Step(scheduled, [], [], None, None)
-        return _Step(scheduled, to_sample, positions, out.sampled_token_ids, out.to_host())
+        return _Step(scheduled, to_sample, positions, output if to_sample else None)
+
+    def _finish_or_fail(self, launched: _Step, touched: dict[str, _Request]) -> None:
+        try:
+            self._finish(launched, touched)
+        except Exception as exc:
+            self._fail(launched.sampled, exc, touched)
 
     def _finish(self, launched: _Step, touched: dict[str, _Request]) -> None:
         """Post-process a launched step: put its tokens in place of the placeholders, check stops."""
-        if launched.host is None:
+        if launched.output is None:
             return
-        tokens, logprobs = launched.host.tolists(launched.sampled)
-        for seq, pos, token, lp in zip(launched.sampled, launched.positions, tokens, logprobs):
+        out = launched.output.get_output()
+        for i, (seq, pos) in enumerate(zip(launched.sampled, launched.positions)):
             if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
                 continue
+            token = out.sampled_token_ids[i]
             seq.output_token_ids[pos] = token
             seq.num_inflight -= 1
+            if out.dead_ends is not None and seq.grammar is not None:
+                seq.grammar.dead_end = out.dead_ends[i]
             touched[seq.request_id] = self.requests[seq.request_id]
-            self._append(seq, pos, token, lp)
+            self._append(seq, pos, token, out.logprobs[i])
+
+    def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, _Request]) -> None:
+        """End ``seqs`` with an error after an exception in their step; the other requests go on."""
+        logger.error("a step failed; its %d sequence(s) end with an error: %s: %s", len(seqs),
+                     type(exc).__name__, exc, exc_info=exc)
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                continue
+            seq.finish_reason, seq.stop_reason = FinishStatus.ERROR, f"the step failed: {type(exc).__name__}: {exc}"
+            self._end(seq, len(seq.completed_output_ids))
+            if seq.request_id in self.requests:
+                touched[seq.request_id] = self.requests[seq.request_id]
 
     def _append(self, seq: Sequence, pos: int, token: int, logprobs: dict[int, float] | None) -> None:
         """Stop checks and text for ``seq``'s output token ``pos`` (already in place); a finished
         sequence loses anything sampled after it."""
         params = seq.params
         if seq.grammar is not None and not seq.grammar.accept(token):  # the request ends, the batch goes on
-            seq.finish_reason, seq.stop_reason = "error", seq.grammar.rejection_message(token)
+            seq.finish_reason, seq.stop_reason = FinishStatus.ERROR, seq.grammar.rejection_message(token)
             self._end(seq, pos)
-            self._detokenize(seq, pos, check_stop=False, last=True)
+            self._detokenize(seq, pos, last=True)
             return
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         n_out = pos + 1
-        may_stop = n_out >= params.min_tokens
-        if may_stop and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif may_stop and not params.ignore_eos and token in self.model_config.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif seq.grammar is not None and seq.grammar.is_terminated:
-            seq.finish_reason = "stop"  # the grammar is complete (it accepted an end-of-sequence token)
-        out_of_room = (params.max_tokens is not None and n_out >= params.max_tokens) or (
-            len(seq.prompt_token_ids) + n_out >= self.scheduler_config.max_model_len)
-        # a stop string ending in this token still wins over the length limit
-        num_shown = pos if seq.finish_reason == "stop" else n_out
-        self._detokenize(seq, num_shown, check_stop=may_stop, last=out_of_room or seq.finish_reason is not None)
-        if seq.finish_reason is None and out_of_room:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
+        status, reason = check_stop(seq, self.scheduler_config.max_model_len) or (None, None)
+        stopped = status == FinishStatus.STOPPED
+        # a stop string ending in this token still wins over the length limit; a stop token is not shown
+        strings = params.stop if n_out >= params.min_tokens and not stopped else ()
+        matched = self._detokenize(seq, pos if stopped else n_out, last=status is not None, stop=strings)
+        if matched is not None:
+            status, reason = FinishStatus.STOPPED, matched
+        if status is not None:
+            seq.finish_reason, seq.stop_reason = status, reason
             self._end(seq, n_out)
 
     def _end(self, seq: Sequence, num_outputs: int) -> None:
@@ -373,31 +422,25 @@ class LLMEngine:
         del seq.output_token_ids[num_outputs:]
         seq.num_inflight = 0
         self.scheduler.finish(seq)
+        self._retire(seq)
 
-    def _detokenize(self, seq: Sequence, num_ids: int, check_stop: bool, last: bool) -> None:
-        """Text of the first ``num_ids`` output tokens; a stop token is not shown, nor anything from a stop
-        string on.
+    def _retire(self, seq: Sequence) -> None:
+        if seq.seq_id in self._known:
+            self._known.discard(seq.seq_id)
+            self._retired.append(seq.seq_id)
+
+    def _detokenize(self, seq: Sequence, num_ids: int, last: bool, stop: tuple[str, ...] | list[str] = ()
+                    ) -> str | None:
+        """Text of the first ``num_ids`` output tokens (a stop token is not shown, nor anything from a stop
+        string on); returns the stop string that ended it, if one did.
 
         Until the last token, text ending in an incomplete UTF-8 character (shown as U+FFFD) is held
         back, so every text a stream reports is a prefix of the final one.
         """
         if self.tokenizer is None:
-            return
-        text = seq.detokenizer.update(self.tokenizer, seq.output_token_ids, num_ids, seq.params.skip_special_tokens,
-                                      last)
-        if text is None:
-            return
-        if check_stop and seq.finish_reason is None:
-            # only a stop string that ends in text new since the last update counts: one completed
-            # while min_tokens held stops back was passed over then and must not cut the text now
-            prev = len(seq.text)
-            for stop in seq.params.stop:
-                cut = text.find(stop, max(0, prev - len(stop) + 1))
-                if cut >= 0:
-                    text = text[:cut]
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    break
-        seq.text = text
+            return None
+        return seq.detokenizer.advance(self.tokenizer, seq.output_token_ids, num_ids,
+                                       seq.params.skip_special_tokens, last, stop)
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []
@@ -410,6 +453,6 @@ class LLMEngine:
                 list(seq.output_logprobs) if seq.params.logprobs is not None else None, cum,
             ))
         finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)
-        error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == "error"), None)
+        error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == FinishStatus.ERROR), None)
         cached = req.seqs[0].num_cached_tokens
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, error)

@@ -10,6 +10,7 @@ from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
 from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.platform import Platform
 
 
 @dataclass
@@ -20,7 +21,8 @@ class PoolSizes:
     budget_bytes: int
 
 
-def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, block_size: int) -> int:
+def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, block_size: int,
+                             platform: Platform) -> int:
     """Peak device memory of one forward over a full token budget, beyond weights and cache (what the
     pools must leave free), plus the sampler's per-sequence vocab-sized buffers."""
     device, tokens = model.device, sched.max_num_batched_tokens
@@ -29,33 +31,22 @@ def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, blo
     span = SeqSpan(0, tokens, list(range(blocks)), list(range(blocks)), 0)
     batch = build_forward_batch([0] * tokens, [span], model.compressor_specs(), block_size,
                                 model.cfg.sliding_window, None, device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    model.forward(batch, cache)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = platform.peak_memory_of(lambda: model.forward(batch, cache))
     del cache, batch
-    torch.cuda.empty_cache()
     sampler = 8 * sched.max_num_seqs * model.cfg.vocab_size * 4
     return peak + sampler
 
 
 def plan_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype,
-               device: torch.device, activation_bytes: int = 0) -> PoolSizes:
+               budget: int) -> PoolSizes:
     """Window blocks: enough for every running sequence's window plus one step's chunk; the rest of the
     budget becomes compressed blocks, which is what grows with sequence length.
 
-    On a GPU the budget is ``gpu_memory_utilization`` of the whole device, less what is allocated now
-    (the weights) and ``activation_bytes`` (from :func:`profile_activation_bytes`)."""
+    ``budget`` comes from the platform: on a GPU ``gpu_memory_utilization`` of the whole device, less
+    what is allocated now (the weights) and the activation peak (:func:`profile_activation_bytes`)."""
     bs = cache.block_size
     comp_bytes, window_bytes = bytes_per_block(cfg, bs, dtype)
     slot_bytes = bytes_per_state_slot(cfg, dtype)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - activation_bytes
-    else:
-        budget = cache.cpu_kv_cache_bytes
     slots = sched.max_num_seqs
     window_per_seq = -(-cfg.sliding_window // bs) + 1
     num_window = cache.num_window_blocks or (

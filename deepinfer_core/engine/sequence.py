@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_core.engine.stop import FinishStatus
 from deepinfer_core.sampling.params import SamplingParams
 
 PLACEHOLDER = -1  # an output token still on the device (async scheduling)
@@ -23,7 +24,7 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator):
+                 generator: torch.Generator, eos_token_ids: list[int] = ()):
         self.seq_id = next(Sequence._ids)
         self.request_id, self.index = request_id, index
         self.prompt_token_ids = list(prompt_token_ids)
@@ -33,7 +34,8 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.eos_token_ids = list(eos_token_ids)
+        self.finish_reason: FinishStatus | None = None
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -43,10 +45,13 @@ class Sequence:
         self.write_from = 0  # compressed blocks before this position are shared and never written
         self.num_cached_tokens = 0
         self.pending_restore: int | None = None  # block whose boundary record seeds the compressor state
-        self.text = ""
         self.detokenizer = IncrementalDetokenizer()  # the decoded output, grown a few tokens at a time
         self.num_preemptions = 0
         self.grammar = None  # structured output: this sequence's GrammarState (sampling/structured.py)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.output_text
 
     @property
     def token_ids(self) -> list[int]:

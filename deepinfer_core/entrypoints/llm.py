@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -26,6 +28,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
         self.llm_engine = LLMEngine(EngineArgs(model=model, backend=backend, dtype=dtype, **engine_args))
+        self._router = OutputRouter(self.llm_engine)
+        self._ids = itertools.count()
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
@@ -55,38 +59,84 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            rid = f"gen-{id(self)}-{i}-{len(engine.requests)}"
+            rid = f"gen-{next(self._ids)}"
             order.append(rid)
             try:
-                engine.add_request(rid, prompt, p)
+                self._router.add(rid, prompt, p)
             except ValueError as exc:
                 text = prompt if isinstance(prompt, str) else None
                 results[rid] = RequestOutput(rid, text, [], [CompletionOutput(0, "", [], "error")], True, 0, str(exc))
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm)
         bar.update(len(results))
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            pending = [rid for rid in order if rid not in results]
+            while pending:
+                self._router.pump()
+                for rid in pending:
+                    for out in self._router.take(rid):
+                        if out.finished:
+                            results[rid] = out
+                            bar.update(1)
+                pending = [rid for rid in pending if rid not in results]
         finally:
             bar.close()
             for rid in order:
                 if rid not in results:
-                    engine.abort_request(rid)
+                    self._router.abort(rid)
+                self._router.forget(rid)
         return [results[rid] for rid in order]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the growing output of one request after every step it took part in."""
-        engine = self.llm_engine
-        rid = engine.add_request(None, prompt, sampling_params or SamplingParams())
+        """Yield the growing output of one request after every step it took part in (other calls on this
+        ``LLM``, interleaved with the iteration, keep their own outputs)."""
+        rid = f"stream-{next(self._ids)}"
+        self._router.add(rid, prompt, sampling_params or SamplingParams())
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+            while True:
+                outs = self._router.take(rid)
+                if not outs:
+                    self._router.pump()
+                    continue
+                for out in outs:
+                    yield out
+                    if out.finished:
+                        return
         finally:
-            engine.abort_request(rid)
+            self._router.abort(rid)
+            self._router.forget(rid)
+
+
+class OutputRouter:
+    """Steps the engine on behalf of every caller and files each output under its request, so concurrent
+    ``generate`` and ``stream`` calls on one engine each get exactly their own outputs, in order."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.queues: dict[str, deque[RequestOutput]] = {}
+
+    def add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt, params)  # ValueError: nothing queued
+        self.queues[request_id] = deque()
+
+    def pump(self) -> None:
+        """One engine step; raises if nothing is left to step (a caller waits for a request that is gone)."""
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine has no unfinished request, yet a caller still waits for an output")
+        for out in self.engine.step():
+            queue = self.queues.get(out.request_id)
+            if queue is not None:
+                queue.append(out)
+
+    def take(self, request_id: str) -> list[RequestOutput]:
+        queue = self.queues.get(request_id)
+        if not queue:
+            return []
+        outs = list(queue)
+        queue.clear()
+        return outs
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)

@@ -12,17 +12,20 @@ same on every device (the noise is then the device's ``log``) and whatever the b
 earlier steps, preemption and recomputation, or an engine restart.
 
 The per-row parameters travel to the device in one copy per step. Tokens come back as a device tensor
-(``SamplerOutput``); the engine copies them to the host (``to_host``) when it post-processes the step.
+(``SamplerOutput``); the model runner copies them to the host (``to_host``, through the platform).
+Penalty state (prompt mask, output counts) is kept per sequence across steps on the device and grows by
+the tokens sampled since the last step (vLLM's persistent batch), instead of being rebuilt every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.ops import OpTable
+from deepinfer_core.platform import Event, Platform
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -66,11 +69,14 @@ def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return u.log_().neg_()
 
 
-def _base_seed(seq: Sequence) -> int:
+def _base_seed(seq: Any) -> int:
+    seed = getattr(seq, "seed", None)
+    if seed is not None:
+        return seed
     return seq.generator.initial_seed() if seq.generator is not None else 0
 
 
-def sampling_noise(seq: Sequence, vocab_size: int) -> torch.Tensor:
+def sampling_noise(seq: Any, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [V] (float64, on the CPU) for ``seq``'s next output position."""
     seed = _signed(noise_seed(_base_seed(seq), len(seq.output_token_ids)))
     return exponential_noise(torch.tensor([seed]), vocab_size)[0]
@@ -84,20 +90,19 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # Long [B]
     logprob_token_ids: torch.Tensor | None = None  # Long [B, 1 + k]
     logprobs: torch.Tensor | None = None  # [B, 1 + k]
-    ready: torch.cuda.Event | None = None  # recorded after the copies ``to_host`` started
+    ready: Event | None = None  # recorded after the copies ``to_host`` started
+    dead_ends: list[bool] | None = None  # per row: no token satisfied the grammar and the other masks
 
-    def to_host(self) -> SamplerOutput:
-        """Start copying to pinned host memory without waiting (the event says when it is there)."""
+    def to_host(self, platform: Platform | None = None) -> SamplerOutput:
+        """Start copying to the host without waiting (the event, if any, says when it is there)."""
         tensors = [self.sampled_token_ids, self.logprob_token_ids, self.logprobs]
-        if self.sampled_token_ids.device.type != "cuda":
-            return SamplerOutput(*[t.cpu() if t is not None else None for t in tensors])
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                if t is not None else None for t in tensors]
-        event = torch.cuda.Event()
-        event.record()
-        return SamplerOutput(*host, ready=event)
+        if platform is None:
+            host, event = [t.cpu() if t is not None else None for t in tensors], None
+        else:
+            host, event = platform.to_host(tensors)
+        return SamplerOutput(*host, ready=event, dead_ends=self.dead_ends)
 
-    def tolists(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    def tolists(self, seqs: list[Any]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Tokens and, for the rows that asked, {token: logprob} of the sample and the row's top n."""
         if self.ready is not None:
             self.ready.synchronize()
@@ -112,27 +117,47 @@ class SamplerOutput:
         return tokens, out
 
 
+class _PenaltyState:
+    """One sequence's prompt mask and output-token counts on the device, and how many outputs they hold."""
+
+    def __init__(self, prompt_token_ids: list[int], vocab_size: int, device: torch.device):
+        ids = torch.tensor(prompt_token_ids, dtype=torch.long).to(device, non_blocking=True)
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+        self.counts = torch.zeros(vocab_size, dtype=torch.long, device=device)
+        self.num_counted = 0
+
+
 class Sampler:
+    """Samples rows of logits for sequences; ``seqs`` are any objects with ``seq_id``, ``params``,
+    ``generator``, ``prompt_token_ids`` and ``output_token_ids`` (and optionally ``grammar``)."""
+
     def __init__(self, ops: OpTable, vocab_size: int, eos_token_ids: list[int], structured=None):
         self.ops, self.vocab_size, self.eos = ops, vocab_size, eos_token_ids
         self.structured = structured  # a StructuredOutputManager (only needed for grammar rows)
+        self._penalties: dict[int, _PenaltyState] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        grammars = [s.grammar for s in seqs]
-        if any(g is not None for g in grammars):
+    def free(self, seq_id: int) -> None:
+        """Forget a finished sequence's persistent state."""
+        self._penalties.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Any], bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """``bitmask``: the packed grammar mask of the rows (all ones where there is no grammar); built
+        here from the sequences' ``grammar`` states when not given."""
+        grammars = [getattr(s, "grammar", None) for s in seqs]
+        if bitmask is None and any(g is not None for g in grammars):
+            bitmask = self.structured.bitmask(grammars)
+        if bitmask is not None:
             # as vLLM does, the grammar mask comes first: logprobs are those of the constrained logits
-            bitmask = self.structured.bitmask(grammars).to(logits.device)
-            logits = self.ops.apply_token_bitmask(logits, bitmask)
+            logits = self.ops.apply_token_bitmask(logits, bitmask.to(logits.device))
         # logprobs are otherwise the model's own distribution (vLLM's raw logprobs): taken before
         # min_tokens masking, penalties and temperature
         want_logprobs = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._mask_early_stops(logits, seqs)
-        if any(g is not None for g in grammars):
-            stuck = torch.isneginf(logits).all(dim=-1).tolist()
-            for g, dead in zip(grammars, stuck):
-                if g is not None:
-                    g.dead_end = dead
+        dead_ends = torch.isneginf(logits).all(dim=-1).tolist() if bitmask is not None else None
+        for g, dead in zip(grammars, dead_ends or ()):
+            if g is not None:
+                g.dead_end = dead
         if any(s.params.has_penalties for s in seqs):
             logits = self._penalise(logits, seqs)
         tokens = logits.argmax(dim=-1)
@@ -140,14 +165,14 @@ class Sampler:
         if random_rows:
             sampled, rows = self._sample(logits, [seqs[r] for r in random_rows], random_rows)
             tokens = sampled if len(random_rows) == len(seqs) else tokens.index_copy(0, rows, sampled)
-        out = SamplerOutput(tokens)
+        out = SamplerOutput(tokens, dead_ends=dead_ends)
         if raw_logprobs is not None:
             top = torch.topk(raw_logprobs, min(max(want_logprobs), self.vocab_size), dim=-1)
             ids = torch.cat([tokens.unsqueeze(1), top.indices], dim=1)
             out.logprob_token_ids, out.logprobs = ids, raw_logprobs.gather(1, ids)
         return out
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+    def _sample(self, logits: torch.Tensor, seqs: list[Any],
                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sampled tokens, their rows in ``logits``) for the random rows ``rows``; one copy to the device."""
         p = [s.params for s in seqs]
@@ -167,7 +192,7 @@ class Sampler:
         noise = exponential_noise(seeds, logits.shape[-1]).to(probs.dtype)
         return self.ops.random_sample(probs, noise), idx
 
-    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
         rows, cols = [], []
         for row, seq in enumerate(seqs):
             if len(seq.output_token_ids) < seq.params.min_tokens:
@@ -180,22 +205,36 @@ class Sampler:
         return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype,
                                                                    device=logits.device))
 
-    def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Prompt masks and output counts scattered on the device from one copy of the token ids."""
-        rows, tokens, is_output = [], [], []
-        for row, seq in enumerate(seqs):
-            for ids, flag in ((seq.prompt_token_ids, 0), (seq.output_token_ids, 1)):
-                rows += [row] * len(ids)
-                tokens += ids
-                is_output += [flag] * len(ids)
+    def _penalise(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
+        """Penalties from each penalised sequence's persistent prompt mask and output counts, brought up to
+        date with the outputs sampled since its last step (one copy of those token ids)."""
         device, shape = logits.device, logits.shape
-        index = torch.tensor([rows, tokens, is_output], dtype=torch.long).to(device, non_blocking=True)
-        prompt_counts = torch.zeros(shape, dtype=torch.long, device=device)
-        prompt_counts.index_put_((index[0], index[1]), 1 - index[2], accumulate=True)
+        rows, tokens, states = [], [], []
+        for seq in seqs:
+            if not seq.params.has_penalties:
+                states.append(None)
+                continue
+            state = self._penalties.get(seq.seq_id)
+            if state is None:
+                state = self._penalties[seq.seq_id] = _PenaltyState(seq.prompt_token_ids, self.vocab_size, device)
+            new = seq.output_token_ids[state.num_counted:]
+            rows += [len(states)] * len(new)
+            tokens += new
+            state.num_counted += len(new)
+            states.append(state)
+        if tokens:
+            index = torch.tensor([rows, tokens], dtype=torch.long).to(device, non_blocking=True)
+            for row in sorted(set(rows)):
+                picked = index[1][index[0] == row]
+                states[row].counts.index_add_(0, picked, torch.ones_like(picked))
+        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
         counts = torch.zeros(shape, dtype=torch.long, device=device)
-        counts.index_put_((index[0], index[1]), index[2], accumulate=True)
+        for row, state in enumerate(states):
+            if state is not None:
+                prompt_mask[row] = state.prompt_mask
+                counts[row] = state.counts
         p = [s.params for s in seqs]
         values = torch.tensor([[x.repetition_penalty for x in p], [x.presence_penalty for x in p],
                                [x.frequency_penalty for x in p]], dtype=torch.float64)
         repetition, presence, frequency = values.to(device, non_blocking=True).to(logits.dtype)
-        return self.ops.apply_penalties(logits, prompt_counts > 0, counts, repetition, presence, frequency)
+        return self.ops.apply_penalties(logits, prompt_mask, counts, repetition, presence, frequency)

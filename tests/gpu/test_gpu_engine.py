@@ -273,9 +273,9 @@ def test_pools_are_sized_after_a_profiling_forward(tiny_path):
     llm = _llm(tiny_path("tiny"), dtype="float32", gpu_memory_utilization=0.05, max_model_len=1 << 12,
                max_num_seqs=4096)
     engine = llm.llm_engine
-    small = profile_activation_bytes(engine.model, engine.scheduler_config, BLOCK)
+    small = profile_activation_bytes(engine.model, engine.scheduler_config, BLOCK, engine.platform)
     engine.scheduler_config.max_num_batched_tokens *= 8
-    large = profile_activation_bytes(engine.model, engine.scheduler_config, BLOCK)
+    large = profile_activation_bytes(engine.model, engine.scheduler_config, BLOCK, engine.platform)
     assert 0 < small < large
     total = torch.cuda.get_device_properties(engine.device).total_memory
     assert engine.pool_sizes.budget_bytes <= 0.05 * total - small // 2

@@ -106,15 +106,19 @@ def details() -> dict[str, str]:
 
 
 def _op_plan() -> dict[str, str]:
-    """``op.<name>``: the implementation that serves each op on this machine (no kernel runs)."""
+    """``op.<name>``: the implementation the core's resolution picks for each op on this machine, with
+    the installed kernel packs, judged on probes alone (no kernel runs)."""
     try:
         ok, reason = is_available()
         if not ok:
             return {"ops": "not resolved: the backend is not available here"}
-        from deepinfer_nvidia_sm100.registration import plan
+        from deepinfer_core.ops.registry import BuildContext
+        from deepinfer_core.plugins import collect_registry, load_backend
+        from deepinfer_nvidia_sm100.registration import op_labels
 
-        device = caps.default_device()
-        return {f"op.{op}": impl for op, impl in plan(device, None, None, self_check=False).items()}
+        registry = collect_registry(load_backend(NAME, require_available=False))
+        ctx = BuildContext(backend=NAME, device=caps.default_device(), probe_only=True)
+        return {f"op.{op}": impl for op, impl in op_labels(registry, ctx).items()}
     except Exception as exc:  # details() must never raise
         return {"ops": f"not resolved: {type(exc).__name__}: {exc}"}
 
@@ -156,19 +160,21 @@ def deepinfer_init_device(local_rank):
 
 
 @hookimpl
-def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size):
-    if model.device.type != "cuda" or not capture_sizes:
+def deepinfer_platform(device):
+    if device.type != "cuda":
         return None
-    from deepinfer_core.engine.cuda_graph import CUDAGraphRunner
+    from deepinfer_nvidia_sm100.platform import CudaPlatform
 
-    fp8 = any(k.endswith("_scale") and k[: -len("_scale")] in model.p for k in model.p)  # *_fp8 ops need FP8 weights
-    syncing = sorted(op for op, impl in model.ops.chosen.items()
-                     if getattr(impl.fn, "syncs_host", False) and (fp8 or not op.endswith("_fp8")))
-    if syncing:
-        logger.warning("decode runs without CUDA graphs: %s wait(s) for the host", ", ".join(syncing))
+    return CudaPlatform(device)
+
+
+@hookimpl
+def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform):
+    if not platform.supports_graphs or not capture_sizes:
         return None
+    from deepinfer_core.worker.graph_runner import GraphRunner
 
-    return CUDAGraphRunner(model, cache, capture_sizes, max_model_len, block_size)
+    return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, platform=platform)
 
 
 @hookimpl

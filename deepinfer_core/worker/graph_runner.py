@@ -1,9 +1,10 @@
-"""Decode steps replayed from CUDA graphs: one graph per bucketed batch size over static input buffers.
+"""Decode steps replayed from captured graphs: one graph per bucketed batch size over static inputs.
 
 A step of ``n`` decoding sequences runs the graph of the smallest captured size >= ``n``; the rows past
 ``n`` are padding sequences with no blocks and state slot -1, whose writes land in the cache's trash.
 All of a step's index tensors live in one packed int64 device buffer per graph, filled by a single
-host-to-device copy from pinned memory.
+host-to-device copy from (pinned, where the platform has it) staging memory. Capture itself, streams
+and events come from the backend's :class:`~deepinfer_core.platform.Platform`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.model.metadata import ForwardBatch, GraphPadding, SeqSpan, build_forward_batch
+from deepinfer_core.platform import Graph, Platform
 
 
 def capture_sizes(max_size: int, step: int = 32) -> list[int]:
@@ -27,16 +29,15 @@ def capture_sizes(max_size: int, step: int = 32) -> list[int]:
 
 
 class _StaticInputs:
-    """The packed device buffer of one graph's inputs, its views as a ForwardBatch, and two pinned
-    staging buffers (a host buffer is reused only after its previous copy has run)."""
+    """The packed device buffer of one graph's inputs, its views as a ForwardBatch, and two staging
+    buffers (a host buffer is reused only after its previous copy has run)."""
 
-    def __init__(self, host: ForwardBatch, device: torch.device):
+    def __init__(self, host: ForwardBatch, platform: Platform):
         flat = host.packed()
-        self.packed = flat.to(device)
+        self.packed = flat.to(platform.device)
         self.batch = host.with_storage(self.packed)
-        pin = device.type == "cuda"
-        self.staging = [torch.empty_like(flat, pin_memory=pin) for _ in range(2)]
-        self.copied = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self.staging = [torch.empty_like(flat, pin_memory=platform.pin_memory) for _ in range(2)]
+        self.copied = [platform.new_event() for _ in range(2)]
         self.turn = 0
 
     def load(self, host: ForwardBatch) -> None:
@@ -49,7 +50,7 @@ class _StaticInputs:
             self.copied[k].record()
 
 
-class CUDAGraphRunner:
+class GraphRunner:
     """Pads decode steps to a captured size and replays that size's graph.
 
     With ``capture=False`` (CPU tests) the padded static batch runs eagerly: the same inputs, buffers
@@ -57,18 +58,18 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, model: DeepseekV4Model, cache: ModelCache, sizes: list[int], max_model_len: int,
-                 block_size: int, capture: bool = True):
+                 block_size: int, capture: bool = True, platform: Platform | None = None):
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.platform = platform or Platform(model.device)
         self.sizes = sorted(sizes)
         rates = {spec.rate for spec in model.compressor_specs()}
         self.max_entries = {rate: -(-max_model_len // rate) for rate in rates}
         self.inputs: dict[int, _StaticInputs] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Graph] = {}
         for size in reversed(self.sizes):
             empty = build_forward_batch([], [], model.compressor_specs(), block_size, model.cfg.sliding_window,
                                         pad=GraphPadding(size, self.max_entries))
-            self.inputs[size] = _StaticInputs(empty, model.device)
+            self.inputs[size] = _StaticInputs(empty, self.platform)
         if capture:
             self.capture()
 
@@ -93,27 +94,13 @@ class CUDAGraphRunner:
         size, n = batch.padded_to, len(batch.query_start_loc) - 1
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.outputs[size][:n]
+            return self.graphs[size].output[:n]
         logits, _ = self.model.forward(batch, self.cache)
         return logits[:n]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, all in one memory pool. The capture inputs are padding
-        sequences only, so capturing writes nothing outside the cache's trash."""
-        torch.cuda.synchronize()
-        pool = None
-        side = torch.cuda.Stream()
-        for size in reversed(self.sizes):
-            batch = self.inputs[size].batch
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compiles the kernels of this shape; allocations settle
-                    self.model.forward(batch, self.cache)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size], _ = self.model.forward(batch, self.cache)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        """Capture every size. The capture inputs are padding sequences only, so capturing writes nothing
+        outside the cache's trash."""
+        self.graphs = self.platform.capture_graphs(
+            self.sizes, lambda size: self.model.forward(self.inputs[size].batch, self.cache)[0])

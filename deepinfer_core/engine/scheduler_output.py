@@ -1,0 +1,46 @@
+"""What the scheduler hands the workers for one step: plain, picklable data (no device tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_core.sampling.params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A sequence the workers have not seen: what its sampling state starts from."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # base seed of the sequence's sampling noise
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of the step: tokens ``start .. start + len(token_ids)`` and where they go."""
+
+    seq_id: int
+    start: int
+    token_ids: list[int]  # PLACEHOLDER where the previous step's sample, still on the device, goes
+    block_table: list[int]
+    window_block_table: list[int]
+    state_slot: int
+    write_from: int
+    restore_boundary: int | None  # block whose boundary record seeds the compressor state first
+    sample: bool  # the step reaches the end of the sequence: sample its next token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # workers drop their state
+    grammar_bitmask: torch.Tensor | None = None  # host int32, a row per sampled sequence (all ones: none)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(s.sample for s in self.scheduled)

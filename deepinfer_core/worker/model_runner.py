@@ -1,0 +1,143 @@
+"""ModelRunner: one step on one device. Builds the ForwardBatch from the scheduler output, runs the
+forward (eagerly, or by replaying a captured graph when the step's shape has one), samples, and keeps
+each sequence's sampling state across steps (vLLM's persistent batch)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer_core.engine.scheduler_output import SchedulerOutput
+from deepinfer_core.engine.sequence import PLACEHOLDER
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
+from deepinfer_core.platform import Platform
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import Sampler, SamplerOutput
+from deepinfer_core.worker.graph_runner import capture_sizes
+from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput, ReadyOutput
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_CAPTURE_SIZE = 256  # larger decode batches run eagerly: launch overhead no longer dominates
+
+
+@dataclass
+class CachedRequestState:
+    """A sequence as the worker knows it: what sampling needs, kept from step to step."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER until a sample reaches the host
+    generator: Any = None
+
+
+class _PendingOutput:
+    """A launched step's samples on their way to the host."""
+
+    def __init__(self, states: list[CachedRequestState], positions: list[int], host: SamplerOutput):
+        self.states, self.positions, self.host = states, positions, host
+
+    def get_output(self) -> ModelRunnerOutput:
+        tokens, logprobs = self.host.tolists(self.states)
+        for state, pos, token in zip(self.states, self.positions, tokens):
+            if pos < len(state.output_token_ids):
+                state.output_token_ids[pos] = token
+        return ModelRunnerOutput([s.seq_id for s in self.states], tokens, logprobs, self.host.dead_ends)
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4Model, cache: ModelCache, block_size: int, sampler: Sampler,
+                 platform: Platform | None = None, graph_runner: Any = None):
+        self.model, self.cache, self.block_size, self.sampler = model, cache, block_size, sampler
+        self.platform = platform or Platform(model.device)
+        self.graph_runner = graph_runner  # None: always eager
+        self.requests: dict[int, CachedRequestState] = {}
+        self._prev_rows: dict[int, int] = {}  # seq id -> row of the previous step's samples
+        self._prev_tokens: torch.Tensor | None = None
+
+    @classmethod
+    def create(cls, model: DeepseekV4Model, cache: ModelCache, sampler: Sampler, args: Any, scheduler_config: Any,
+               backend: Any, platform: Platform) -> ModelRunner:
+        """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``,
+        the platform cannot capture, or an op the model runs waits for the host."""
+        graphs = None
+        if not args.enforce_eager and platform.supports_graphs:
+            syncing = model.ops.syncs_host(model.ops_in_use())
+            if syncing:
+                logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
+            else:
+                max_size = min(args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
+                               scheduler_config.max_num_seqs)
+                graphs = backend.hook.deepinfer_graph_runner(
+                    model=model, cache=cache, capture_sizes=capture_sizes(max_size),
+                    max_model_len=scheduler_config.max_model_len, block_size=args.block_size, platform=platform,
+                )
+        return cls(model, cache, args.block_size, sampler, platform, graphs)
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> _PendingOutput | ReadyOutput:
+        """Launch the step; the samples reach the host through the returned output's ``get_output``."""
+        self._update_states(so)
+        spans, ids, rows, states, fill = [], [], [], [], []
+        for s in so.scheduled:
+            if s.restore_boundary is not None:
+                self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
+            spans.append(SeqSpan(s.start, len(s.token_ids), s.block_table, s.window_block_table, s.state_slot,
+                                 s.write_from))
+            ids.extend(s.token_ids)
+            if s.token_ids[-1] == PLACEHOLDER:  # the previous step's sample, still on the device
+                fill.append((len(ids) - 1, self._prev_rows[s.seq_id]))
+            if s.sample:
+                rows.append(len(ids) - 1)
+                states.append(self.requests[s.seq_id])
+        batch = self.prepare(ids, spans, rows)
+        if fill:
+            where = torch.tensor(fill, dtype=torch.long).to(self.model.device, non_blocking=True)
+            batch.input_ids[where[:, 0]] = self._prev_tokens[where[:, 1]]
+        logits = self.execute(batch)  # may be a graph's output buffer: sampled before the next execute
+        if not states:
+            return ReadyOutput(EMPTY_OUTPUT)
+        out = self.sampler(logits, states, so.grammar_bitmask)
+        positions = []
+        for state in states:
+            positions.append(len(state.output_token_ids))
+            state.output_token_ids.append(PLACEHOLDER)
+        self._prev_rows = {state.seq_id: row for row, state in enumerate(states)}
+        self._prev_tokens = out.sampled_token_ids
+        return _PendingOutput(states, positions, out.to_host(self.platform))
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for seq_id in so.finished_seq_ids:
+            self.requests.pop(seq_id, None)
+            self.sampler.free(seq_id)
+        for new in so.new_requests:
+            self.requests[new.seq_id] = CachedRequestState(new.seq_id, list(new.prompt_token_ids), new.params,
+                                                           new.seed)
+
+    def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int]) -> ForwardBatch:
+        """The step's batch on the model's device; padded to a captured shape when a graph will run it."""
+        pad = self.graph_runner.padding_for(spans, logits_rows) if self.graph_runner is not None else None
+        host = build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
+                                   self.model.cfg.sliding_window, logits_rows, pad=pad)
+        if pad is not None:
+            return self.graph_runner.load(host)
+        return host.with_storage(self.platform.upload(host.packed()))
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32, or float64 in golden runs) of the batch's ``logits_indices`` rows.
+
+        With a graph the result is a view of the graph's output buffer: consume it (sample) before the
+        next ``execute``.
+        """
+        if self.graph_runner is not None and batch.padded_to is not None:
+            return self.graph_runner.replay(batch)
+        logits, _ = self.model.forward(batch, self.cache)
+        return logits

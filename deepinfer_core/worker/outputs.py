@@ -1,0 +1,31 @@
+"""What a worker returns for one step: plain, picklable host data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class ModelRunnerOutput:
+    seq_ids: list[int] = field(default_factory=list)  # the sampled sequences, in step order
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)  # for rows that asked
+    dead_ends: list[bool] | None = None  # grammar rows: no token satisfied every mask
+
+
+EMPTY_OUTPUT = ModelRunnerOutput()
+
+
+class AsyncModelRunnerOutput(Protocol):
+    """A launched step; ``get_output`` waits for its samples to reach the host."""
+
+    def get_output(self) -> ModelRunnerOutput: ...
+
+
+class ReadyOutput:
+    def __init__(self, output: ModelRunnerOutput):
+        self.output = output
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self.output

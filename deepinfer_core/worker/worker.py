@@ -1,0 +1,66 @@
+"""Worker: one device. Initialises it through the backend, loads the model, plans and allocates the
+cache, and runs steps through its ModelRunner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype
+from deepinfer_core.engine.memory import PoolSizes, plan_pools, profile_activation_bytes
+from deepinfer_core.engine.scheduler_output import SchedulerOutput
+from deepinfer_core.model import load_model
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.platform import Platform
+from deepinfer_core.plugins import LoadedBackend
+from deepinfer_core.sampling.sampler import Sampler
+from deepinfer_core.worker.model_runner import ModelRunner
+from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
+
+
+class Worker:
+    def __init__(self, args: Any, backend: LoadedBackend, model_config: ModelConfig, path: Path,
+                 scheduler_config: SchedulerConfig, cache_config: CacheConfig, parallel_config: ParallelConfig,
+                 rank: int = 0, local_rank: int = 0, batch_invariant: bool = False):
+        self.args, self.backend, self.model_config, self.path = args, backend, model_config, path
+        self.scheduler_config, self.cache_config = scheduler_config, cache_config
+        self.parallel_config, self.rank, self.local_rank = parallel_config, rank, local_rank
+        self.batch_invariant = batch_invariant
+
+    def init_device(self) -> None:
+        hook = self.backend.hook
+        self.device = torch.device(self.args.device) if self.args.device else hook.deepinfer_init_device(
+            local_rank=self.local_rank)
+        if self.device is None:
+            raise RuntimeError(f"backend {self.backend.info.name!r} implements no deepinfer_init_device and no "
+                               "device was given; pass device=...")
+        self.platform: Platform = hook.deepinfer_platform(device=self.device) or Platform(self.device)
+        self.dtype = resolve_dtype(self.args.dtype, self.platform.default_dtype)
+        if self.dtype == torch.float64 and self.device.type != "cpu":
+            raise ValueError("float64 is for golden runs on the CPU reference backend only")
+
+    def load_model(self) -> None:
+        args = self.args
+        self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
+                                batch_invariant=self.batch_invariant, quantization=args.quantization)
+
+    def initialize_cache(self) -> PoolSizes:
+        """Size the pools from the platform's budget (after a profiling forward where it measures memory),
+        allocate them and build the runner (capturing graphs where the backend has them)."""
+        cfg, args = self.model_config, self.args
+        activation = 0
+        if self.platform.measures_memory:
+            activation = profile_activation_bytes(self.model, self.scheduler_config, args.block_size, self.platform)
+        budget = self.platform.memory_budget(self.cache_config, activation)
+        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, budget)
+        self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
+                                args.block_size, self.dtype, self.device)
+        sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids)
+        self.model_runner = ModelRunner.create(self.model, self.cache, sampler, args, self.scheduler_config,
+                                               self.backend, self.platform)
+        return sizes
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
