@@ -203,7 +203,7 @@ def aligned_ckpt(tmp_path_factory) -> Path:
 def test_fp8_checkpoint_stays_fp8_with_stacked_expert_scales(aligned_ckpt, tmp_path):
     written = write_fp8_checkpoint(aligned_ckpt, tmp_path / "fp8")
     cfg = ModelConfig.from_pretrained(tmp_path / "fp8")
-    params = load_weights(cfg, tmp_path / "fp8", torch.bfloat16, keep_fp8=True)
+    params = dict(load_weights(cfg, tmp_path / "fp8", torch.bfloat16, keep_fp8=True).named_parameters())
     q, s = written["layers.1.attn.wq_a.weight"]
     assert s.shape == (2, 2)  # [160, 256]: a partial row of tiles
     assert torch.equal(params["layers.1.attn.wq_a.weight"].view(torch.uint8), q.view(torch.uint8))
@@ -226,7 +226,7 @@ def test_fp8_checkpoint_stays_fp8_with_stacked_expert_scales(aligned_ckpt, tmp_p
     assert params["head.weight"].dtype == torch.bfloat16 and "head.weight_scale" not in params
     assert torch.equal(params["head.weight"], dequantize_fp8_block(*written["head.weight"]).bfloat16())
     # without keep_fp8 everything is dequantised, experts included (the behaviour before FP8 mode)
-    plain = load_weights(cfg, tmp_path / "fp8", torch.float32)
+    plain = dict(load_weights(cfg, tmp_path / "fp8", torch.float32).named_parameters())
     assert not any(k.endswith("weight_scale") or k.endswith("w13_scale") for k in plain)
     q10, s10 = written["layers.2.ffn.experts.0.w1.weight"]
     assert torch.equal(plain["layers.2.ffn.experts.w13"][0, :inter], dequantize_fp8_block(q10, s10))

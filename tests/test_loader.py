@@ -335,7 +335,7 @@ def test_fp8_load_in_bfloat16_keeps_fp32_params(tiny_checkpoints, tmp_path):
     q, scale = quantize_fp8(tensors[name])
     tensors[name], tensors[name.removesuffix(".weight") + ".scale"] = q, scale
     write_tensors(path, tensors)
-    params = load_weights(ModelConfig.from_pretrained(path), path, torch.bfloat16)
+    params = dict(load_weights(ModelConfig.from_pretrained(path), path, torch.bfloat16).named_parameters())
     assert params["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
     assert torch.equal(params["layers.0.attn.wq_a.weight"], dequantize_reference(q, scale).bfloat16())
 
@@ -356,7 +356,7 @@ def _keeps_fp32(name: str) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_dtype_selection(tiny_checkpoints, dtype):
     path = tiny_checkpoints.path("tiny")
-    params = load_weights(ModelConfig.from_pretrained(path), path, dtype)
+    params = dict(load_weights(ModelConfig.from_pretrained(path), path, dtype).named_parameters())
     half = dtype in (torch.bfloat16, torch.float16)
     kinds = {"fp32": 0, "compute": 0}
     for name, tensor in params.items():

@@ -33,7 +33,7 @@ class ModelCost:
     """Bytes and FLOPs of a step of ``model`` (a DeepseekV4Model, any weight dtype)."""
 
     def __init__(self, model):
-        cfg, p = model.cfg, model.p
+        cfg, p = model.cfg, dict(model.named_parameters())
         self.cfg = cfg
         self.static_bytes, self.per_expert_bytes = static_weight_bytes(p)
         self.moe_layers = sorted(self.per_expert_bytes, key=lambda k: int(k.split(".")[1]))

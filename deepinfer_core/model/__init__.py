@@ -8,8 +8,8 @@ import torch
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-from deepinfer_core.model.fp8 import quantize_params_fp8
 from deepinfer_core.model.loader import load_weights
+from deepinfer_core.model.weights import ModelWeights
 from deepinfer_core.plugins import build_op_table
 
 
@@ -34,12 +34,9 @@ def load_model(
     cfg = ModelConfig.from_pretrained(path)
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
-    fp8 = quantization == "fp8"
-    params = load_weights(cfg, path, dtype, device, keep_fp8=fp8, show_progress=show_progress)
-    if fp8:  # what the checkpoint did not ship in E4M3 is quantised now
-        quantize_params_fp8(params, cfg)
-    load_backend(backend).hook.deepinfer_process_weights(params=params, model_config=cfg)
-    return DeepseekV4Model(cfg, params, ops, dtype)
+    weights = load_weights(cfg, path, dtype, device, keep_fp8=quantization == "fp8", show_progress=show_progress,
+                           hook=load_backend(backend).hook)
+    return DeepseekV4Model(cfg, weights, ops, dtype)
 
 
-__all__ = ["DeepseekV4Model", "ModelConfig", "load_model"]
+__all__ = ["DeepseekV4Model", "ModelConfig", "ModelWeights", "load_model"]

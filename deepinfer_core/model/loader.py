@@ -10,22 +10,51 @@ with their scales as ``name + "_scale"``, routed experts stacked in E4M3 with st
 unquantised expert is quantised as it is stacked). Where 128-row tiles would straddle the gate and up
 halves (``moe_intermediate_size`` not a multiple of 128) the experts are stacked dequantised and left
 for :func:`~deepinfer_core.model.fp8.quantize_params_fp8` to quantise whole.
+
+The tensors, by canonical name, then become the typed records of :mod:`deepinfer_core.model.weights`
+(:func:`build_weights`); :data:`_LAYOUT` is the one place that says which name fills which field.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import types
+import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model.fp8 import FP8_BLOCK, FP8_DTYPE, fp8_weight_names, quantize_fp8_block, scale_shape
+from deepinfer_core.model.fp8 import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    fp8_weight_names,
+    quantize_fp8_block,
+    quantize_params_fp8,
+    scale_shape,
+)
 from deepinfer_core.model.fp8 import dequantize_fp8_block as dequantize_fp8
+from deepinfer_core.model.weights import (
+    Attention,
+    Block,
+    Compressor,
+    Experts,
+    Gate,
+    HyperConnection,
+    Indexer,
+    Linear,
+    ModelWeights,
+    MoE,
+    MTPBlock,
+    OutputNorm,
+    SharedExpert,
+)
 
 
 class CheckpointError(ValueError):
@@ -174,6 +203,24 @@ def load_weights(
     device: torch.device | str = "cpu",
     keep_fp8: bool = False,
     show_progress: bool = False,
+    hook: Any = None,
+) -> ModelWeights:
+    """The checkpoint in ``path`` as typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3 and
+    the FP8-eligible weights the checkpoint did not ship in E4M3 are quantised. ``hook`` (a plugin
+    manager's hook relay): its ``deepinfer_process_weights`` is called once on the records."""
+    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress)
+    if keep_fp8:
+        quantize_params_fp8(params, cfg)
+    return build_weights(cfg, params, hook)
+
+
+def read_checkpoint(
+    cfg: ModelConfig,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    keep_fp8: bool = False,
+    show_progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read every tensor once, rename, stack experts, cast; check names and shapes against the config."""
     files = checkpoint_files(path)
@@ -295,3 +342,103 @@ def _stack_shared_experts(params: dict[str, torch.Tensor], inter: int, param_dty
                 if s is not None:
                     params[h] = dequantize_fp8(params[h], s).to(param_dtype(prefix + "w13"))
         params[prefix + "w13"] = torch.cat([params.pop(h) for h in halves], dim=0)
+
+
+# --- typed records -------------------------------------------------------------------------------------
+
+#: where each field of a record lives, relative to the record's prefix: a tensor's name (a
+#: :class:`Linear` adds ``"_scale"`` for its block scales) or the prefix of a nested record; a list of
+#: records numbers them (``layers.0.``, ``layers.1.``, ...)
+_LAYOUT: dict[type, dict[str, str]] = {
+    ModelWeights: {"embed": "embed.weight", "head": "head.weight", "output": "", "layers": "layers.",
+                   "mtp": "mtp."},
+    OutputNorm: {"hc": "hc_head_", "norm": "norm.weight"},
+    HyperConnection: {"fn": "fn", "base": "base", "scale": "scale"},
+    MTPBlock: {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "e_proj": "e_proj.weight",
+               "h_proj": "h_proj.weight", "block": "", "output": ""},
+    Block: {"attn_hc": "hc_attn_", "attn_norm": "attn_norm.weight", "attn": "attn.", "ffn_hc": "hc_ffn_",
+            "ffn_norm": "ffn_norm.weight", "moe": "ffn."},
+    Attention: {"wq_a": "wq_a.weight", "q_norm": "q_norm.weight", "wq_b": "wq_b.weight", "wkv": "wkv.weight",
+                "kv_norm": "norm.weight", "sinks": "attn_sink", "wo_a": "wo_a.weight", "wo_b": "wo_b.weight",
+                "compressor": "compressor.", "indexer": "indexer."},
+    Compressor: {"wkv": "wkv.weight", "wgate": "wgate.weight", "ape": "ape", "norm": "norm.weight"},
+    Indexer: {"wq_b": "wq_b.weight", "weights_proj": "weights_proj.weight", "compressor": "compressor."},
+    MoE: {"gate": "gate.", "experts": "experts.", "shared": "shared_experts."},
+    Gate: {"weight": "weight", "bias": "bias", "tid2eid": "tid2eid"},
+    Experts: {"w13": "w13", "w2": "w2"},
+    SharedExpert: {"w13": "w13", "w2": "w2.weight"},
+}
+
+
+@functools.cache
+def _fields(cls: type) -> list[tuple[str, str, Any, bool]]:
+    """(field, relative name, type, optional) of each field of record type ``cls``."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for name, rel in _LAYOUT[cls].items():
+        hint, args = hints[name], typing.get_args(hints[name])
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+        if optional:
+            hint = next(a for a in args if a is not type(None))
+        out.append((name, rel, hint, optional))
+    return out
+
+
+def _build(cls: type, params: dict[str, torch.Tensor], prefix: str) -> Any:
+    values = {}
+    for name, rel, kind, optional in _fields(cls):
+        full = prefix + rel
+        if typing.get_origin(kind) is list:
+            item = typing.get_args(kind)[0]
+            found = {int(m.group(1)) for k in params if (m := re.match(re.escape(full) + r"(\d+)\.", k))}
+            values[name] = [_build(item, params, f"{full}{i}.") for i in range(max(found, default=-1) + 1)]
+        elif kind is torch.Tensor:
+            if full not in params and not optional:
+                raise CheckpointError(f"no tensor {full}")
+            values[name] = params.get(full)
+        elif kind is Linear:
+            if full not in params:
+                raise CheckpointError(f"no tensor {full}")
+            values[name] = Linear(params[full], params.get(full + "_scale"))
+        elif optional and not any(k.startswith(full) for k in params):
+            values[name] = None
+        else:
+            values[name] = _build(kind, params, full)
+    return cls(**values)
+
+
+def build_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], hook: Any = None) -> ModelWeights:
+    """The records of ``params`` (canonical names, experts stacked, FP8 scales as ``name + "_scale"``),
+    handed once to every plugin's ``deepinfer_process_weights`` when ``hook`` is given."""
+    weights = _build(ModelWeights, params, "")
+    if len(weights.layers) != cfg.num_hidden_layers:
+        raise CheckpointError(f"found {len(weights.layers)} decoder layers, the config has {cfg.num_hidden_layers}")
+    for i, layer in enumerate([*weights.layers, *(m.block for m in weights.mtp)]):
+        if layer.moe.experts.w13.is_fp8 != layer.moe.experts.w2.is_fp8:
+            raise CheckpointError(f"block {i}: routed experts' w13 and w2 must both be FP8 or neither")
+    if hook is not None:
+        hook.deepinfer_process_weights(weights=weights, model_config=cfg)
+    return weights
+
+
+def _named(record: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, rel, *_ in _fields(type(record)):
+        value, full = getattr(record, name), prefix + rel
+        if value is None:
+            continue
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                yield from _named(item, f"{full}{i}.")
+        elif isinstance(value, torch.Tensor):
+            yield full, value
+        elif isinstance(value, Linear):
+            yield full, value.weight
+            if value.scale is not None:
+                yield full + "_scale", value.scale
+        else:
+            yield from _named(value, full)
+
+
+def named_parameters(weights: ModelWeights) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical checkpoint name, tensor) of every weight in ``weights``, FP8 scales as ``name + "_scale"``."""
+    return _named(weights, "")
