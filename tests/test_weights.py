@@ -1,5 +1,5 @@
-"""Typed weight records: what the loader builds per layer, their checkpoint names, and
-``deepinfer_process_weights``: a plugin's re-laid record is what the engine runs."""
+"""Typed weight records: what the loader builds per layer, their checkpoint names, the ops the forward
+calls given them, and ``deepinfer_process_weights``: a plugin's re-laid record is what the engine runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.model import load_model
 from deepinfer_core.model.fp8 import FP8_DTYPE, quantize_params_fp8
 from deepinfer_core.model.loader import CheckpointError, build_weights, load_weights, read_checkpoint
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.model.weights import Compressor, Indexer, Linear, ModelWeights
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.model_runner import SimpleRunner
@@ -103,6 +104,61 @@ def test_a_missing_tensor_is_named(tiny):
     del flat["layers.1.attn.wq_b.weight"]
     with pytest.raises(CheckpointError, match=re.escape("layers.1.attn.wq_b.weight")):
         build_weights(cfg, flat)
+
+
+# --- ops_in_use ----------------------------------------------------------------------------------------
+
+
+def record_calls(model) -> set[str]:
+    """Wrap every op of ``model.ops``; the returned set fills with the names called."""
+    called: set[str] = set()
+
+    def wrap(name, fn):
+        def op(*args, **kwargs):
+            called.add(name)
+            return fn(*args, **kwargs)
+
+        return op
+
+    for name in model.ops.chosen:
+        setattr(model.ops, name, wrap(name, getattr(model.ops, name)))
+    return called
+
+
+def run_forward_and_mtp(model, length: int = 40) -> tuple[set[str], set[str]]:
+    """(ops the forward called, ops mtp_forward called) over ``length`` tokens, every window closing."""
+    called = record_calls(model)
+    ids = torch.randint(2, model.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner = SimpleRunner(model, 1, length + 1, block_size=16)
+    span = [SeqSpan(0, length, runner.table(0), runner.table(0), 0)]
+    batch = build_forward_batch(ids, span, model.compressor_specs(), 16, model.cfg.sliding_window,
+                                list(range(length)))
+    _, streams = model.forward(batch, runner.cache)
+    forward = set(called)
+    called.clear()
+    if model.has_mtp:
+        nxt = torch.tensor(ids[1:] + [2])
+        model.mtp_forward(batch, runner.cache, streams, nxt)
+    return forward, set(called)
+
+
+@pytest.mark.parametrize("case", ["float32", "fp8", "no_mtp", "sliding_only"])
+def test_ops_in_use_are_the_ops_the_forward_calls(case, aligned, tmp_path):
+    if case == "no_mtp":
+        path = build_tiny_checkpoint(tmp_path / "c", "tiny", with_mtp=False)
+    elif case == "sliding_only":
+        path = build_tiny_checkpoint(tmp_path / "c", "tiny", layer_types=["sliding_attention"] * 4)
+    else:
+        path = aligned
+    model = load_model(path, dtype=torch.float32, quantization="fp8" if case == "fp8" else None)
+    forward, mtp = run_forward_and_mtp(model)
+    assert model.ops_in_use(mtp=False) == forward
+    assert model.ops_in_use() == forward | mtp
+    assert model.has_mtp == (case != "no_mtp") and bool(mtp) == model.has_mtp
+    fp8_ops = {"linear_fp8", "moe_experts_fp8"}
+    assert fp8_ops <= forward if case == "fp8" else not fp8_ops & forward
+    assert ("moe_experts" in forward) == (case != "fp8")
+    assert ("compress_windows" in forward and "indexer_topk" in forward) == (case != "sliding_only")
 
 
 # --- deepinfer_process_weights ---------------------------------------------------------------------------

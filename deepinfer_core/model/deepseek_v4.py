@@ -14,13 +14,20 @@ from deepinfer_core.model.weights import (
     Attention,
     Block,
     Compressor,
+    Experts,
     Indexer,
     Linear,
     ModelWeights,
     MoE,
     OutputNorm,
+    records,
 )
 from deepinfer_core.ops import OpTable
+
+#: ops every forward calls, whatever its weights
+_ALWAYS_USED = frozenset({"embedding", "rms_norm", "rotary_emb", "grouped_linear", "swiglu", "sparse_attention",
+                          "hc_pre", "hc_post", "hc_head", "moe_route"})
+
 
 class RotaryTables:
     """cos/sin of the "main" and "compress" RoPE, computed as transformers does (float32 angles)."""
@@ -71,6 +78,24 @@ class DeepseekV4Model:
 
     def compressor_specs(self) -> set[CompressorSpec]:
         return {b for s in self.cache_specs for b in (s.compressor, s.indexer) if b is not None}
+
+    def ops_in_use(self, mtp: bool = True) -> set[str]:
+        """Names of the ops :meth:`forward` calls with these weights (with ``mtp``, :meth:`mtp_forward`'s
+        too): the ``*_fp8`` ops only where weights are FP8, compression and indexing only where layers
+        have them. The sampler's ops are not the model's."""
+        w = self.weights
+        roots = [w.head, w.output, *w.layers, *(w.mtp if mtp else [])]
+        used = set(_ALWAYS_USED)
+        for r in records(roots, leaves=(Experts,)):
+            if isinstance(r, Linear):
+                used.add("linear_fp8" if r.is_fp8 else "linear")
+            elif isinstance(r, Experts):
+                used.add("moe_experts_fp8" if r.is_fp8 else "moe_experts")
+            elif isinstance(r, Compressor):
+                used.add("compress_windows")
+            elif isinstance(r, Indexer):
+                used.add("indexer_topk")
+        return used
 
     # --- top level -------------------------------------------------------------------------------
 
