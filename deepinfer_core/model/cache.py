@@ -15,6 +15,9 @@ Every pool has one extra block (and every ring one extra slot) after the last th
 out: the trash. A write to row, block or slot -1 lands there by negative indexing (windows that close
 before a request's ``write_from``, the padding rows of a captured graph), so no write needs a
 data-dependent mask; reads treat -1 as "no row".
+
+Entry dtypes, widths and the block size come from a :class:`~deepinfer_core.model.kv_cache_spec.KVCacheSpec`
+(by default the model's dtype: :meth:`KVCacheSpec.default`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.kv_cache_spec import KVCacheSpec, check_kv_cache_spec, state_dtype
 
 
 @dataclass(frozen=True)
@@ -74,30 +78,36 @@ def check_block_size(cfg: ModelConfig, block_size: int) -> None:
             )
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSpec | None) -> KVCacheSpec:
+    if spec is None:
+        check_block_size(cfg, block_size)
+        return KVCacheSpec.default(cfg, block_size, dtype)
+    check_kv_cache_spec(spec, cfg, block_size)
+    return spec
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(compressed-pool bytes, window-pool bytes) that one block costs across all layers."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    state_elt = torch.empty((), dtype=state_dtype(dtype)).element_size()
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                    spec: KVCacheSpec | None = None) -> tuple[int, int]:
+    """(compressed-pool bytes, window-pool bytes) that one block costs across all layers, in the layout of
+    ``spec`` (default: ``dtype`` entries)."""
+    spec = _spec(cfg, block_size, dtype, spec)
+    state_elt = spec.state_dtype.itemsize
     window = comp = 0
-    for spec in layer_cache_specs(cfg):
-        window += block_size * cfg.head_dim * elt
-        for branch in (spec.compressor, spec.indexer):
+    for layer in layer_cache_specs(cfg):
+        window += spec.window_bytes_per_block
+        for branch, indexer in ((layer.compressor, False), (layer.indexer, True)):
             if branch is not None:
-                comp += block_size // branch.rate * branch.dim * elt
-                if branch.overlap:
+                comp += spec.compressed_bytes_per_block(branch.rate, indexer)
+                if branch.overlap:  # the boundary records
                     comp += 2 * branch.rate * branch.dim * state_elt
     return comp, window
 
 
-def bytes_per_state_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    elt = torch.empty((), dtype=state_dtype(dtype)).element_size()
+def bytes_per_state_slot(cfg: ModelConfig, dtype: torch.dtype, spec: KVCacheSpec | None = None) -> int:
+    elt = (spec.state_dtype if spec is not None else state_dtype(dtype)).itemsize
     total = 0
-    for spec in layer_cache_specs(cfg):
-        for branch in (spec.compressor, spec.indexer):
+    for layer in layer_cache_specs(cfg):
+        for branch in (layer.compressor, layer.indexer):
             if branch is not None:
                 total += 2 * branch.rows * branch.source_dim * elt
     return total
@@ -116,28 +126,29 @@ class ModelCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         fill: float = 0.0,
+        spec: KVCacheSpec | None = None,
     ):
-        check_block_size(cfg, block_size)
+        self.kv_spec = spec = _spec(cfg, block_size, dtype, spec)
         self.block_size = block_size
         self.num_blocks, self.num_window_blocks, self.num_state_slots = num_blocks, num_window_blocks, num_state_slots
         self.specs = layer_cache_specs(cfg)
         num_blocks, num_window_blocks, num_state_slots = num_blocks + 1, num_window_blocks + 1, num_state_slots + 1
-        sdt = state_dtype(dtype)
+        sdt = spec.state_dtype
 
-        def pool(rows: int, dim: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        def pool(rows: int, dim: int, dt: torch.dtype = spec.dtype) -> torch.Tensor:
             return torch.full((rows, dim), fill, dtype=dt, device=device)
 
-        self.window_kv = [pool(num_window_blocks * block_size, cfg.head_dim) for _ in self.specs]
+        self.window_kv = [pool(num_window_blocks * block_size, spec.head_dim) for _ in self.specs]
         self.comp_kv: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         self.comp_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.comp_boundary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index_boundary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, spec in enumerate(self.specs):
+        for layer, branches in enumerate(self.specs):
             for branch, pools, states, boundaries in (
-                (spec.compressor, self.comp_kv, self.comp_state, self.comp_boundary),
-                (spec.indexer, self.index_keys, self.index_state, self.index_boundary),
+                (branches.compressor, self.comp_kv, self.comp_state, self.comp_boundary),
+                (branches.indexer, self.index_keys, self.index_state, self.index_boundary),
             ):
                 if branch is None:
                     continue
