@@ -213,8 +213,19 @@ def describe_backends() -> list[dict[str, str]]:
             row.update({k: str(v) for k, v in info.details().items()})
         except Exception as exc:
             row["details_error"] = f"details() raised {type(exc).__name__}: {exc}"
+        row.update(collect_env(name))
         rows.append(row)
     return rows
+
+
+def collect_env(backend: str) -> dict[str, str]:
+    """What every plugin of ``backend`` reports through ``deepinfer_collect_env`` (for bug reports)."""
+    try:
+        loaded = load_backend(backend, require_available=False)
+        reports = loaded.hook.deepinfer_collect_env()
+    except Exception as exc:  # diagnostics never take the listing down
+        return {"env_error": f"deepinfer_collect_env raised {type(exc).__name__}: {exc}"}
+    return {k: str(v) for report in reports for k, v in (report or {}).items()}
 
 
 def probe_library(module: str, dists: tuple[str, ...] = ()) -> str:

@@ -54,8 +54,7 @@ class UniProcExecutor(Executor):
                                     batch_invariant=batch_invariant)
         worker = self.driver_worker
         worker.init_device()
-        self.communicator: Communicator | None = backend.hook.deepinfer_make_communicator(
-            group=None, device=worker.device)
+        self.communicator: Communicator | None = worker.communicator
         worker.load_model()
         self.pool_sizes = worker.initialize_cache()
 

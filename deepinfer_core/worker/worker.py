@@ -37,6 +37,12 @@ class Worker:
             raise RuntimeError(f"backend {self.backend.info.name!r} implements no deepinfer_init_device and no "
                                "device was given; pass device=...")
         self.platform: Platform = hook.deepinfer_platform(device=self.device) or Platform(self.device)
+        self.communicator = hook.deepinfer_make_communicator(group=None, device=self.device)
+        self.ep_dispatcher = None
+        if self.parallel_config.expert_parallel_size > 1:
+            cfg = self.model_config
+            self.ep_dispatcher = hook.deepinfer_make_ep_dispatcher(
+                communicator=self.communicator, num_experts=cfg.n_routed_experts, hidden_size=cfg.hidden_size)
         self.dtype = resolve_dtype(self.args.dtype, self.platform.default_dtype)
         if self.dtype == torch.float64 and self.device.type != "cpu":
             raise ValueError("float64 is for golden runs on the CPU reference backend only")

@@ -8,12 +8,14 @@ import torch
 
 from deepinfer_core.comm import TorchDistributedCommunicator
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.ops import native
 from deepinfer_core.plugins import BackendInfo
 from deepinfer_core.topology import plan_single_host, single_host_cpu_topology
 from deepinfer_cpu_ref import batch_invariant
-from deepinfer_cpu_ref.ops import ALL_OPS
 
 NAME = "cpu_ref"
+#: the reference: the core's native bodies
+REFERENCE_PRIORITY = 0
 #: the batch-invariant variants: above the reference, and only in batch-invariant mode
 BATCH_INVARIANT_PRIORITY = 1
 
@@ -44,11 +46,10 @@ def deepinfer_backend_info():
 def deepinfer_register_ops(registry, backend):
     if backend.name != NAME:
         return
-    for name, fn in ALL_OPS.items():
-        registry.register(name, fn, priority=0)
+    native.register(registry, priority=REFERENCE_PRIORITY)
     for name, fn in batch_invariant.ALL_OPS.items():
         registry.register(name, fn, priority=BATCH_INVARIANT_PRIORITY, predicate=_batch_invariant_mode,
-                          batch_invariant=True)
+                          batch_invariant=True, syncs_host=name in native.SYNCS_HOST)  # the MoE loops
 
 
 @hookimpl
@@ -59,6 +60,14 @@ def deepinfer_init_device(local_rank):
 @hookimpl
 def deepinfer_make_communicator(group, device):
     return TorchDistributedCommunicator(group)
+
+
+@hookimpl
+def deepinfer_make_ep_dispatcher(communicator, num_experts, hidden_size):
+    """all_to_all over the communicator's group (DeepEP comes with the expert-parallel work)."""
+    from deepinfer_core.parallel.ep import AllToAllDispatcher
+
+    return AllToAllDispatcher(communicator, num_experts, hidden_size)
 
 
 @hookimpl

@@ -186,6 +186,14 @@ def deepinfer_make_communicator(group, device):
 
 
 @hookimpl
+def deepinfer_make_ep_dispatcher(communicator, num_experts, hidden_size):
+    """all_to_all over the communicator's group (DeepEP comes with the expert-parallel work)."""
+    from deepinfer_core.parallel.ep import AllToAllDispatcher
+
+    return AllToAllDispatcher(communicator, num_experts, hidden_size)
+
+
+@hookimpl
 def deepinfer_discover_topology():
     from deepinfer_core.topology import single_host_cpu_topology
     from deepinfer_nvidia_sm100 import topology

@@ -1,0 +1,245 @@
+"""Every hook spec is called by the core where its docstring says, and has a test named after it here
+or elsewhere (``test_hook_<name>`` or a test whose name holds the hook's short name). The tests below
+register a kernel pack implementing the hook and check that building or running an engine used it."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core import hookspecs, plugins
+
+try:
+    from plugin_helpers import FakeDists
+except ImportError:  # tests/ imported as a package
+    from tests.plugin_helpers import FakeDists
+
+CORE = Path(hookspecs.__file__).parent
+TESTS = Path(__file__).parent
+SPECS = sorted(name for name, obj in inspect.getmembers(hookspecs, inspect.isfunction)
+               if hasattr(obj, f"{hookspecs.PROJECT}_spec"))
+
+
+def _core_callers(name: str) -> list[str]:
+    pattern = re.compile(rf"\bhook\.{name}\b")
+    return [str(p.relative_to(CORE)) for p in CORE.rglob("*.py") if pattern.search(p.read_text())]
+
+
+def _test_names() -> set[str]:
+    names = set()
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_"):
+                names.add(node.name)
+    return names
+
+
+def test_every_hook_has_a_caller_in_the_core():
+    assert len(SPECS) >= 10
+    assert [name for name in SPECS if not _core_callers(name)] == []
+
+
+def test_every_hook_has_a_test_named_after_it():
+    names = _test_names()
+    untested = [h for h in SPECS if not any(h.removeprefix("deepinfer_") in t for t in names)]
+    assert untested == []
+
+
+def test_the_checks_catch_a_hook_without_caller_or_test():
+    assert _core_callers("deepinfer_no_such_hook") == []
+    assert not any("no_such_hook" in t for t in _test_names())
+
+
+# --- each hook through the core ---------------------------------------------------------------------
+
+PACK = '''
+import torch
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.platform import Platform
+from deepinfer_core.topology import ParallelPlan
+
+CALLS = []
+
+class RecordingPlatform(Platform):
+    def memory_budget(self, cache_config, reserved_bytes=0):
+        CALLS.append(("memory_budget", reserved_bytes))
+        return super().memory_budget(cache_config, reserved_bytes)
+
+@hookimpl
+def deepinfer_configure(model_config, cache_config):
+    CALLS.append(("configure", cache_config.block_size))
+    cache_config.num_blocks = 37
+
+@hookimpl
+def deepinfer_init_device(local_rank):
+    CALLS.append(("init_device", local_rank))
+    return torch.device("cpu")
+
+@hookimpl
+def deepinfer_platform(device):
+    CALLS.append(("platform", device.type))
+    return RecordingPlatform(device)
+
+@hookimpl
+def deepinfer_discover_topology():
+    from deepinfer_core.topology import single_host_cpu_topology
+    CALLS.append(("discover_topology",))
+    return single_host_cpu_topology()
+
+@hookimpl
+def deepinfer_plan_parallel(topology, parallel_config):
+    CALLS.append(("plan_parallel", parallel_config.data_parallel_size, topology.num_devices))
+    return ParallelPlan(1, 1, {0: 0})
+
+@hookimpl
+def deepinfer_make_communicator(group, device):
+    from deepinfer_core.comm import TorchDistributedCommunicator
+    CALLS.append(("make_communicator", device.type))
+    return TorchDistributedCommunicator(group)
+
+@hookimpl
+def deepinfer_collect_env():
+    return {"recorder": "present"}
+'''
+
+
+@pytest.fixture
+def recorder(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    fake = FakeDists(site)
+    fake.ensure_repo_dists(monkeypatch)
+    fake.add("deepinfer-recorder", {plugins.KERNEL_GROUP: {"recorder": "recorder_pack"}}, {"recorder_pack": PACK})
+    monkeypatch.setenv(plugins.ALLOWLIST_ENV, "recorder")
+    plugins._LOADED.clear()
+    import sys
+
+    yield sys.modules.get("recorder_pack") or __import__("recorder_pack")
+    plugins._LOADED.clear()
+    fake.cleanup()
+
+
+@pytest.fixture
+def engine(recorder):
+    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+
+    recorder.CALLS.clear()
+    return LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+
+
+def _calls(recorder, kind):
+    return [c for c in recorder.CALLS if c[0] == kind]
+
+
+def test_hook_deepinfer_backend_info(recorder):
+    loaded = plugins.load_backend("cpu_ref")
+    assert loaded.info.name == "cpu_ref" and loaded.info.device_type == "cpu"
+
+
+def test_hook_deepinfer_configure(engine, recorder):
+    assert _calls(recorder, "configure") == [("configure", 128)]
+    assert engine.pool_sizes.num_blocks == 37  # the mutated cache config sized the pool
+
+
+def test_hook_deepinfer_init_device(engine, recorder):
+    assert _calls(recorder, "init_device") == [("init_device", 0)]
+    assert engine.device == torch.device("cpu")
+
+
+def test_hook_deepinfer_platform(engine, recorder):
+    assert _calls(recorder, "platform") == [("platform", "cpu")]
+    assert type(engine.platform).__name__ == "RecordingPlatform"
+    assert _calls(recorder, "memory_budget") == [("memory_budget", 0)]  # the pools were planned through it
+
+
+def test_hook_deepinfer_discover_topology_and_plan_parallel(engine, recorder):
+    assert _calls(recorder, "discover_topology") == [("discover_topology",)]
+    assert _calls(recorder, "plan_parallel") == [("plan_parallel", 1, 1)]
+    assert engine.executor.plan.device_of_rank == {0: 0} and engine.executor.driver_worker.local_rank == 0
+
+
+def test_hook_deepinfer_make_communicator(engine, recorder):
+    assert _calls(recorder, "make_communicator") == [("make_communicator", "cpu")]
+    comm = engine.executor.communicator
+    assert comm.world_size == 1 and comm.rank == 0
+    t = torch.ones(3)
+    assert torch.equal(comm.all_reduce(t), torch.ones(3))
+
+
+def test_hook_deepinfer_collect_env(recorder):
+    rows = {r["name"]: r for r in plugins.describe_backends()}
+    assert rows["cpu_ref"].get("recorder") == "present"
+
+
+def test_hook_deepinfer_register_ops(recorder):
+    loaded = plugins.load_backend("cpu_ref")
+    registry = plugins.collect_registry(loaded)
+    assert registry.candidates("rms_norm")  # the backend (and the core's native bodies) registered
+
+
+def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder, monkeypatch):
+    """On a platform with graphs the ModelRunner asks the backend for its graph runner (with the
+    platform) and decodes through it; on one without, it never asks."""
+    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+    from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.worker.graph_runner import GraphRunner
+
+    asked = []
+
+    class GraphPlatform(recorder.RecordingPlatform):
+        supports_graphs = True
+
+    def graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform):
+        asked.append((tuple(capture_sizes), type(platform).__name__))
+        return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, capture=False, platform=platform)
+
+    engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+    assert asked == [] and engine.runner.graph_runner is None
+    eager = _greedy(engine)
+
+    monkeypatch.setattr(recorder, "deepinfer_platform", None, raising=False)
+    loaded = plugins.load_backend("cpu_ref")
+    from deepinfer_core.hookspecs import hookimpl
+
+    class GraphPack:
+        @hookimpl(tryfirst=True)
+        def deepinfer_platform(self, device):
+            return GraphPlatform(device)
+
+        @hookimpl
+        def deepinfer_graph_runner(self, model, cache, capture_sizes, max_model_len, block_size, platform):
+            return graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform)
+
+    pack = GraphPack()
+    loaded.pm.register(pack, name="graph-pack")
+    try:
+        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+        assert asked == [] and engine.runner.graph_runner is None  # cpu_ref's MoE waits for the host
+        from deepinfer_core.ops.registry import OpTable
+
+        monkeypatch.setattr(OpTable, "syncs_host", lambda self, ops: [])
+        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+        assert asked == [((1, 2, 4), "GraphPlatform")]
+        assert isinstance(engine.runner.graph_runner, GraphRunner)
+        assert _greedy(engine) == eager
+        assert SamplingParams  # imported for _greedy
+    finally:
+        loaded.pm.unregister(pack)
+
+
+def _greedy(engine) -> list[int]:
+    from deepinfer_core.sampling.params import SamplingParams
+
+    engine.add_request("g", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=6,
+                                                                             ignore_eos=True))
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    return out.outputs[0].token_ids
