@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``deepinfer serve``): protocol, handlers, metrics and the app."""

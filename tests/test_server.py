@@ -1,0 +1,503 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client against a real uvicorn on
+127.0.0.1 serving the embedded tiny model: every text equals the offline engine's with the same seeds,
+streaming and not; tools, response_format, n, stop and logprobs pass through; bad requests get 400 (429
+when the queue is full, 401 without the key) and the server keeps serving; a client that goes away
+aborts its request and frees its memory; a bounded load test ends with zero errors and idle memory.
+Both engines are batch-invariant, so batching on the server cannot change a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import importlib.util
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from deepinfer_core.chat import encode_messages  # noqa: E402
+from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from deepinfer_core.entrypoints.async_llm import AsyncLLM  # noqa: E402
+from deepinfer_core.entrypoints.chat_utils import chat  # noqa: E402
+from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
+from deepinfer_core.entrypoints.openai.api_server import build_app  # noqa: E402
+from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
+
+needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
+                                    reason="structured outputs need the optional xgrammar ('deepinfer[structured]')")
+MODEL = "deepseek-v4-tiny"
+KEY = "test-key"
+ENGINE = {"batch_invariant": True, "block_size": 32, "max_num_seqs": 16}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"location": {"type": "string"}}}}}
+CALL = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="location" string="true">Paris</｜DSML｜parameter>\n'
+        '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+
+
+class Server:
+    def __init__(self, port: int, app, engine: LLMEngine, async_llm: AsyncLLM):
+        self.port, self.app, self.engine, self.async_llm = port, app, engine, async_llm
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", KEY), max_retries=0,
+                             timeout=60, **kw)
+
+    def get(self, path: str, key: str | None = KEY) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request is left anywhere; then the block books must balance and the KV cache be idle."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (self.async_llm.num_pending == 0 and not self.engine.has_unfinished_requests()
+                    and not self.engine.requests and self.async_llm.stats.get("kv_cache_usage") == 0.0):
+                break
+            time.sleep(0.02)
+        assert self.async_llm.num_pending == 0, "requests left in the async front"
+        assert not self.engine.requests and not self.engine.has_unfinished_requests(), "requests left in the engine"
+        bm = self.engine.block_manager
+        bm.check_invariants()
+        assert not bm.owners, "sequences still own memory"
+        assert self.async_llm.stats.get("kv_cache_usage") == 0.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = LLMEngine(EngineArgs(**ENGINE))
+    async_llm = AsyncLLM(engine, max_pending_requests=512, idle_wait_s=0.02)
+    app = build_app(async_llm, MODEL, api_key=KEY, max_model_len=engine.scheduler_config.max_model_len)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield Server(sock.getsockname()[1], app, engine, async_llm)
+    uv.should_exit = True
+    thread.join(10)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**ENGINE)
+
+
+def offline_texts(llm: LLM, prompt, **kw) -> list[str]:
+    out = llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0]
+    assert out.error is None
+    return [c.text for c in out.outputs]
+
+
+# --- plain routes, auth ----------------------------------------------------------------------------
+
+
+def test_models_health_version_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    assert server.get("/health", key=None) == (200, b'{"status":"ok"}')
+    assert server.get("/version")[0] == 200
+    server.client().completions.create(model=MODEL, prompt="import os", max_tokens=3, temperature=0)
+    status, body = server.get("/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("deepinfer_requests_total", "deepinfer_time_to_first_token_seconds_bucket",
+                 "deepinfer_time_per_output_token_seconds", "deepinfer_num_requests_waiting",
+                 "deepinfer_num_requests_running", "deepinfer_kv_cache_usage_ratio",
+                 "deepinfer_prefix_cache_hit_rate", "deepinfer_generation_tokens_total"):
+        assert name in text, name
+    assert 'deepinfer_requests_total{code="200",route="/v1/completions"}' in text
+
+
+def test_api_key_on_every_route_but_health(server):
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        server.client(api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert server.get("/v1/models", key=None)[0] == 401
+    assert server.get("/metrics", key="nope")[0] == 401
+    assert server.get("/health", key=None)[0] == 200
+
+
+# --- completions -----------------------------------------------------------------------------------
+
+
+def test_completion_equals_offline(server, offline):
+    client = server.client()
+    for kw in ({"temperature": 0.0, "max_tokens": 12}, {"temperature": 0.8, "top_p": 0.9, "seed": 3, "max_tokens": 12},
+               {"temperature": 1.0, "top_k": 5, "seed": 11, "max_tokens": 10, "stop": ["\n"]}):
+        extra = {"top_k": kw.pop("top_k")} if "top_k" in kw else {}
+        resp = client.completions.create(model=MODEL, prompt="def fibonacci(n):", extra_body=extra, **kw)
+        assert [c.text for c in resp.choices] == offline_texts(offline, "def fibonacci(n):", **kw, **extra)
+        assert resp.usage.prompt_tokens == len(offline.get_tokenizer().encode("def fibonacci(n):"))
+        assert resp.usage.completion_tokens >= 1
+    stopped = client.completions.create(model=MODEL, prompt="class A:", max_tokens=40, temperature=0, stop=["\n"])
+    assert "\n" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_completion_n_logprobs_token_prompts_echo(server, offline):
+    client = server.client()
+    resp = client.completions.create(model=MODEL, prompt="import", n=3, seed=5, temperature=1.0, max_tokens=8)
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == offline_texts(
+        offline, "import", n=3, seed=5, temperature=1.0, max_tokens=8)
+    resp = client.completions.create(model=MODEL, prompt="for i in", max_tokens=6, temperature=0, logprobs=2)
+    want = offline.generate(["for i in"], SamplingParams(max_tokens=6, temperature=0, logprobs=2),
+                            use_tqdm=False)[0].outputs[0]
+    lp = resp.choices[0].logprobs
+    assert lp.token_logprobs == [step[t] for t, step in zip(want.token_ids, want.logprobs)]
+    assert all(len(top) >= 2 for top in lp.top_logprobs) and "".join(lp.tokens) == want.text
+    ids = offline.get_tokenizer().encode("while True:")
+    two = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=5, temperature=0)
+    assert [c.text for c in two.choices] == [offline_texts(offline, {"prompt_token_ids": p}, max_tokens=5,
+                                                           temperature=0)[0] for p in (ids, ids[:2])]
+    echoed = client.completions.create(model=MODEL, prompt="x = ", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("x = ")
+
+
+def test_completion_streaming_equals_offline(server, offline):
+    stream = server.client().completions.create(model=MODEL, prompt="def main():", max_tokens=14, temperature=0.7,
+                                                seed=2, n=2, stream=True, stream_options={"include_usage": True})
+    texts, finish, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == offline_texts(offline, "def main():", max_tokens=14, temperature=0.7, seed=2, n=2)
+    assert set(finish) == {0, 1} and usage.completion_tokens == 28
+
+
+# --- chat ------------------------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a sorting function"}]
+
+
+def test_chat_equals_offline_chat(server, offline):
+    client = server.client()
+    for thinking in (False, True):
+        resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0.6, seed=4,
+                                              extra_body={"chat_template_kwargs": {"thinking": thinking}})
+        want = chat(offline, MESSAGES, SamplingParams(max_tokens=12, temperature=0.6, seed=4),
+                    thinking=thinking)[0].chat_messages[0]
+        msg = resp.choices[0].message
+        assert (msg.content or "") == want["content"]
+        assert msg.reasoning_content == want["reasoning_content"]
+        assert (msg.reasoning_content is not None) == thinking
+        assert resp.usage.completion_tokens >= 1
+
+
+def test_offline_chat(offline):
+    """LLM.chat's logic: the prompt is the DeepSeek encoding tokenized with one BOS; a list of
+    conversations gives one output each; a conversation that cannot be encoded raises ValueError."""
+    other = [{"role": "user", "content": "hello"}]
+    outs = chat(offline, [MESSAGES, other], SamplingParams(max_tokens=4, temperature=0))
+    assert [o.prompt for o in outs] == [encode_messages(MESSAGES), encode_messages(other)]
+    for out in outs:
+        assert out.error is None and out.prompt_token_ids[0] == 0 and out.prompt_token_ids.count(0) == 1
+        assert out.chat_messages[0]["content"] == out.outputs[0].text
+    with pytest.raises(ValueError, match="unknown role"):
+        chat(offline, [{"role": "robot", "content": "x"}])
+
+
+def test_chat_streaming_with_logprobs(server, offline):
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True, logprobs=True, top_logprobs=2,
+        extra_body={"thinking": {"type": "enabled"}}, stream_options={"include_usage": True})
+    reasoning = content = ""
+    tokens, first_role, finish, usage = [], None, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            first_role = first_role or c.delta.role
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+            if c.logprobs is not None:
+                tokens += c.logprobs.content
+            finish = c.finish_reason or finish
+    want = chat(offline, MESSAGES, SamplingParams(max_tokens=10, temperature=0, logprobs=2), thinking=True)[0]
+    assert first_role == "assistant" and finish == "length"
+    assert (reasoning, content) == (want.chat_messages[0]["reasoning_content"], want.chat_messages[0]["content"])
+    assert [t.logprob for t in tokens] == [s[t] for t, s in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)]
+    assert all(len(t.top_logprobs) == 2 for t in tokens) and usage.completion_tokens == 10
+
+
+@needs_xgrammar
+def test_chat_tool_calls(server):
+    """The tiny model cannot call tools by itself: a structured-output choice makes it write the DSML
+    block, which comes back as an OpenAI tool call (non-streaming and streaming)."""
+    client = server.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER],
+              max_tokens=200, temperature=0, extra_body={"structured_outputs": {"choice": [CALL]}})
+    resp = client.chat.completions.create(**kw)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"location": "Paris"})
+    calls, content, finish = [], "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert content == "" and finish == "tool_calls"
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert got == [("get_weather", {"location": "Paris"})]
+    history = [*kw["messages"], choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    follow = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4)
+    assert follow.choices[0].message.role == "assistant"
+
+
+@needs_xgrammar
+def test_chat_response_format_json_schema(server, offline):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    resp = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                                   response_format=rf)
+    want = chat(offline, MESSAGES, SamplingParams(max_tokens=60, temperature=0), response_format=rf)[0]
+    text = resp.choices[0].message.content
+    assert text == want.chat_messages[0]["content"]
+    assert resp.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text)["a"], int)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+BAD = [
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature must be >= 0"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ("completions", {"prompt": "x " * 5000}, "max_model_len"),
+    ("completions", {"prompt": [10**9]}, "outside the vocabulary"),
+    ("completions", {"prompt": "x", "logprobs": 99}, "logprobs must be between 0 and 20"),
+    pytest.param("completions", {"prompt": "x", "extra_body": {"structured_outputs": {"regex": "("}}}, "parenthesis",
+                 marks=needs_xgrammar),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "unknown role 'wizard'"),
+    pytest.param("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "object", "properties": {
+            "a": {"type": "nonsense"}}}}}}, "nonsense", marks=needs_xgrammar),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [WEATHER]},
+     "tool_choice"),
+    ("chat", {"messages": "not a list"}, "messages"),
+]
+
+
+@pytest.mark.parametrize("route, kw, message", BAD,
+                         ids=[b.values[2] if hasattr(b, "values") else b[2] for b in BAD])
+def test_bad_requests_get_400_and_the_server_goes_on(server, route, kw, message):
+    client = server.client()
+    create = client.completions.create if route == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as err:
+        create(model=MODEL, **kw)
+    assert err.value.status_code == 400 and message in err.value.message
+    assert err.value.body["type"] == "invalid_request_error"
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_unknown_model_404_and_full_queue_429(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-17", prompt="x", max_tokens=2)
+    server.async_llm.max_pending_requests = 0
+    try:
+        with pytest.raises(openai.RateLimitError, match="retry later"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    finally:
+        server.async_llm.max_pending_requests = 512
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
+def test_failing_step_fails_its_request_only(server):
+    engine = server.engine
+    real = engine.step
+
+    def broken():
+        engine.step = real
+        raise RuntimeError("simulated device fault")
+
+    client = server.client()
+    engine.step = broken
+    with pytest.raises(openai.InternalServerError, match="simulated device fault"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=5).choices[0].text
+    server.wait_idle()
+
+
+# --- disconnects -----------------------------------------------------------------------------------
+
+
+def _post(server, path: str, body: dict, timeout: float) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {KEY}"})
+    return conn
+
+
+LONG = {"model": MODEL, "prompt": "def f():", "max_tokens": 3000, "ignore_eos": True}
+
+
+def test_streaming_disconnect_aborts(server):
+    conn = _post(server, "/v1/completions", {**LONG, "stream": True}, timeout=30)
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert server.async_llm.num_pending == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    start = time.monotonic()
+    server.wait_idle(timeout=10)
+    assert time.monotonic() - start < 5  # 3000 tokens would take far longer: it was aborted
+
+
+def test_non_streaming_disconnect_aborts(server):
+    conn = _post(server, "/v1/chat/completions", {**LONG, "messages": MESSAGES}, timeout=0.5)
+    with pytest.raises(TimeoutError):
+        conn.getresponse()
+    conn.close()
+    start = time.monotonic()
+    server.wait_idle(timeout=10)
+    assert time.monotonic() - start < 5
+
+
+# --- load ------------------------------------------------------------------------------------------
+
+PROMPTS = ["def add(a, b):", "import sys\n", "class Stack:", "for x in range(10):", "# parse the header\n",
+           "with open(path) as f:"]
+
+
+def test_load_many_clients(server, offline):
+    """64 concurrent clients x 4 requests, half streaming, every fifth stream dropped after its first
+    chunk: no errors, every completed text equals the offline engine's, the engine drains to idle."""
+    clients, per_client, max_tokens = 64, 4, 10
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    jobs = [(c, r) for c in range(clients) for r in range(per_client)]
+    results: dict[tuple[int, int], str] = {}
+    ttft: list[float] = []
+    tpot: list[float] = []
+    errors: list[BaseException] = []
+
+    def spec(c: int, r: int) -> tuple[str, int]:
+        return PROMPTS[(c + r) % len(PROMPTS)], (c * per_client + r) % 7
+
+    async def one(c: int, r: int) -> None:
+        prompt, seed = spec(c, r)
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.9, seed=seed,
+                  extra_body={"ignore_eos": True})
+        start = time.monotonic()
+        try:
+            if (c + r) % 2 == 0:
+                resp = await client.completions.create(**kw)
+                results[c, r] = resp.choices[0].text
+                return
+            stream = await client.completions.create(stream=True, **kw)
+            text, first, count = "", None, 0
+            async for chunk in stream:
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    ttft.append(now - start)
+                    if (c * per_client + r) % 5 == 1:
+                        await stream.close()
+                        return
+                count += 1
+                text += chunk.choices[0].text
+            if count > 1:
+                tpot.append((time.monotonic() - first) / (count - 1))
+            results[c, r] = text
+        except BaseException as exc:  # noqa: BLE001 - collected and reported below
+            errors.append(exc)
+
+    async def main() -> float:
+        begin = time.monotonic()
+        await asyncio.gather(*(one(c, r) for c, r in jobs))
+        await client.close()
+        return time.monotonic() - begin
+
+    elapsed = asyncio.run(main())
+    assert not errors, errors[:3]
+    specs = sorted({spec(*key) for key in results})
+    outs = offline.generate([p for p, _ in specs], [SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed,
+                                                                   ignore_eos=True) for _, seed in specs],
+                            use_tqdm=False)
+    wanted = {s: out.outputs[0].text for s, out in zip(specs, outs)}
+    for key, text in results.items():
+        assert text == wanted[spec(*key)], key
+    dropped = sum(1 for c, r in jobs if (c + r) % 2 and (c * per_client + r) % 5 == 1)
+    assert len(results) == len(jobs) - dropped
+    server.wait_idle()
+
+    def pct(xs: list[float], q: float) -> float:
+        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs or [0.0])[0]
+
+    print(f"\nload: {len(jobs)} requests from {clients} clients in {elapsed:.2f}s, {dropped} dropped; "
+          f"TTFT p50 {pct(ttft, 50) * 1e3:.0f} ms p90 {pct(ttft, 90) * 1e3:.0f} ms p99 {pct(ttft, 99) * 1e3:.0f} ms; "
+          f"TPOT p50 {pct(tpot, 50) * 1e3:.1f} ms p90 {pct(tpot, 90) * 1e3:.1f} ms p99 {pct(tpot, 99) * 1e3:.1f} ms")
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+
+def test_deepinfer_serve_command(tmp_path):
+    """`deepinfer serve` on the embedded model: binds 127.0.0.1, answers, stops on SIGINT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.entrypoints.cli", "serve", "--port", str(port),
+                             "--max-num-seqs", "4", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        assert client.models.list().data[0].id == MODEL
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()
+    assert f"on http://127.0.0.1:{port}/v1" in (tmp_path / "serve.log").read_text()
