@@ -243,3 +243,29 @@ def _greedy(engine) -> list[int]:
         for o in engine.step():
             out = o
     return out.outputs[0].token_ids
+
+
+def test_hook_deepinfer_kv_cache_spec_sizes_the_engine_cache(recorder):
+    """The engine's worker asks for the layout once and allocates the cache after it."""
+    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.model.kv_cache_spec import KVCacheSpec
+
+    asked = []
+
+    class SpecPack:
+        @hookimpl
+        def deepinfer_kv_cache_spec(self, model_config, cache_config, dtype):
+            asked.append(dtype)
+            return KVCacheSpec.default(model_config, cache_config.block_size, dtype)
+
+    loaded = plugins.load_backend("cpu_ref")
+    pack = SpecPack()
+    loaded.pm.register(pack, name="spec-pack")
+    try:
+        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+    finally:
+        loaded.pm.unregister(pack)
+    assert asked == [torch.float32]
+    assert engine.cache.kv_spec == KVCacheSpec.default(engine.model_config, 128, torch.float32)
+    assert _greedy(engine)

@@ -225,6 +225,8 @@ def test_offline_chat(offline):
         assert out.chat_messages[0]["content"] == out.outputs[0].text
     with pytest.raises(ValueError, match="unknown role"):
         chat(offline, [{"role": "robot", "content": "x"}])
+    method = offline.chat(other, SamplingParams(max_tokens=4, temperature=0))  # LLM.chat is this logic
+    assert [o.outputs[0].token_ids for o in method] == [outs[1].outputs[0].token_ids]
 
 
 def test_chat_streaming_with_logprobs(server, offline):

@@ -99,8 +99,8 @@ class LLMEngine:
             cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching)
         self.parallel_config = ParallelConfig(data_parallel_size=1, expert_parallel_size=1)
-        check_block_size(cfg, args.block_size)
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
+        check_block_size(cfg, self.cache_config.block_size)  # a plugin may have changed it
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
         self.batch_invariant = bool(args.batch_invariant) or env in ("1", "true", "yes", "on")
         self.executor = executor_class(args, backend, cfg, path, self.scheduler_config, self.cache_config,
@@ -110,7 +110,8 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(path)
         sizes = self.pool_sizes = self.executor.pool_sizes
         self.block_manager = BlockManager(
-            sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, args.block_size, cfg.sliding_window,
+            sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, self.cache_config.block_size,
+            cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, max_replay_tokens=args.max_replay_tokens,
             cache_salt=f"{path.resolve()}|{self.dtype}",
         )

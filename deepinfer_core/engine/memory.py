@@ -9,6 +9,7 @@ import torch
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
 from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.platform import Platform
 
@@ -22,12 +23,12 @@ class PoolSizes:
 
 
 def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, block_size: int,
-                             platform: Platform) -> int:
+                             platform: Platform, spec: KVCacheSpec | None = None) -> int:
     """Peak device memory of one forward over a full token budget, beyond weights and cache (what the
     pools must leave free), plus the sampler's per-sequence vocab-sized buffers."""
     device, tokens = model.device, sched.max_num_batched_tokens
     blocks = -(-tokens // block_size) + 1
-    cache = ModelCache(model.cfg, blocks, blocks, 1, block_size, model.dtype, device)
+    cache = ModelCache(model.cfg, blocks, blocks, 1, block_size, model.dtype, device, spec=spec)
     span = SeqSpan(0, tokens, list(range(blocks)), list(range(blocks)), 0)
     batch = build_forward_batch([0] * tokens, [span], model.compressor_specs(), block_size,
                                 model.cfg.sliding_window, None, device)
@@ -38,15 +39,15 @@ def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, blo
 
 
 def plan_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype,
-               budget: int) -> PoolSizes:
+               budget: int, spec: KVCacheSpec | None = None) -> PoolSizes:
     """Window blocks: enough for every running sequence's window plus one step's chunk; the rest of the
     budget becomes compressed blocks, which is what grows with sequence length.
 
     ``budget`` comes from the platform: on a GPU ``gpu_memory_utilization`` of the whole device, less
     what is allocated now (the weights) and the activation peak (:func:`profile_activation_bytes`)."""
     bs = cache.block_size
-    comp_bytes, window_bytes = bytes_per_block(cfg, bs, dtype)
-    slot_bytes = bytes_per_state_slot(cfg, dtype)
+    comp_bytes, window_bytes = bytes_per_block(cfg, bs, dtype, spec)
+    slot_bytes = bytes_per_state_slot(cfg, dtype, spec)
     slots = sched.max_num_seqs
     window_per_seq = -(-cfg.sliding_window // bs) + 1
     num_window = cache.num_window_blocks or (

@@ -86,6 +86,14 @@ class LLM:
                 self._router.forget(rid)
         return [results[rid] for rid in order]
 
+    def chat(self, messages: Any, sampling_params: SamplingParams | None = None, thinking: bool = False,
+             tools: list[dict] | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Generate assistant turns for one conversation (or a list of them) in DeepSeek-V4's chat format;
+        each output carries the parsed message as ``chat_messages``."""
+        from deepinfer_core.entrypoints.chat_utils import chat
+
+        return chat(self, messages, sampling_params, thinking=thinking, tools=tools, **kwargs)
+
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the growing output of one request after every step it took part in (other calls on this
         ``LLM``, interleaved with the iteration, keep their own outputs)."""

@@ -76,9 +76,9 @@ class ModelRunner:
                                scheduler_config.max_num_seqs)
                 graphs = backend.hook.deepinfer_graph_runner(
                     model=model, cache=cache, capture_sizes=capture_sizes(max_size),
-                    max_model_len=scheduler_config.max_model_len, block_size=args.block_size, platform=platform,
+                    max_model_len=scheduler_config.max_model_len, block_size=cache.block_size, platform=platform,
                 )
-        return cls(model, cache, args.block_size, sampler, platform, graphs)
+        return cls(model, cache, cache.block_size, sampler, platform, graphs)
 
     # --- one step --------------------------------------------------------------------------------
 

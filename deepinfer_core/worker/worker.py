@@ -13,6 +13,7 @@ from deepinfer_core.engine.memory import PoolSizes, plan_pools, profile_activati
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
 from deepinfer_core.sampling.sampler import Sampler
@@ -55,14 +56,15 @@ class Worker:
     def initialize_cache(self) -> PoolSizes:
         """Size the pools from the platform's budget (after a profiling forward where it measures memory),
         allocate them and build the runner (capturing graphs where the backend has them)."""
-        cfg, args = self.model_config, self.args
+        cfg, args, block_size = self.model_config, self.args, self.cache_config.block_size
+        spec = resolve_kv_cache_spec(self.backend.hook, cfg, self.cache_config, self.dtype)
         activation = 0
         if self.platform.measures_memory:
-            activation = profile_activation_bytes(self.model, self.scheduler_config, args.block_size, self.platform)
+            activation = profile_activation_bytes(self.model, self.scheduler_config, block_size, self.platform, spec)
         budget = self.platform.memory_budget(self.cache_config, activation)
-        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, budget)
+        sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, budget, spec)
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
-                                args.block_size, self.dtype, self.device)
+                                block_size, self.dtype, self.device, spec=spec)
         sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids)
         self.model_runner = ModelRunner.create(self.model, self.cache, sampler, args, self.scheduler_config,
                                                self.backend, self.platform)
