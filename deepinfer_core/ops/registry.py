@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,10 @@ class BuildContext:
     #: batch-invariant mode: an op the catalogue does not mark batch-invariant resolves only to an
     #: implementation registered with ``batch_invariant=True``
     batch_invariant: bool = False
+    #: judge on cheap probes only (is the library importable, does the device qualify) and run nothing on
+    #: the device: listings such as ``deepinfer backends`` set it; an engine build never does, so a
+    #: predicate may then run its one-off self-check
+    probe_only: bool = False
 
 
 @dataclass
@@ -41,12 +45,21 @@ class OpImpl:
     provider: str
     predicate: Callable[[BuildContext], bool] | None = None
     batch_invariant: bool = False  # declared by the provider: one row's result never depends on the others
+    syncs_host: bool = False  # declared by the provider: waits for values read back to the host (no graphs)
 
     def applies(self, ctx: BuildContext) -> bool:
+        return self.verdict(ctx) == CHOSEN
+
+    def verdict(self, ctx: BuildContext) -> str:
+        """:data:`CHOSEN` when this implementation may serve under ``ctx``, else why not."""
         batch_invariant_mode = getattr(ctx, "batch_invariant", False)
         if batch_invariant_mode and not (self.batch_invariant or CATALOGUE[self.op].batch_invariant):
-            return False
-        return self.predicate is None or bool(self.predicate(ctx))
+            return DECLINED
+        return CHOSEN if self.predicate is None or bool(self.predicate(ctx)) else DECLINED
+
+
+#: verdicts of :meth:`OpRegistry.explain`
+CHOSEN, SHADOWED, DECLINED = "chosen", "shadowed", "declined by its predicate"
 
 
 @dataclass
@@ -63,7 +76,15 @@ class OpRegistry:
         priority: int = 0,
         predicate: Callable[[BuildContext], bool] | None = None,
         batch_invariant: bool = False,
+        syncs_host: bool = False,
     ) -> None:
+        """Offer ``fn`` for ``op`` at ``priority`` (higher wins) where ``predicate(ctx)`` holds.
+
+        ``batch_invariant``: one row's result never depends on the other rows of the call (see
+        :data:`~deepinfer_core.ops.catalogue.CATALOGUE`). ``syncs_host``: ``fn`` waits for values read
+        back from the device, so a step that calls it cannot be captured in a graph
+        (:meth:`OpTable.syncs_host`).
+        """
         who = self.current_provider
         if op not in CATALOGUE:
             raise OpRegistrationError(f"{who} registered unknown op {op!r}; known ops: {sorted(CATALOGUE)}")
@@ -75,12 +96,32 @@ class OpRegistry:
                     f"op {op!r} registered twice at priority {priority}: by {other.provider} and by {who}; "
                     "give one of them a different priority"
                 )
-        self.impls.setdefault(op, []).append(OpImpl(op, fn, priority, who, predicate, batch_invariant))
+        self.impls.setdefault(op, []).append(
+            OpImpl(op, fn, priority, who, predicate, batch_invariant, syncs_host)
+        )
 
     def candidates(self, op: str) -> list[OpImpl]:
         return sorted(self.impls.get(op, []), key=lambda i: -i.priority)
 
+    def explain(self, op: str, ctx: BuildContext) -> list[tuple[OpImpl, str]]:
+        """Every implementation of ``op``, highest priority first, with its verdict under ``ctx`` (what
+        listings show): the one :meth:`select` picks is :data:`CHOSEN`, later ones that apply are
+        :data:`SHADOWED`, the others say why not; a predicate that raises is reported, not raised."""
+        rows, chosen = [], False
+        for impl in self.candidates(op):
+            try:
+                verdict = impl.verdict(ctx)
+            except Exception as exc:
+                verdict = f"predicate raised {type(exc).__name__}: {exc}"
+            if verdict == CHOSEN and chosen:
+                verdict = SHADOWED
+            chosen = chosen or verdict == CHOSEN
+            rows.append((impl, verdict))
+        return rows
+
     def select(self, op: str, ctx: BuildContext) -> OpImpl | None:
+        """The implementation that serves ``op`` under ``ctx`` (``None``: none applies); predicates below
+        the chosen one are not asked."""
         return next((impl for impl in self.candidates(op) if impl.applies(ctx)), None)
 
 
@@ -94,6 +135,11 @@ class OpTable:
 
     def provider(self, op: str) -> str:
         return self.chosen[op].provider
+
+    def syncs_host(self, ops: Iterable[str]) -> list[str]:
+        """Those of ``ops`` (in the order given) whose chosen implementation was registered with
+        ``syncs_host=True``: a step that runs any of them cannot be captured in a graph."""
+        return [op for op in ops if op in self.chosen and self.chosen[op].syncs_host]
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{k}<-{v.provider}" for k, v in sorted(self.chosen.items()))
