@@ -1,8 +1,9 @@
 """The op catalogue: every op the DeepSeek-V4 model and the sampler call, declared once.
 
-Each entry states the signature and the reference semantics; ``deepinfer_cpu_ref`` implements them
-literally and is the ground truth that ``deepinfer_core.testing.conformance`` checks other backends
-against.
+Each entry states the signature and the reference semantics; :mod:`deepinfer_core.ops.native` writes
+them out literally (one plain-torch body per op, which every backend may register below its kernels),
+and ``deepinfer_cpu_ref`` serves those bodies as the ground truth that
+``deepinfer_core.testing.conformance`` checks other backends against.
 
 ``batch_invariant`` is a promise every implementation of the op must keep: the result for one row
 (token, window, sampled sequence) is bit-identical whatever the other rows of the call are, how many

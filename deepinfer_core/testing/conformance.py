@@ -13,6 +13,11 @@ the outputs are compared at the candidate dtype's tolerance (:mod:`deepinfer_cor
 Selections (``indexer_topk``, ``moe_route``, ``random_sample``) compare as sets up to tied scores,
 recomputed here in float64.
 
+The reference is what cpu_ref serves: the core's native bodies (:mod:`deepinfer_core.ops.native`).
+Where a backend resolves an op to the same native body (below its kernels, for a dtype they do not
+take), the check is that body at the candidate's dtype and device against itself in float64: it still
+catches a dtype or device the body mishandles, and it is not reported as a cpu_ref fallback.
+
     results = run_conformance("nvidia_sm100", "tiny", ["bfloat16", "float32"])
     failed = [r for r in results if not r.passed]
 """

@@ -1,4 +1,4 @@
-"""Batch-invariant variants of the cpu_ref ops whose result for one row depends on the batch.
+"""Batch-invariant variants of the reference ops whose result for one row depends on the batch.
 
 Registered with ``batch_invariant=True`` and chosen only when the engine runs in batch-invariant mode
 (``LLM(..., batch_invariant=True)`` or ``DEEPINFER_BATCH_INVARIANT=1``). Each one keeps the
@@ -38,7 +38,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from deepinfer_cpu_ref import ops as ref
+from deepinfer_core.ops import native as ref
 
 #: rows per GEMM call: a multiple of 16 keeps each tile of a fresh buffer 64-byte aligned
 TILE = 16
@@ -101,7 +101,7 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return _silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-# The reference's bodies with the tiled GEMM and the invariant elementwise functions plugged in; the
+# The native (reference) bodies with the tiled GEMM and the invariant elementwise functions plugged in; the
 # rest of their work is per row already. moe_experts keeps the reference's loop (ascending expert id).
 hc_pre = partial(ref.hc_pre, mm=linear, sigmoid=_sigmoid)
 hc_head = partial(ref.hc_head, mm=linear, sigmoid=_sigmoid)

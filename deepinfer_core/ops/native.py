@@ -1,0 +1,416 @@
+"""One plain-torch body per catalogued op: the native implementation every backend can fall back on.
+
+These are the catalogue's reference semantics written out literally (vLLM's ``forward_native``): cpu_ref
+serves them as the golden reference, other backends register them below their own kernels with
+:func:`register`, so an op a backend does not accelerate is served by the same body everywhere.
+Reductions run in at least float32 (float64 stays float64); results come back in the input dtype.
+
+Some bodies take keyword-only hooks (``mm``, ``sigmoid``, ``linear``, ``swiglu``, ``scoring``) so that a
+variant can swap the GEMM or an elementwise function and keep the rest of the body
+(``deepinfer_cpu_ref.batch_invariant``). Nothing here waits for the device except the MoE bodies, which
+loop over the experts that have tokens (:data:`SYNCS_HOST`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of an op on ``dtype`` inputs: float64 stays float64, the rest float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --- dense layers ----------------------------------------------------------------------------------
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight[ids]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.to(acc_dtype(x.dtype))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    rope_dim = 2 * cos.shape[-1]
+    acc = acc_dtype(x.dtype)
+    cos = cos.to(acc).repeat_interleave(2, dim=-1).unsqueeze(-2)  # [T, 1, R]
+    sin = sin.to(acc).repeat_interleave(2, dim=-1).unsqueeze(-2)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].to(acc)
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated_half = torch.stack((-odd, even), dim=-1).flatten(-2)
+    rotated = rope * cos + rotated_half * sin
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    groups = x.shape[-2]
+    w = weight.view(groups, -1, x.shape[-1])  # [G, N, K]
+    return torch.einsum("tgk,gnk->tgn", x, w)
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+# --- attention, compression, indexer ---------------------------------------------------------------
+
+
+def gather_rows(pool: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pool[indices]`` with -1 entries replaced by zeros (never reading the pool there), and the mask
+    of the valid entries."""
+    valid = indices >= 0
+    rows = pool[indices.clamp(min=0)]
+    rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
+    return rows, valid
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    acc = acc_dtype(q.dtype)
+    keys, valid = gather_rows(kv, indices)
+    if extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
+        extra_keys, extra_valid = gather_rows(extra_kv, extra_indices)
+        keys, valid = torch.cat([keys, extra_keys], 1), torch.cat([valid, extra_valid], 1)
+    keys = keys.to(acc)  # [T, K, D]
+    logits = torch.einsum("thd,tkd->thk", q.to(acc), keys) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink = sinks.to(acc).view(1, -1, 1).expand(q.shape[0], -1, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    weights = torch.softmax(gate.to(acc_dtype(gate.dtype)), dim=1)
+    return (kv.to(weights.dtype) * weights).sum(dim=1).to(kv.dtype)
+
+
+def select_topk(scores: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
+    """The candidate ids of the ``topk`` best scores, best first, ties towards the earlier candidate
+    (a stable sort), invalid picks and missing slots as -1."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    k = min(topk, candidates.shape[-1])
+    picked = order[:, :k]
+    chosen = candidates.gather(1, picked)
+    chosen = torch.where(valid.gather(1, picked), chosen, torch.full_like(chosen, -1))
+    if k < topk:
+        chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], topk - k), -1)], dim=1)
+    return chosen
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    acc = acc_dtype(q.dtype)
+    cand_keys, valid = gather_rows(keys, candidates)  # [T, C, d]
+    dots = torch.einsum("thd,tcd->thc", q.to(acc), cand_keys.to(acc))
+    scores = (torch.relu(dots) * scale * weights.to(acc).unsqueeze(-1)).sum(dim=1)  # [T, C]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    return select_topk(scores, valid, candidates, topk)
+
+
+# --- manifold-constrained hyper-connections --------------------------------------------------------
+
+
+def _mm(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return a @ weight.T
+
+
+def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    mm: Callable = _mm,
+    sigmoid: Callable = torch.sigmoid,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = streams.shape[1]
+    acc = acc_dtype(streams.dtype)
+    flat = _unweighted_rms(streams.flatten(1).to(acc), norm_eps)
+    mixes = mm(flat, fn.to(acc))
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.to(acc).split([n, n, n * n])
+    s = scale.to(acc)
+    pre = sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = 2 * sigmoid(post_w * s[1] + post_b)
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(
+    block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    dtype = streams.dtype
+    mixed = torch.einsum("tjk,tjd->tkd", comb.to(dtype), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    mm: Callable = _mm,
+    sigmoid: Callable = torch.sigmoid,
+) -> torch.Tensor:
+    acc = acc_dtype(streams.dtype)
+    flat = _unweighted_rms(streams.flatten(1).to(acc), norm_eps)
+    pre = sigmoid(mm(flat, fn.to(acc)) * scale.to(acc) + base.to(acc)) + hc_eps
+    return (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
+
+
+# --- mixture of experts ----------------------------------------------------------------------------
+
+SCORING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+}
+
+
+def moe_route(
+    logits: torch.Tensor,
+    scoring_func: str,
+    top_k: int,
+    correction_bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    routed_scaling_factor: float,
+    *,
+    scoring: dict[str, Callable] = SCORING,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if scoring_func not in scoring:
+        raise ValueError(f"unknown scoring_func {scoring_func!r}; expected one of {sorted(scoring)}")
+    scores = scoring[scoring_func](logits)
+    if fixed_ids is not None:
+        ids = fixed_ids.long()
+    else:
+        acc = acc_dtype(scores.dtype)
+        choice = scores.to(acc) if correction_bias is None else scores.to(acc) + correction_bias.to(acc)
+        # a stable sort: among equal scores the lower expert id wins, as the catalogue says
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def expert_pairs(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, its flat ``token * k + slot`` pairs in ascending order) for every expert with pairs, in
+    ascending expert order; ids outside ``[0, num_experts)`` get none. Reads the counts back to the host
+    once (one sort and one count for all experts)."""
+    flat = topk_ids.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, order[start : start + count]
+            start += count
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    """Experts in ascending id order, so a token's terms are always summed in one order."""
+    k = topk_ids.shape[-1]
+    out = torch.zeros_like(x)
+    for expert, pairs in expert_pairs(topk_ids, w13.shape[0]):
+        token_idx = pairs // k
+        h = swiglu(linear(x[token_idx], w13[expert]), swiglu_limit)
+        y = linear(h, w2[expert]) * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
+        out.index_add_(0, token_idx, y)
+    return out
+
+
+def _fake_quant_act(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x quantised per token per 128 channels (from float32) and dequantised again, in ``dtype``."""
+    return dequantize_act_fp8(*quantize_act_fp8(x), dtype=dtype)
+
+
+def linear_fp8(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, linear: Callable = F.linear
+) -> torch.Tensor:
+    """Quantised activations times the dequantised weight (both exact in float64)."""
+    acc = acc_dtype(x.dtype)
+    w = dequantize_fp8_block(weight, weight_scale, dtype=acc)
+    return linear(_fake_quant_act(x, acc), w).to(x.dtype)
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    """Experts in ascending id order; gate/up, SwiGLU and the sum stay in the accumulation dtype."""
+    acc = acc_dtype(x.dtype)
+    k = topk_ids.shape[-1]
+    xq = _fake_quant_act(x, acc)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for expert, pairs in expert_pairs(topk_ids, w13.shape[0]):
+        token_idx = pairs // k
+        gate_up = linear(xq[token_idx], dequantize_fp8_block(w13[expert], w13_scale[expert], dtype=acc))
+        h = _fake_quant_act(swiglu(gate_up, swiglu_limit), acc)
+        y = linear(h, dequantize_fp8_block(w2[expert], w2_scale[expert], dtype=acc))
+        out.index_add_(0, token_idx, y * topk_weights.reshape(-1)[pairs, None].to(acc))
+    return out.to(x.dtype)
+
+
+# --- sampling --------------------------------------------------------------------------------------
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition.to(logits.dtype).unsqueeze(1).expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    counts = output_counts.to(logits.dtype)
+    logits = logits - frequency.to(logits.dtype).unsqueeze(1) * counts
+    return logits - presence.to(logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    logits = torch.where(logits < kth, neg_inf, logits)
+    probs = torch.softmax(logits.to(acc_dtype(logits.dtype)), dim=-1)
+    sorted_probs = probs.gather(1, order)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # top_p >= 1 is off: a float32 cumsum over a large vocab reaches 1 early and would cut the tail
+    drop_sorted = (mass_before >= top_p.to(probs.dtype).unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    # ties at the top_p boundary are kept: nothing as probable as the least probable kept token is dropped
+    drop = drop & (probs < probs.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values)
+    logits = torch.where(drop, neg_inf, logits)
+    max_prob = probs.max(dim=-1, keepdim=True).values
+    return torch.where(probs < min_p.to(probs.dtype).unsqueeze(1) * max_prob, neg_inf, logits)
+
+
+def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    return (probs / noise).argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[-1] < vocab:
+        pad = allowed.new_zeros((allowed.shape[0], vocab - allowed.shape[-1]))
+        allowed = torch.cat([allowed, pad], dim=-1)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+# --- the table and its registration ----------------------------------------------------------------
+
+NATIVE_OPS: dict[str, Callable] = {
+    "embedding": embedding,
+    "rms_norm": rms_norm,
+    "rotary_emb": rotary_emb,
+    "linear": linear,
+    "grouped_linear": grouped_linear,
+    "swiglu": swiglu,
+    "sparse_attention": sparse_attention,
+    "compress_windows": compress_windows,
+    "indexer_topk": indexer_topk,
+    "hc_pre": hc_pre,
+    "hc_post": hc_post,
+    "hc_head": hc_head,
+    "moe_route": moe_route,
+    "moe_experts": moe_experts,
+    "linear_fp8": linear_fp8,
+    "moe_experts_fp8": moe_experts_fp8,
+    "apply_penalties": apply_penalties,
+    "top_k_top_p_min_p": top_k_top_p_min_p,
+    "random_sample": random_sample,
+    "apply_token_bitmask": apply_token_bitmask,
+}
+
+#: the native bodies that read values back to the host (the per-expert loops): no CUDA graph around them
+SYNCS_HOST = frozenset({"moe_experts", "moe_experts_fp8"})
+
+
+def register(registry: Any, priority: int, skip: Iterable[str] = ()) -> None:
+    """Register every native body (but those in ``skip``) on ``registry`` at ``priority``, under the
+    registering plugin's name, flagged ``syncs_host`` where it waits for the host. A backend calls this
+    from its ``deepinfer_register_ops`` below the priorities of its own kernels."""
+    skipped = set(skip)
+    for op, fn in NATIVE_OPS.items():
+        if op not in skipped:
+            registry.register(op, fn, priority=priority, syncs_host=op in SYNCS_HOST)
