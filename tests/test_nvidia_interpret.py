@@ -1,5 +1,5 @@
-"""The nvidia_sm100 backend's code on the CPU: its Triton kernels under Triton's interpreter, its torch
-implementations, its registration, adapters, topology parsing and hooks.
+"""The nvidia_sm100 backend's code on the CPU: its Triton kernels under Triton's interpreter, the core's
+native bodies it registers below them, its registration, adapters, topology parsing and hooks.
 
 ``DEEPINFER_NVIDIA_ALLOW_CPU=1`` (a test-only switch) makes the backend available on the CPU; with
 ``TRITON_INTERPRET=1`` too, its Triton kernels serve there and run in Triton's interpreter. Those tests
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepinfer_core.ops import native
 from deepinfer_core.ops.catalogue import CATALOGUE
-from deepinfer_core.ops.registry import OpImpl, OpRegistry, OpTable
+from deepinfer_core.ops.registry import BuildContext, OpImpl, OpRegistry, OpTable
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.testing import conformance as conf
 
@@ -33,6 +34,7 @@ KERNEL_DTYPES = DTYPES[:3]
 TRITON_OPS = ["compress_windows", "hc_head", "hc_post", "hc_pre", "indexer_topk", "moe_experts", "rms_norm",
               "rotary_emb", "sparse_attention"]
 REPO = Path(__file__).resolve().parents[1]
+NATIVE = "deepinfer_core.ops.native"  # the module of the torch bodies below the kernels
 
 def _triton_installed() -> bool:
     try:
@@ -235,8 +237,8 @@ def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
     if op in TRITON_OPS and dtype in KERNEL_DTYPES:
         assert result["module"] == f"deepinfer_nvidia_sm100.{_kernel_module(op)}", op
     if op in FP8_OPS:
-        assert result["module"] == "deepinfer_nvidia_sm100.fp8_ops", op
-        assert result["name"] == (op if dtype in KERNEL_DTYPES else f"{op}_torch"), op
+        assert result["module"] == ("deepinfer_nvidia_sm100.fp8_ops" if dtype in KERNEL_DTYPES else NATIVE), op
+        assert result["name"] == op, op
 
 
 @needs_triton
@@ -269,15 +271,14 @@ def test_interpreted_sparse_attention_never_reads_nan_rows(interpreted):
     _report(interpreted, "nan_rows")
 
 
-# --- the plain-torch implementations (no triton needed) ----------------------------------------------
+# --- the native torch bodies below the kernels (no triton needed) -------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("op", sorted(CATALOGUE))
 def test_torch_op_matches_cpu_ref(op, dtype, torch_only, reference, one_thread):
     table = torch_only(dtype)
-    module = "fp8_ops" if op in FP8_OPS else "torch_ops"
-    assert table.chosen[op].fn.__module__ == f"deepinfer_nvidia_sm100.{module}", op
+    assert table.chosen[op].fn.__module__ == NATIVE, op
     _conform(op, table, reference, "tiny", dtype)
 
 
@@ -351,9 +352,15 @@ def test_default_run_never_imports_triton(tmp_path):
     assert done.stdout.split()[0] == "torch" and "triton imported" in done.stdout
 
 
+def plan(device, dtype):
+    """op -> the implementation (``torch``, ``triton``, a library) the core's resolution picks."""
+    from deepinfer_nvidia_sm100.registration import op_labels
+
+    return op_labels(_registry_for(BACKEND), BuildContext(backend=BACKEND, dtype=dtype, device=device))
+
+
 def test_plan_prefers_kernels_where_they_run(monkeypatch):
     from deepinfer_nvidia_sm100 import capability
-    from deepinfer_nvidia_sm100.registration import plan
 
     monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
@@ -385,14 +392,14 @@ def _fake_sparse_fwd(q, kv, indices, sm_scale, d_v):
 
 
 def test_flash_mla_adapter_merges_pools_and_sink():
-    from deepinfer_nvidia_sm100 import external, torch_ops
+    from deepinfer_nvidia_sm100 import external
 
     wide = dataclasses.replace(conf.PRESETS["tiny"], name="wide", **WIDE)
     for case in conf.make_cases("sparse_attention", wide, torch.float32):
         q, kv, idx, sinks, scale, ekv, eidx = case.args
         got = external.flash_mla_attention_with(_fake_sparse_fwd, q, kv, idx, sinks, scale, ekv, eidx)
-        want = torch_ops.sparse_attention(q.double(), kv.double(), idx, sinks.double(), scale,
-                                          None if ekv is None else ekv.double(), eidx)
+        want = native.sparse_attention(q.double(), kv.double(), idx, sinks.double(), scale,
+                                       None if ekv is None else ekv.double(), eidx)
         assert not torch.isnan(got).any()
         assert (got.double() - want).abs().max() < 1e-4, case.name
 
@@ -406,12 +413,12 @@ def _fake_grouped_gemm(a, b, d, m_indices):
 
 
 def test_deep_gemm_adapter_matches_the_reference():
-    from deepinfer_nvidia_sm100 import external, torch_ops
+    from deepinfer_nvidia_sm100 import external
 
     for case in conf.make_cases("moe_experts", "tiny", torch.float32):
         x, w13, w2, ids, weights, limit = case.args
         got = external.deep_gemm_moe_with(_fake_grouped_gemm, 8, x, w13, w2, ids, weights, limit)
-        want = torch_ops.moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double(), limit)
+        want = native.moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double(), limit)
         assert (got.double() - want).abs().max() < 1e-4
 
 
@@ -522,8 +529,7 @@ def test_backend_is_installed_with_its_entry_point():
 
 def test_op_table_accepts_the_nvidia_functions_directly():
     """The functions are plain callables with the catalogue signatures (the hot path calls them)."""
-    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops
-
-    table = OpTable({op: OpImpl(op, fn, 0, "t") for op, fn in {**torch_ops.ALL_OPS, **fp8_ops.TORCH_OPS}.items()})
+    registered = _registry_for(BACKEND).impls  # the lowest priority of each op: the native body
+    table = OpTable({op: OpImpl(op, min(impls, key=lambda i: i.priority).fn, 0, "t") for op, impls in registered.items()})
     assert set(table.chosen) == set(CATALOGUE)
     assert (REPO / "backends/nvidia_sm100/README.md").is_file()

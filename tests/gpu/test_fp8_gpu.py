@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from gpu_support import BACKEND, gpu_marks
 
 from deepinfer_core.model.fp8 import quantize_act_fp8, quantize_fp8_block
+from deepinfer_core.plugins import build_op_table
 from deepinfer_core.testing import conformance as conf
 from deepinfer_core.testing.compare import assert_close
 
@@ -22,9 +25,15 @@ def reference():
     return conf.reference_op_table()
 
 
+#: the V4-Flash widths the library adapters' predicates read (DeepGEMM serves them where it is installed)
+V4_FLASH_WIDTHS = SimpleNamespace(num_attention_heads=64, head_dim=512, hidden_size=4096, moe_intermediate_size=2048,
+                                  q_lora_rank=1024, o_groups=8, o_lora_rank=1024)
+
+
 @pytest.fixture(scope="module")
 def table(device):
-    return conf.candidate_op_table(BACKEND, torch.bfloat16, device)
+    return build_op_table(BACKEND, dtype=torch.bfloat16, device=device, model_config=V4_FLASH_WIDTHS,
+                          allow_reference_fallback=True)
 
 
 def _weight(g: torch.Generator, *shape: int):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gpu_support import BACKEND, gpu_marks
 
+from deepinfer_core.ops import native
 from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.testing import conformance as conf
 
@@ -51,17 +52,19 @@ def test_op_matches_cpu_ref(op, preset, dtype, tables, reference, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def test_each_op_is_served_by_the_planned_implementation(dtype, tables, device):
-    from deepinfer_nvidia_sm100.registration import plan
+    from deepinfer_core.ops.registry import BuildContext
+    from deepinfer_core.plugins import collect_registry, load_backend
+    from deepinfer_nvidia_sm100.registration import op_labels
 
-    expected = plan(device, dtype)
-    modules = {"torch": {"torch_ops", "fp8_ops"}, "triton": {"triton_ops", "hc_ops", "fp8_ops"},
-               "flash_mla": {"external"}, "deep_gemm": {"external"}}
+    expected = op_labels(collect_registry(load_backend(BACKEND)), BuildContext(BACKEND, dtype, device))
+    ours = "deepinfer_nvidia_sm100."
+    modules = {"torch": {native.__name__}, "triton": {ours + "triton_ops", ours + "hc_ops", ours + "fp8_ops"},
+               "flash_mla": {ours + "external"}, "deep_gemm": {ours + "external"}}
     table = tables(dtype)
     for op in CATALOGUE:
         fn = table.chosen[op].fn
         assert table.provider(op) == f"deepinfer.backends:{BACKEND}", op
-        package, module = fn.__module__.rsplit(".", 1)
-        assert package == "deepinfer_nvidia_sm100" and module in modules[expected[op]], (op, expected[op], fn)
+        assert fn.__module__ in modules[expected[op]], (op, expected[op], fn)
     kernels = {op for op, impl in expected.items() if impl in ("triton", "flash_mla", "deep_gemm")}
     own_kernels = {"sparse_attention", "indexer_topk", "compress_windows", "rms_norm", "rotary_emb",
                    "moe_experts", "hc_pre", "hc_post", "hc_head"}
@@ -70,7 +73,7 @@ def test_each_op_is_served_by_the_planned_implementation(dtype, tables, device):
 
 def test_sparse_attention_never_reads_minus_one_rows(device):
     """Pools entirely NaN except the referenced rows, 64 heads x 512, window + compressed indices."""
-    from deepinfer_nvidia_sm100 import torch_ops, triton_ops
+    from deepinfer_nvidia_sm100 import triton_ops
 
     g = torch.Generator().manual_seed(5)
     tokens, heads, d = 7, 64, 512
@@ -89,8 +92,8 @@ def test_sparse_attention_never_reads_minus_one_rows(device):
     ekv[eused] = torch.randn(eused.numel(), d, generator=g)
     q = torch.randn(tokens, heads, d, generator=g)
     sinks = torch.randn(heads, generator=g)
-    want = torch_ops.sparse_attention(q.double(), kv.double(), idx, sinks.double(), d**-0.5,
-                                      ekv.double(), eidx)
+    want = native.sparse_attention(q.double(), kv.double(), idx, sinks.double(), d**-0.5,
+                                   ekv.double(), eidx)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         args = [a.to(device) for a in (q.to(dtype), kv.to(dtype), idx, sinks)]
         got = triton_ops.sparse_attention(*args, d**-0.5, ekv.to(dtype).to(device), eidx.to(device)).cpu()
@@ -102,7 +105,7 @@ def test_sparse_attention_never_reads_minus_one_rows(device):
 
 def test_moe_experts_large_batch_uses_big_blocks(device):
     """Prefill-sized routing (hundreds of (token, expert) pairs, 64-row blocks) against the reference."""
-    from deepinfer_nvidia_sm100 import torch_ops, triton_ops
+    from deepinfer_nvidia_sm100 import triton_ops
 
     g = torch.Generator().manual_seed(6)
     tokens, d, inter, experts, k = 300, 256, 128, 16, 6
@@ -112,7 +115,7 @@ def test_moe_experts_large_batch_uses_big_blocks(device):
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     ids[::7, 2] = -1
     weights = torch.rand(tokens, k, generator=g)
-    want = torch_ops.moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double(), 10.0)
+    want = native.moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double(), 10.0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         args = [a.to(device) for a in (x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)]
         got = triton_ops.moe_experts(*args, 10.0).cpu().double()

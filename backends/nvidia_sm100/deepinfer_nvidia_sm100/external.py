@@ -1,5 +1,6 @@
-"""Optional adapters to DeepSeek's own kernel libraries, used only where they are importable and where a
-self-check on the device agrees with this backend's own implementation.
+"""Adapters to DeepSeek's own kernel libraries: ordinary registered implementations whose predicate
+decides once, at build time, that the library is importable and that a self-check on the device agrees
+with the core's native body.
 
 * FlashMLA ``flash_mla_sparse_fwd(q[s_q, h_q, d], kv[s_kv, h_kv, d], indices[s_q, h_kv, topk] int32
   (-1 = invalid), sm_scale, d_v) -> (out, max_logits, lse)`` serves ``sparse_attention`` in bfloat16
@@ -15,10 +16,12 @@ self-check on the device agrees with this backend's own implementation.
   Activations are quantised here with the catalogue's recipe; the library's bfloat16 output rounds
   gate/up before the SwiGLU, which the catalogue keeps in float32 (within bfloat16 tolerance).
 
-The self-check runs once per device at engine build, on small adversarial inputs (NaN in unused pool
-rows, -1 slots, a query with no key); any exception or mismatch declines the adapter and the Triton
-kernel serves instead. A call whose shapes the library does not take, or that raises, is served by
-the Triton kernel (or plain torch) too, so an adapter can never fail a request.
+The predicate (:attr:`Adapter.usable`) checks the device, the model dtype and the model's widths
+against what the library takes (without a model config they are unknown and an engine build declines
+the adapter), then runs the self-check once per device (cached) on small adversarial
+inputs (NaN in unused pool rows, -1 slots, a query with no key); any exception or mismatch declines the
+adapter and resolution picks the next implementation (the Triton kernel). Once chosen, an adapter calls
+the library directly: no per-call shape test, no fallback.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from deepinfer_core.model.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_act_fp8, quantize_fp8_block
+from deepinfer_core.ops import native
 from deepinfer_nvidia_sm100 import capability
 
 logger = logging.getLogger(__name__)
@@ -42,26 +47,21 @@ logger = logging.getLogger(__name__)
 class Adapter:
     op: str
     library: str
-    load: Callable[[], Callable]
+    fn: Callable  # the registered implementation
+    #: (device, dtype, model_config, self_check) -> (usable, reason when not); without ``self_check`` it
+    #: judges on probes alone (nothing runs on the device)
     usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
 
 
-def _fallback(op: str, device: torch.device) -> Callable:
-    """The implementation that serves ``op`` when the library does not: Triton if it runs here."""
-    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops, triton_ops
-
-    if op in fp8_ops.TORCH_OPS:
-        return (fp8_ops.TRITON_OPS if capability.triton_usable(device)[0] else fp8_ops.TORCH_OPS)[op]
-    return triton_ops.ALL_OPS[op] if capability.triton_usable(device)[0] else torch_ops.ALL_OPS[op]
+#: an engine build without a model config: the library takes only some widths, and which the model has is
+#: unknown (a probe-only listing shows the adapter as conditional instead)
+_UNKNOWN_WIDTHS = "the model's widths are unknown (no model config); the library takes only some widths"
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(message)
-
-
-_WARNED: set[str] = set()
+@functools.cache
+def _library(module: str) -> ModuleType:
+    """The library module, imported on an adapter's first call (its predicate found it importable)."""
+    return importlib.import_module(module)
 
 
 # --- FlashMLA: sparse attention ---------------------------------------------------------------------
@@ -103,30 +103,16 @@ def flash_mla_attention_with(
         if pad:
             idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
         idx = idx.to(torch.int32).unsqueeze(1).contiguous()  # [T, h_kv = 1, topk]
-        result = sparse_fwd(q.contiguous(), pool.view(rows, 1, d), idx, float(scale), d)
+        result = sparse_fwd(q.contiguous(), pool.contiguous().view(rows, 1, d), idx, float(scale), d)
         outs.append(result[0])
         lses.append(result[2])
     return merge_partial_attention(outs, lses, sinks).to(q.dtype)
 
 
-def _flash_mla_fits(q, kv, extra_kv) -> bool:
-    pools = [kv] if extra_kv is None else [kv, extra_kv]
-    return (
-        q.is_cuda and q.dtype == torch.bfloat16 and q.shape[1] in FLASH_MLA_HEADS
-        and q.shape[2] == FLASH_MLA_HEAD_DIM
-        and all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in pools)
-    )
-
-
 def flash_mla_sparse_attention(q, kv, indices, sinks, scale, extra_kv=None, extra_indices=None):
-    if _flash_mla_fits(q, kv, extra_kv):
-        try:
-            fwd = importlib.import_module("flash_mla").flash_mla_sparse_fwd
-            return flash_mla_attention_with(fwd, q, kv, indices, sinks, scale, extra_kv, extra_indices)
-        except Exception as exc:  # a shape the library rejects: served by the fallback, said once
-            _warn_once("flash_mla", f"flash_mla_sparse_fwd failed ({type(exc).__name__}: {exc}); "
-                                    "sparse_attention falls back to the Triton kernel")
-    return _fallback("sparse_attention", q.device)(q, kv, indices, sinks, scale, extra_kv, extra_indices)
+    """``sparse_attention`` through ``flash_mla.flash_mla_sparse_fwd`` (bfloat16, 64 or 128 heads x 512)."""
+    fwd = _library("flash_mla").flash_mla_sparse_fwd
+    return flash_mla_attention_with(fwd, q, kv, indices, sinks, scale, extra_kv, extra_indices)
 
 
 def _flash_mla_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
@@ -136,7 +122,10 @@ def _flash_mla_usable(device, dtype, model_config, self_check) -> tuple[bool, st
         return False, "needs a CUDA device of compute capability 9.0+"
     if dtype is not None and dtype != torch.bfloat16:
         return False, "bfloat16 only"
-    if model_config is not None:
+    if model_config is None:
+        if self_check:
+            return False, _UNKNOWN_WIDTHS
+    else:
         heads, head_dim = model_config.num_attention_heads, model_config.head_dim
         if heads not in FLASH_MLA_HEADS or head_dim != FLASH_MLA_HEAD_DIM:
             return False, f"{heads} heads x {head_dim}: FlashMLA takes {FLASH_MLA_HEADS} heads x 512"
@@ -169,7 +158,10 @@ def _attention_check_inputs(device: torch.device):
 # --- DeepGEMM: grouped MoE GEMMs --------------------------------------------------------------------
 
 
-def _deep_gemm_alignment(module: Any) -> int:
+@functools.cache
+def _deep_gemm_alignment() -> int:
+    """The M alignment of DeepGEMM's contiguous grouped layout (asked once)."""
+    module = _library("deep_gemm")
     for name in ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout"):
         fn = getattr(module, name, None)
         if callable(fn):
@@ -179,7 +171,6 @@ def _deep_gemm_alignment(module: Any) -> int:
 
 def deep_gemm_moe_with(gemm: Callable, align: int, x, w13, w2, topk_ids, topk_weights, swiglu_limit):
     """``moe_experts`` through an ``m_grouped_bf16_gemm_nt_contiguous``-like callable (for tests too)."""
-    from deepinfer_nvidia_sm100 import torch_ops
     from deepinfer_nvidia_sm100.triton_ops import expert_layout
 
     tokens, d = x.shape
@@ -191,7 +182,7 @@ def deep_gemm_moe_with(gemm: Callable, align: int, x, w13, w2, topk_ids, topk_we
     a = x[torch.where(row_ok, sorted_pairs // k, 0)].contiguous()
     gate_up = torch.empty((a.shape[0], w13.shape[1]), dtype=x.dtype, device=x.device)
     gemm(a, w13, gate_up, m_indices)
-    h = torch_ops.swiglu(gate_up, swiglu_limit).contiguous()
+    h = native.swiglu(gate_up.float(), swiglu_limit).to(x.dtype).contiguous()  # SwiGLU in float32
     down = torch.empty((a.shape[0], d), dtype=x.dtype, device=x.device)
     gemm(h, w2, down, m_indices)
     return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
@@ -211,15 +202,11 @@ def _combine(down: torch.Tensor, sorted_pairs: torch.Tensor, topk_weights: torch
 
 
 def deep_gemm_moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
-    if x.is_cuda and x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and x.shape[0] > 0:
-        try:
-            dg = importlib.import_module("deep_gemm")
-            return deep_gemm_moe_with(dg.m_grouped_bf16_gemm_nt_contiguous, _deep_gemm_alignment(dg),
-                                      x, w13, w2, topk_ids, topk_weights, swiglu_limit)
-        except Exception as exc:
-            _warn_once("deep_gemm", f"m_grouped_bf16_gemm_nt_contiguous failed ({type(exc).__name__}: "
-                                    f"{exc}); moe_experts falls back to the Triton grouped GEMM")
-    return _fallback("moe_experts", x.device)(x, w13, w2, topk_ids, topk_weights, swiglu_limit)
+    """``moe_experts`` through ``deep_gemm.m_grouped_bf16_gemm_nt_contiguous`` (bfloat16)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    gemm = _library("deep_gemm").m_grouped_bf16_gemm_nt_contiguous
+    return deep_gemm_moe_with(gemm, _deep_gemm_alignment(), x, w13, w2, topk_ids, topk_weights, swiglu_limit)
 
 
 def _moe_check_inputs(device: torch.device):
@@ -261,45 +248,36 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     a = x[torch.where(row_ok, sorted_pairs // k, 0)]
     gate_up = torch.empty((a.shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
     gemm(quantize_act_fp8(a), (w13, w13_scale.float()), gate_up, m_indices)
-    h = quantize_act_fp8(_swiglu(gate_up.float(), swiglu_limit))
+    h = quantize_act_fp8(native.swiglu(gate_up.float(), swiglu_limit))
     down = torch.empty((a.shape[0], d), dtype=torch.bfloat16, device=x.device)
     gemm(h, (w2, w2_scale.float()), down, m_indices)
     return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
 
 
-def _swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    from deepinfer_nvidia_sm100 import torch_ops
-
-    return torch_ops.swiglu(gate_up, limit)
-
-
-def _fp8_fits(x, *weights) -> bool:
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() > 0
-            and all(w.dtype == FP8_DTYPE and w.shape[-1] % FP8_BLOCK == 0 for w in weights))
-
-
 def deep_gemm_linear_fp8(x, weight, weight_scale):
-    if _fp8_fits(x, weight):
-        try:
-            dg = importlib.import_module("deep_gemm")
-            return deep_gemm_linear_fp8_with(dg.fp8_gemm_nt, x, weight, weight_scale)
-        except Exception as exc:
-            _warn_once("deep_gemm_fp8", f"fp8_gemm_nt failed ({type(exc).__name__}: {exc}); "
-                                        "linear_fp8 falls back to the Triton kernel")
-    return _fallback("linear_fp8", x.device)(x, weight, weight_scale)
+    """``linear_fp8`` through ``deep_gemm.fp8_gemm_nt`` (bfloat16 activations, K a multiple of 128)."""
+    if x.numel() == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return deep_gemm_linear_fp8_with(_library("deep_gemm").fp8_gemm_nt, x, weight, weight_scale)
 
 
 def deep_gemm_moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit):
-    if _fp8_fits(x, w13, w2):
-        try:
-            dg = importlib.import_module("deep_gemm")
-            return deep_gemm_moe_fp8_with(dg.m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(dg), x, w13,
-                                          w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
-        except Exception as exc:
-            _warn_once("deep_gemm_moe_fp8", f"m_grouped_fp8_gemm_nt_contiguous failed ({type(exc).__name__}: "
-                                            f"{exc}); moe_experts_fp8 falls back to the Triton grouped GEMM")
-    return _fallback("moe_experts_fp8", x.device)(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
-                                                  swiglu_limit)
+    """``moe_experts_fp8`` through ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (bfloat16)."""
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    gemm = _library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous
+    return deep_gemm_moe_fp8_with(gemm, _deep_gemm_alignment(), x, w13, w13_scale, w2, w2_scale, topk_ids,
+                                  topk_weights, swiglu_limit)
+
+
+def _gemm_dims(model_config: Any, feature: str) -> dict[str, int]:
+    """The K (and N) widths the model hands a DeepGEMM ``feature``: they must be multiples of 128."""
+    dims = {"hidden_size": model_config.hidden_size, "moe_intermediate_size": model_config.moe_intermediate_size}
+    if feature == "fp8_gemm_nt":  # every projection of the model may be an FP8 linear
+        dims["q_lora_rank"] = getattr(model_config, "q_lora_rank", None)
+        groups, rank = getattr(model_config, "o_groups", None), getattr(model_config, "o_lora_rank", None)
+        dims["o_groups * o_lora_rank"] = groups * rank if groups and rank else None
+    return {name: n for name, n in dims.items() if n}
 
 
 def _deep_gemm_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
@@ -310,10 +288,13 @@ def _deep_gemm_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool
             return False, "needs a CUDA device of compute capability 9.0+"
         if dtype is not None and dtype != torch.bfloat16:
             return False, "bfloat16 only"
-        if model_config is not None:
-            dims = (model_config.hidden_size, model_config.moe_intermediate_size)
-            if any(n % FP8_BLOCK for n in dims):
-                return False, f"hidden/moe_intermediate {dims} are not multiples of {FP8_BLOCK}"
+        if model_config is None:
+            if self_check:
+                return False, _UNKNOWN_WIDTHS
+        else:
+            dims = _gemm_dims(model_config, feature)
+            if any(n % FP8_BLOCK for n in dims.values()):
+                return False, f"model widths {dims} are not all multiples of {FP8_BLOCK}"
         if not capability.library_feature("deep_gemm", feature):
             return False, f"deep_gemm with {feature} is not importable"
         if self_check:
@@ -343,28 +324,23 @@ def _moe_fp8_check_inputs(device: torch.device):
 
 #: check name -> (op, adapter, inputs)
 _CHECKS: dict[str, tuple[str, Callable, Callable]] = {
-    "flash_mla": ("sparse_attention", lambda: flash_mla_sparse_attention, _attention_check_inputs),
-    "deep_gemm": ("moe_experts", lambda: deep_gemm_moe_experts, _moe_check_inputs),
-    "deep_gemm_fp8": ("linear_fp8", lambda: deep_gemm_linear_fp8, _linear_fp8_check_inputs),
-    "deep_gemm_moe_fp8": ("moe_experts_fp8", lambda: deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),
+    "flash_mla": ("sparse_attention", flash_mla_sparse_attention, _attention_check_inputs),
+    "deep_gemm": ("moe_experts", deep_gemm_moe_experts, _moe_check_inputs),
+    "deep_gemm_fp8": ("linear_fp8", deep_gemm_linear_fp8, _linear_fp8_check_inputs),
+    "deep_gemm_moe_fp8": ("moe_experts_fp8", deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),
 }
 
 
 @functools.cache
 def _self_check(library: str, device: str) -> tuple[bool, str]:
-    """Run the adapter and the plain-torch op on the same inputs on ``device``; cached per device.
-
-    ``library`` names the check (a library may serve several ops)."""
-    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops
-
+    """Run the adapter and the core's native body (in float64) on the same inputs on ``device``; cached
+    per device. ``library`` names the check (a library may serve several ops)."""
     op, adapter, inputs = _CHECKS[library]
     try:
         args = inputs(torch.device(device))
-        direct = _direct(library)
-        got = direct(*args)
-        plain = {**torch_ops.ALL_OPS, **fp8_ops.TORCH_OPS}[op]
-        want = plain(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != FP8_DTYPE
-                       else a for a in args])
+        got = adapter(*args)
+        want = native.NATIVE_OPS[op](*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                       and a.dtype != FP8_DTYPE else a for a in args])
         got, want = got.double().cpu(), want.cpu()
         if torch.isnan(got).any():
             raise AssertionError("NaN in the output")
@@ -374,31 +350,16 @@ def _self_check(library: str, device: str) -> tuple[bool, str]:
             raise AssertionError(f"mismatch against the reference: cosine {cos:.6f}, max abs err {err:.3g}")
     except Exception as exc:
         reason = f"{library} self-check failed on {device}: {type(exc).__name__}: {exc}"
-        _warn_once(f"check:{library}:{device}", reason + f"; {op} is served by this backend's own kernel")
+        logger.warning("%s; %s is served by the next implementation", reason, op)  # once: the check is cached
         return False, reason
     return True, ""
 
 
-def _direct(library: str) -> Callable:
-    """The adapter without its fallback (a self-check must exercise the library itself)."""
-    if library == "flash_mla":
-        fwd = importlib.import_module("flash_mla").flash_mla_sparse_fwd
-        return functools.partial(flash_mla_attention_with, fwd)
-    dg = importlib.import_module("deep_gemm")
-    if library == "deep_gemm_fp8":
-        return functools.partial(deep_gemm_linear_fp8_with, dg.fp8_gemm_nt)
-    if library == "deep_gemm_moe_fp8":
-        return functools.partial(deep_gemm_moe_fp8_with, dg.m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(dg))
-    gemm = dg.m_grouped_bf16_gemm_nt_contiguous
-    return functools.partial(deep_gemm_moe_with, gemm, _deep_gemm_alignment(dg))
-
-
 ADAPTERS = [
-    Adapter("sparse_attention", "flash_mla", lambda: flash_mla_sparse_attention, _flash_mla_usable),
-    Adapter("moe_experts", "deep_gemm", lambda: deep_gemm_moe_experts,
+    Adapter("sparse_attention", "flash_mla", flash_mla_sparse_attention, _flash_mla_usable),
+    Adapter("moe_experts", "deep_gemm", deep_gemm_moe_experts,
             _deep_gemm_usable("m_grouped_bf16_gemm_nt_contiguous", "deep_gemm")),
-    Adapter("linear_fp8", "deep_gemm", lambda: deep_gemm_linear_fp8,
-            _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
-    Adapter("moe_experts_fp8", "deep_gemm", lambda: deep_gemm_moe_experts_fp8,
+    Adapter("linear_fp8", "deep_gemm", deep_gemm_linear_fp8, _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
+    Adapter("moe_experts_fp8", "deep_gemm", deep_gemm_moe_experts_fp8,
             _deep_gemm_usable("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8")),
 ]

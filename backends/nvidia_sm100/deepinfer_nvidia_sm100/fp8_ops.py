@@ -1,10 +1,9 @@
-"""The block-FP8 ops: Triton launchers and their plain-torch stand-ins, with the catalogue signatures.
+"""The block-FP8 Triton launchers (``linear_fp8``, ``moe_experts_fp8``), with the catalogue signatures.
 
-The Triton paths take float32, bfloat16 and float16 activations with E4M3 weights on a device where
-this backend's Triton kernels run; they never wait for the device (sizes come from shapes), so they can
-be captured in CUDA graphs. Anything else goes to the torch versions (``TORCH_OPS``), which dequantise
-the weights and multiply in the accumulation dtype; the torch ``moe_experts_fp8`` loops over the experts
-that have tokens and so reads the routing back to the host, like ``torch_ops.moe_experts``.
+They take float32, bfloat16 and float16 activations (:data:`~.triton_ops.KERNEL_DTYPES`) with E4M3
+weights on a device where this backend's Triton kernels run; the registration's predicate declines
+other model dtypes at build time (the core's native bodies serve them). They never wait for the device
+(sizes come from shapes), so they can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -12,11 +11,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-from deepinfer_core.model.fp8 import FP8_DTYPE, dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
-from deepinfer_nvidia_sm100 import torch_ops
-from deepinfer_nvidia_sm100.triton_ops import KERNEL_DTYPES, expert_layout
+from deepinfer_core.model.fp8 import FP8_DTYPE
+from deepinfer_nvidia_sm100.triton_ops import expert_layout
 
 GROUP = 128
 #: aim for this many programs per GEMM before splitting K (an H200 has 132 SMs)
@@ -44,40 +41,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _triton_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """The kernels' dtypes (the registration already checked that Triton runs on the device)."""
-    return x.dtype in KERNEL_DTYPES and all(w.dtype == FP8_DTYPE for w in weights) and x.numel() > 0
-
-
-# --- plain torch -----------------------------------------------------------------------------------
-
-
-def _fake_quant(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    return dequantize_act_fp8(*quantize_act_fp8(x), dtype=acc)
-
-
-def linear_fp8_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    acc = torch_ops.acc_dtype(x.dtype)
-    w = dequantize_fp8_block(weight, weight_scale, dtype=acc)
-    return F.linear(_fake_quant(x, acc), w).to(x.dtype)
-
-
-def moe_experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
-    acc = torch_ops.acc_dtype(x.dtype)
-    tokens, k = topk_ids.shape
-    xq = _fake_quant(x, acc)
-    out = torch.zeros((tokens * k, x.shape[-1]), dtype=acc, device=x.device)
-    for expert, pairs in torch_ops.expert_pairs(topk_ids, w13.shape[0]):
-        gate_up = F.linear(xq[pairs // k], dequantize_fp8_block(w13[expert], w13_scale[expert], dtype=acc))
-        h = _fake_quant(torch_ops.swiglu(gate_up, swiglu_limit), acc)
-        y = F.linear(h, dequantize_fp8_block(w2[expert], w2_scale[expert], dtype=acc))
-        out[pairs] = y * topk_weights.reshape(-1)[pairs].to(acc).unsqueeze(-1)
-    return out.view(tokens, k, -1).sum(dim=1).to(x.dtype)
-
-
-# --- Triton ----------------------------------------------------------------------------------------
-
-
 def _linear_tiles(m: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) by the number of rows."""
     if m <= 16:
@@ -102,9 +65,9 @@ def quantize_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    if not _triton_ok(x, weight):
-        return linear_fp8_torch(x, weight, weight_scale)
     n, k = weight.shape
+    if x.numel() == 0:
+        return x.new_empty((*x.shape[:-1], n))
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -134,8 +97,8 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     """Grouped FP8 MoE over rows sorted by expert: the tokens quantised once, gate/up + SwiGLU with h
     quantised in the epilogue, then down scaled by the routing weight; a token's k contributions are
     summed in float32."""
-    if not _triton_ok(x, w13, w2):
-        return moe_experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+    if x.numel() == 0:
+        return torch.zeros_like(x)
     tokens, d = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -166,6 +129,4 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
 
 
-moe_experts_fp8_torch.syncs_host = True  # per-expert loop over counts read back: no CUDA graph around it
-TORCH_OPS = {"linear_fp8": linear_fp8_torch, "moe_experts_fp8": moe_experts_fp8_torch}
-TRITON_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8}
+ALL_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8}

@@ -1,7 +1,8 @@
 """Launchers of the mHC Triton kernels (``hc_pre``, ``hc_post``, ``hc_head``), catalogue signatures.
 
 The mixing projection fn . flatten(streams) is one float32 GEMM; everything after it is one kernel.
-Inputs the kernels do not take (float64 golden runs) go to :mod:`.torch_ops`. No host synchronisation.
+Streams in :data:`~.triton_ops.KERNEL_DTYPES` only (the registration's predicate declines other model
+dtypes at build time). No host synchronisation.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import functools
 
 import torch
 
-from deepinfer_nvidia_sm100 import torch_ops
-from deepinfer_nvidia_sm100.triton_ops import KERNEL_DTYPES, _k, _pow2, _rows
+from deepinfer_nvidia_sm100.triton_ops import _k, _pow2, _rows
 
 BLOCK_D = 512
 
@@ -24,10 +24,6 @@ def _kernels():
     return hc_kernels
 
 
-def _usable(streams: torch.Tensor) -> bool:
-    return streams.dtype in KERNEL_DTYPES and streams.dim() == 3 and streams.shape[0] > 0
-
-
 def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
     tokens, n, d = streams.shape
     streams = streams.contiguous()
@@ -35,6 +31,8 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
     post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
     out = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
+    if tokens == 0:
+        return post, comb, out
     _kernels().hc_pre_kernel[(tokens,)](
         streams, streams.stride(0), streams.stride(1), mixes, mixes.stride(0), base.float().contiguous(),
         scale.float().contiguous(), post, comb, out, out.stride(0), n, d, int(iters), float(hc_eps),
@@ -44,21 +42,17 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
 
 
 def hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
-    if not _usable(streams):
-        return torch_ops.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
 
 
 def hc_head(streams, fn, base, scale, hc_eps, norm_eps):
-    if not _usable(streams):
-        return torch_ops.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
     return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, head=True)[2]
 
 
 def hc_post(block_out, streams, post, comb):
-    if not _usable(streams) or block_out.dtype not in KERNEL_DTYPES:
-        return torch_ops.hc_post(block_out, streams, post, comb)
     tokens, n, d = streams.shape
+    if tokens == 0:
+        return torch.empty_like(streams)
     streams, block_out = streams.contiguous(), _rows(block_out)
     post, comb = post.float().contiguous(), comb.float().contiguous()
     out = torch.empty_like(streams)

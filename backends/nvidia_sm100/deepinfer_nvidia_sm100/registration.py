@@ -1,140 +1,101 @@
-"""Which implementation serves each op, chosen by capability, and its registration.
+"""What this backend registers for each op, at which priority, under which predicate.
 
-Every op gets a plain-torch implementation (priority :data:`TORCH`); the ops with a kernel of their own
-add a Triton one (:data:`TRITON`) whose predicate checks that Triton can run on the engine's device,
-and, where an official DeepSeek library is importable and passes a self-check on the device, an
-adapter to it (:data:`LIBRARY`). Kernel packs override any of them with a priority above
-:data:`LIBRARY` (e.g. 10).
+Every op is served at the bottom (:data:`TORCH`) by the core's native body
+(:mod:`deepinfer_core.ops.native`); the ops with a kernel of their own add a Triton one (:data:`TRITON`)
+whose predicate checks that Triton runs on the engine's device and that the model dtype is one the
+kernels take; where an official DeepSeek library is importable and passes a self-check on the device,
+an adapter to it (:data:`LIBRARY`, :mod:`.external`). Every predicate decides once, when the engine is
+built; the core's resolution picks the highest priority that applies. Kernel packs override any of
+them with a priority above :data:`LIBRARY` (e.g. 10).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_core.ops import native
+from deepinfer_core.ops.catalogue import CATALOGUE
+from deepinfer_core.ops.registry import CHOSEN, SHADOWED, BuildContext, OpImpl, OpRegistry
 from deepinfer_nvidia_sm100 import capability
 
 TORCH, TRITON, LIBRARY = 1, 2, 3
 FP8_TRITON_ENV = "DEEPINFER_NVIDIA_FP8_TRITON"
 
-TRITON_OPS = ("rms_norm", "rotary_emb", "sparse_attention", "compress_windows", "indexer_topk", "moe_experts",
-              "hc_pre", "hc_post", "hc_head")
 
+def _kernel_dtype(dtype: Any) -> tuple[bool, str]:
+    from deepinfer_nvidia_sm100.triton_ops import KERNEL_DTYPES
 
-@dataclass(frozen=True)
-class Impl:
-    op: str
-    name: str  # "torch", "triton", "flash_mla", "deep_gemm"
-    priority: int
-    load: Callable[[], Callable]  # the function (imported on demand)
-    #: (device, dtype, model_config, self_check) -> (usable, reason when not)
-    usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
-
-
-def _always(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        return False, f"the Triton kernels do not take {dtype}"
     return True, ""
 
 
-def _triton(device, dtype, model_config, self_check) -> tuple[bool, str]:
-    import torch
-
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False, f"dtype {dtype} runs on the torch path"
-    return capability.triton_usable(device)
+def triton_applies(ctx: BuildContext) -> bool:
+    """The Triton kernels serve: the model dtype is one they take and Triton runs on the device."""
+    return _kernel_dtype(ctx.dtype)[0] and capability.triton_usable(ctx.device)[0]
 
 
-def _triton_fp8(device, dtype, model_config, self_check) -> tuple[bool, str]:
+def triton_fp8_applies(ctx: BuildContext) -> bool:
     """The Triton FP8 kernels are opt-in: they fail the conformance suite at V4-Flash widths on an H200."""
-    import os
-
-    if os.environ.get(FP8_TRITON_ENV, "") != "1":
-        return False, f"experimental: set {FP8_TRITON_ENV}=1 to use the Triton FP8 kernels"
-    return _triton(device, dtype, model_config, self_check)
+    return os.environ.get(FP8_TRITON_ENV, "") == "1" and triton_applies(ctx)
 
 
-def _torch_fn(op: str) -> Callable[[], Callable]:
-    def load() -> Callable:
-        from deepinfer_nvidia_sm100 import torch_ops
+def _adapter_applies(adapter: Any) -> Callable[[BuildContext], bool]:
+    def applies(ctx: BuildContext) -> bool:
+        return adapter.usable(ctx.device, ctx.dtype, ctx.model_config, not ctx.probe_only)[0]
 
-        return torch_ops.ALL_OPS[op]
-
-    return load
-
-
-def _triton_fn(op: str) -> Callable[[], Callable]:
-    def load() -> Callable:
-        from deepinfer_nvidia_sm100 import hc_ops, triton_ops
-
-        return {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}[op]
-
-    return load
-
-
-#: the block-FP8 ops, served from :mod:`.fp8_ops` (a torch and a Triton implementation each)
-FP8_OPS = ("linear_fp8", "moe_experts_fp8")
-
-
-def _fp8_fn(op: str, kind: str) -> Callable[[], Callable]:
-    def load() -> Callable:
-        from deepinfer_nvidia_sm100 import fp8_ops
-
-        return (fp8_ops.TRITON_OPS if kind == "triton" else fp8_ops.TORCH_OPS)[op]
-
-    return load
-
-
-def implementations() -> list[Impl]:
-    from deepinfer_core.ops.catalogue import CATALOGUE
-    from deepinfer_nvidia_sm100 import external
-
-    impls = [Impl(op, "torch", TORCH, _torch_fn(op), _always) for op in CATALOGUE if op not in FP8_OPS]
-    impls += [Impl(op, "torch", TORCH, _fp8_fn(op, "torch"), _always) for op in FP8_OPS]
-    impls += [Impl(op, "triton", TRITON, _fp8_fn(op, "triton"), _triton_fp8) for op in FP8_OPS]
-    impls += [Impl(op, "triton", TRITON, _triton_fn(op), _triton) for op in TRITON_OPS]
-    impls += [
-        Impl(a.op, a.library, LIBRARY, a.load, a.usable) for a in external.ADAPTERS
-    ]
-    return impls
-
-
-def register_all(registry: Any) -> None:
-    for impl in implementations():
-        registry.register(impl.op, impl.load(), priority=impl.priority, predicate=_predicate(impl))
-
-
-def _predicate(impl: Impl) -> Callable[[Any], bool]:
-    def applies(ctx: Any) -> bool:
-        return impl.usable(ctx.device, ctx.dtype, ctx.model_config, True)[0]
-
-    applies.__qualname__ = f"{impl.name}_applies[{impl.op}]"
+    applies.__qualname__ = f"{adapter.library}_applies[{adapter.op}]"
     return applies
 
 
-def plan(device: Any = None, dtype: Any = None, model_config: Any = None,
-         self_check: bool = True) -> dict[str, str]:
-    """op -> name of the implementation that serves it (highest priority that is usable).
+def register_all(registry: OpRegistry) -> None:
+    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, triton_ops
 
-    Without ``self_check`` the official-library adapters are judged on their probes alone (no kernel
-    runs): their entry then reads ``"<library> (if its self-check passes, else <next>)"``.
-    """
-    by_op: dict[str, list[Impl]] = {}
-    for impl in implementations():
-        by_op.setdefault(impl.op, []).append(impl)
+    native.register(registry, priority=TORCH)
+    for op, fn in {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}.items():
+        registry.register(op, fn, priority=TRITON, predicate=triton_applies)
+    for op, fn in fp8_ops.ALL_OPS.items():
+        registry.register(op, fn, priority=TRITON, predicate=triton_fp8_applies)
+    for adapter in external.ADAPTERS:
+        registry.register(adapter.op, adapter.fn, priority=LIBRARY, predicate=_adapter_applies(adapter))
+
+
+@functools.cache
+def _names() -> dict[Callable, str]:
+    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, triton_ops
+
+    names = {fn: "torch" for fn in native.NATIVE_OPS.values()}
+    names.update({fn: "triton" for fn in (*triton_ops.ALL_OPS.values(), *hc_ops.ALL_OPS.values(),
+                                          *fp8_ops.ALL_OPS.values())})
+    names.update({a.fn: a.library for a in external.ADAPTERS})
+    return names
+
+
+def implementation_name(impl: OpImpl) -> str:
+    """``"torch"`` (the core's native body), ``"triton"``, or the library an adapter calls; an
+    implementation another plugin registered goes by its plugin's name."""
+    return _names().get(impl.fn) or impl.provider.partition(":")[2] or impl.provider
+
+
+def op_labels(registry: OpRegistry, ctx: BuildContext) -> dict[str, str]:
+    """op -> the name of the implementation the core's resolution picks under ``ctx`` (``"none"``).
+
+    Under ``ctx.probe_only`` no adapter has run its self-check: its entry then reads
+    ``"<library> (if its self-check passes, else <next>)"``."""
+    from deepinfer_nvidia_sm100 import external
+
+    adapters = {a.fn for a in external.ADAPTERS}
     out = {}
-    for op, impls in by_op.items():
-        chosen = []
-        for impl in sorted(impls, key=lambda i: -i.priority):
-            try:
-                ok = impl.usable(device, dtype, model_config, self_check)[0]
-            except Exception:
-                ok = False
-            if ok:
-                chosen.append(impl.name)
-                if impl.priority != LIBRARY or self_check:
-                    break
-        if len(chosen) > 1:
-            out[op] = f"{chosen[0]} (if its self-check passes, else {chosen[1]})"
-        else:
-            out[op] = chosen[0] if chosen else "none"
+    for op in CATALOGUE:
+        serving = [impl for impl, verdict in registry.explain(op, ctx) if verdict in (CHOSEN, SHADOWED)]
+        if not serving:
+            out[op] = "none"
+            continue
+        name = implementation_name(serving[0])
+        if ctx.probe_only and serving[0].fn in adapters and len(serving) > 1:
+            name = f"{name} (if its self-check passes, else {implementation_name(serving[1])})"
+        out[op] = name
     return out

@@ -1,10 +1,10 @@
 """Launchers of the Triton kernels, with the catalogue signatures.
 
 The kernels module (and so ``triton``) is imported on the first call, never when this module is
-imported. Each launcher takes float32, bfloat16 and float16 inputs; anything else (float64 golden runs,
-exotic layouts) goes to the matching plain-torch implementation in :mod:`.torch_ops`, which keeps the
-same semantics. No launcher waits for the device (no host synchronisation): every size comes from
-shapes, so the ops can be captured in CUDA graphs.
+imported. The launchers take float32, bfloat16 and float16 inputs (:data:`KERNEL_DTYPES`) and nothing
+else: their registration's predicate declines other model dtypes at build time, so float64 golden runs
+resolve to the core's native bodies instead. No launcher waits for the device (no host
+synchronisation): every size comes from shapes, so the ops can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from deepinfer_nvidia_sm100 import torch_ops
+from deepinfer_core.ops.native import select_topk
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -81,10 +81,6 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _kernel_dtype(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A view whose last dimension is contiguous (copying only when it is not)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -94,8 +90,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if not _kernel_dtype(x, weight) or x.numel() == 0:
-        return torch_ops.rms_norm(x, weight, eps)
+    if x.numel() == 0:
+        return torch.empty_like(x)
     d = x.shape[-1]
     x2 = _rows(x.reshape(-1, d))
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
@@ -109,8 +105,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    if not _kernel_dtype(x, cos, sin) or x.dim() != 3 or x.numel() == 0:
-        return torch_ops.rotary_emb(x, cos, sin, inverse)
+    if x.numel() == 0:
+        return torch.empty_like(x)
     tokens, heads, d = x.shape
     x = _rows(x)
     cos, sin = _rows(cos), _rows(sin)
@@ -138,8 +134,6 @@ def sparse_attention(
     extra_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     has_extra = extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0
-    if not _kernel_dtype(q, kv, extra_kv if has_extra else None) or sinks.dtype == torch.float64:
-        return torch_ops.sparse_attention(q, kv, indices, sinks, scale, extra_kv, extra_indices)
     tokens, heads, d = q.shape
     out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -170,9 +164,9 @@ def sparse_attention(
 
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    if not _kernel_dtype(kv, gate) or kv.numel() == 0:
-        return torch_ops.compress_windows(kv, gate)
     windows, length, d = kv.shape
+    if kv.numel() == 0:
+        return kv.new_empty((windows, d))
     kv, gate = _rows(kv), _rows(gate)
     out = torch.empty((windows, d), dtype=kv.dtype, device=kv.device)
     block_d = min(_pow2(d), 128)
@@ -193,22 +187,21 @@ def indexer_topk(
     scale: float,
 ) -> torch.Tensor:
     """Scores in Triton; the selection is a stable sort (ties towards the earlier candidate)."""
-    if not _kernel_dtype(q, weights, keys) or q.shape[0] == 0 or candidates.shape[-1] == 0:
-        return torch_ops.indexer_topk(q, weights, keys, candidates, topk, scale)
     tokens, heads, d = q.shape
     n_cand = candidates.shape[-1]
     q, weights, keys, candidates = _rows(q), _rows(weights), _rows(keys), _rows(candidates)
     scores = torch.empty((tokens, n_cand), dtype=torch.float32, device=q.device)
-    block_c = 64 if n_cand > 32 else 32
-    block_h = min(max(_pow2(heads), 16), 64)
-    block_d = min(max(_pow2(d), 16), 128)
-    _k().indexer_scores_kernel[(tokens, _cdiv(n_cand, block_c))](
-        q, q.stride(0), q.stride(1), weights, weights.stride(0), keys, keys.stride(0), keys.shape[0],
-        candidates, candidates.stride(0), n_cand, scores, scores.stride(0), heads, d, float(scale),
-        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_D=block_d, DOT_PREC=_prec(q.dtype), num_warps=4,
-    )
+    if tokens and n_cand:
+        block_c = 64 if n_cand > 32 else 32
+        block_h = min(max(_pow2(heads), 16), 64)
+        block_d = min(max(_pow2(d), 16), 128)
+        _k().indexer_scores_kernel[(tokens, _cdiv(n_cand, block_c))](
+            q, q.stride(0), q.stride(1), weights, weights.stride(0), keys, keys.stride(0), keys.shape[0],
+            candidates, candidates.stride(0), n_cand, scores, scores.stride(0), heads, d, float(scale),
+            BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_D=block_d, DOT_PREC=_prec(q.dtype), num_warps=4,
+        )
     valid = (candidates >= 0) & (candidates < keys.shape[0])
-    return torch_ops.select_topk(scores, valid, candidates, topk)
+    return select_topk(scores, valid, candidates, topk)
 
 
 # --- MoE -------------------------------------------------------------------------------------------
@@ -259,8 +252,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """Fused grouped MoE: gate/up GEMM + SwiGLU, then down GEMM scaled by the routing weight, per block
     of rows of one expert; the k contributions of a token are summed in float32 in slot order."""
-    if not _kernel_dtype(x, w13, w2) or x.shape[0] == 0:
-        return torch_ops.moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit)
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
     tokens, d = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
