@@ -10,7 +10,7 @@ from typing import Any
 
 from deepinfer_core import plugins
 from deepinfer_core.ops.catalogue import CATALOGUE
-from deepinfer_core.ops.registry import BuildContext, OpImpl, OpRegistry
+from deepinfer_core.ops.registry import CHOSEN, BuildContext, OpRegistry
 
 # keys of a describe_backends() row that are not backend details
 _ROW_KEYS = ("name", "distribution", "version", "device", "available", "reason")
@@ -147,33 +147,27 @@ def _qualname(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _applies(impl: OpImpl, ctx: BuildContext) -> tuple[bool, str]:
-    try:
-        return (True, "") if impl.applies(ctx) else (False, "declined by its predicate")
-    except Exception as exc:
-        return False, f"predicate raised {type(exc).__name__}: {exc}"
-
-
 def resolve_table(
     loaded: plugins.LoadedBackend, registry: OpRegistry, ctx: BuildContext
 ) -> list[dict[str, Any]]:
-    """For each catalogued op: the implementation that serves it under ``ctx`` and every alternative."""
+    """For each catalogued op: the implementation the core's resolution picks under ``ctx`` and every
+    alternative with its verdict (:meth:`~deepinfer_core.ops.registry.OpRegistry.explain`)."""
     rows = []
     for op in CATALOGUE:
         chosen: dict[str, Any] | None = None
         alternatives = []
-        for impl in registry.candidates(op):
+        for impl, verdict in registry.explain(op, ctx):
             entry = {
                 **_provider(loaded, impl.provider),
                 "priority": impl.priority,
                 "function": _qualname(impl.fn),
+                "batch_invariant": impl.batch_invariant,
+                "syncs_host": impl.syncs_host,
             }
-            ok, why = _applies(impl, ctx)
-            if ok and chosen is None:
+            if verdict == CHOSEN:
                 chosen = entry
-                continue
-            entry["status"] = "shadowed" if ok else why
-            alternatives.append(entry)
+            else:
+                alternatives.append({**entry, "status": verdict})
         rows.append({"op": op, "chosen": chosen, "alternatives": alternatives})
     return rows
 
@@ -248,6 +242,10 @@ def run_ops(args: argparse.Namespace) -> int:
                 ]
             )
     out.extend(_table(["OP", "PROVIDER", "DISTRIBUTION", "PRIORITY", "SHADOWED ALTERNATIVES"], table))
+    syncing = [r["op"] for r in rows if r["chosen"] is not None and r["chosen"]["syncs_host"]]
+    if syncing:
+        out.append("")
+        out.append(f"wait for the host (a step running them is not captured in a graph): {', '.join(syncing)}")
     if missing:
         out.append("")
         out.append(
