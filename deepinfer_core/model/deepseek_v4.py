@@ -251,6 +251,9 @@ class DeepseekV4Model:
 
     # --- MoE -------------------------------------------------------------------------------------
 
+    #: expert parallel: this rank's dispatcher (its stacks then hold only its own experts); None: all local
+    ep = None
+
     def moe(self, moe: MoE, h, token_ids) -> torch.Tensor:
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
         logits = self.linear(h, gate.weight)
@@ -258,10 +261,16 @@ class DeepseekV4Model:
         weights, ids = ops.moe_route(
             logits, cfg.scoring_func, cfg.num_experts_per_tok, gate.bias, fixed, cfg.routed_scaling_factor,
         )
+        x = h
+        if self.ep is not None:  # each (token, expert) pair goes to the expert's rank, one row per pair
+            x, ids, weights, handle = self.ep.dispatch(h, ids, weights)
+            ids, weights = ids.unsqueeze(1), weights.unsqueeze(1)
         if ex.is_fp8:
-            routed = ops.moe_experts_fp8(h, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids, weights,
+            routed = ops.moe_experts_fp8(x, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids, weights,
                                          cfg.swiglu_limit)
         else:
-            routed = ops.moe_experts(h, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
+            routed = ops.moe_experts(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
+        if self.ep is not None:
+            routed = self.ep.combine(routed, handle)
         shared = ops.swiglu(self.linear(h, moe.shared.w13), cfg.swiglu_limit)
         return routed + self.linear(shared, moe.shared.w2)

@@ -1,6 +1,10 @@
 """Expert-parallel dispatch and combine over ``torch.distributed.all_to_all_single`` (any backend:
 gloo, NCCL, HCCL). Routed experts are sharded contiguously: rank ``r`` owns experts
-``[r * E / world, (r + 1) * E / world)``."""
+``[r * E / world, (r + 1) * E / world)``.
+
+Also the model side of expert parallelism: :func:`shard_experts` keeps a rank's own experts and hands the
+model its dispatcher, :func:`dummy_moe_step` joins every MoE layer's collectives with no tokens (a rank
+with nothing scheduled, so that its peers never wait forever)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_core.comm import Communicator
+from deepinfer_core.model.weights import Experts, Linear, records
 
 
 @dataclass
@@ -19,6 +24,7 @@ class _Handle:
     recv_counts: list[int]
     num_tokens: int
     top_k: int
+    topk_ids: torch.Tensor  # [T, k] global expert ids: a token's terms are summed in ascending id
 
 
 class AllToAllDispatcher:
@@ -57,11 +63,51 @@ class AllToAllDispatcher:
         recv_x = self._exchange(x[rows], sc, rc)
         recv_ids = self._exchange(flat[order], sc, rc) - self.rank * self.experts_per_rank
         recv_w = self._exchange(topk_weights.reshape(-1)[order], sc, rc)
-        return recv_x, recv_ids, recv_w, _Handle(order, sc, rc, num_tokens, top_k)
+        return recv_x, recv_ids, recv_w, _Handle(order, sc, rc, num_tokens, top_k, topk_ids)
 
     def combine(self, y: torch.Tensor, handle: _Handle) -> torch.Tensor:
-        """Weighted expert outputs ``y`` (rows as dispatched) summed back per home token: [T, hidden]."""
+        """Weighted expert outputs ``y`` (rows as dispatched) summed back per home token: [T, hidden].
+
+        A token's terms are added one by one onto zeros in ascending expert id, as the one-process MoE
+        ops add them, so the sum is the same bit for bit."""
         back = self._exchange(y, handle.recv_counts, handle.send_counts)
-        out = torch.empty_like(back)
-        out[handle.order] = back
-        return out.view(handle.num_tokens, handle.top_k, -1).sum(dim=1)
+        pairs = torch.empty_like(back)
+        pairs[handle.order] = back
+        pairs = pairs.view(handle.num_tokens, handle.top_k, -1)
+        slots = torch.sort(handle.topk_ids, dim=1, stable=True).indices
+        pairs = pairs.gather(1, slots.unsqueeze(-1).expand_as(pairs))
+        out = pairs.new_zeros((handle.num_tokens, pairs.shape[-1]))
+        for k in range(handle.top_k):
+            out += pairs[:, k]
+        return out
+
+
+def shard_experts(model, dispatcher) -> None:
+    """Keep only ``dispatcher.local_experts`` of every routed-expert stack of ``model`` (main layers and
+    MTP blocks) and let its MoE layers dispatch through ``dispatcher``.
+
+    The stacks are sliced after a full load (the other experts' memory is released, the peak is the
+    whole model's); loading only the local experts is the loader's part."""
+    local = dispatcher.local_experts
+    w = model.weights
+    for ex in records([*w.layers, *w.mtp], leaves=(Experts,)):
+        if not isinstance(ex, Experts):
+            continue
+        if ex.w13.weight.shape[0] != dispatcher.num_experts:
+            raise ValueError(f"an expert stack holds {ex.w13.weight.shape[0]} experts, the dispatcher "
+                             f"shards {dispatcher.num_experts}")
+        for name in ("w13", "w2"):
+            lin: Linear = getattr(ex, name)
+            setattr(ex, name, Linear(lin.weight[local.start:local.stop].clone(),
+                                     None if lin.scale is None else lin.scale[local.start:local.stop].clone()))
+    model.ep = dispatcher
+
+
+@torch.inference_mode()
+def dummy_moe_step(model) -> None:
+    """Every MoE layer of the forward, with no tokens: the rank takes part in each dispatch and combine."""
+    w = model.weights
+    h = torch.empty((0, model.cfg.hidden_size), dtype=model.dtype, device=model.device)
+    ids = torch.empty((0,), dtype=torch.long, device=model.device)
+    for block in w.layers:
+        model.moe(block.moe, h, ids)
