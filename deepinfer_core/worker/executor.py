@@ -42,15 +42,17 @@ class Executor:
 
 
 class UniProcExecutor(Executor):
-    """One worker in this process (rank 0 of a world of one)."""
+    """One worker in this process: rank 0 of a world of one, or the rank ``args.data_parallel_rank`` of a
+    data-parallel engine (whose front-end runs an engine core with this executor in every rank's process)."""
 
     def __init__(self, args: Any, backend: LoadedBackend, model_config: ModelConfig, path: Path,
                  scheduler_config: SchedulerConfig, cache_config: CacheConfig, parallel_config: ParallelConfig,
                  batch_invariant: bool = False):
         self.parallel_config = parallel_config
         self.topology, self.plan = place_ranks(backend, parallel_config)
+        rank = getattr(args, "data_parallel_rank", None) or 0
         self.driver_worker = Worker(args, backend, model_config, path, scheduler_config, cache_config,
-                                    parallel_config, rank=0, local_rank=self.plan.device_of_rank.get(0, 0),
+                                    parallel_config, rank=rank, local_rank=self.plan.device_of_rank.get(rank, 0),
                                     batch_invariant=batch_invariant)
         worker = self.driver_worker
         worker.init_device()
@@ -60,3 +62,7 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.driver_worker.execute_model(scheduler_output)
+
+    def execute_dummy(self) -> None:
+        """A placeholder step (nothing scheduled here) through the expert-parallel collectives."""
+        self.driver_worker.execute_dummy()

@@ -14,6 +14,8 @@ from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
+from deepinfer_core.parallel.ep import dummy_moe_step, shard_experts
+from deepinfer_core.parallel.process_group import init_process_group, world_group
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
 from deepinfer_core.sampling.sampler import Sampler
@@ -38,7 +40,10 @@ class Worker:
             raise RuntimeError(f"backend {self.backend.info.name!r} implements no deepinfer_init_device and no "
                                "device was given; pass device=...")
         self.platform: Platform = hook.deepinfer_platform(device=self.device) or Platform(self.device)
-        self.communicator = hook.deepinfer_make_communicator(group=None, device=self.device)
+        pc = self.parallel_config
+        init_process_group(self.device, max(pc.data_parallel_size, pc.expert_parallel_size),
+                           getattr(self.args, "distributed_timeout_s", 600.0))
+        self.communicator = hook.deepinfer_make_communicator(group=world_group(), device=self.device)
         self.ep_dispatcher = None
         if self.parallel_config.expert_parallel_size > 1:
             cfg = self.model_config
@@ -52,6 +57,8 @@ class Worker:
         args = self.args
         self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
                                 batch_invariant=self.batch_invariant, quantization=args.quantization)
+        if self.ep_dispatcher is not None:  # this rank keeps its own routed experts only
+            shard_experts(self.model, self.ep_dispatcher)
 
     def initialize_cache(self) -> PoolSizes:
         """Size the pools from the platform's budget (after a profiling forward where it measures memory),
@@ -72,3 +79,8 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_dummy(self) -> None:
+        """A step with nothing scheduled: the MoE layers' expert-parallel collectives, with no tokens."""
+        if self.ep_dispatcher is not None:
+            dummy_moe_step(self.model)
