@@ -54,6 +54,18 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None  # largest decode batch run from a graph (max_num_seqs)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N (zero-overhead)
     quantization: str | None = None  # "fp8": linear and expert weights in E4M3 with 128x128 block scales
+    data_parallel_size: int = 1  # attention data parallel: ranks (processes), each its own scheduler and KV
+    enable_expert_parallel: bool = False  # shard the routed experts over the data-parallel ranks
+    data_parallel_rank: int | None = None  # set in a rank's process: its engine core (no front-end)
+    distributed_timeout_s: float = 600.0  # most a rank may take to answer, or a collective may wait
+
+
+def parallel_config_of(args: EngineArgs) -> ParallelConfig:
+    """Expert parallel spans the data-parallel ranks (vLLM's rule, without tensor parallel)."""
+    dp = args.data_parallel_size
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
+    return ParallelConfig(data_parallel_size=dp, expert_parallel_size=dp if args.enable_expert_parallel else 1)
 
 
 class _Request:
@@ -76,6 +88,16 @@ def _base_seed(seq: Sequence) -> int:
 
 
 class LLMEngine:
+    def __new__(cls, args: EngineArgs | None = None, *rest: Any, **kwargs: Any):
+        """``data_parallel_size > 1`` builds the data-parallel front-end instead (same public API), which
+        runs an LLMEngine in every rank's process."""
+        if cls is LLMEngine and args is not None and args.data_parallel_rank is None and (
+                parallel_config_of(args).data_parallel_size > 1):
+            from deepinfer_core.parallel.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(args)
+        return super().__new__(cls)
+
     def __init__(self, args: EngineArgs, executor_class: type[Executor] = UniProcExecutor):
         from deepinfer_core.default_model import default_model_path
 
@@ -98,7 +120,7 @@ class LLMEngine:
             block_size=args.block_size, num_blocks=args.num_blocks, num_window_blocks=args.num_window_blocks,
             cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching)
-        self.parallel_config = ParallelConfig(data_parallel_size=1, expert_parallel_size=1)
+        self.parallel_config = parallel_config_of(args)
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
         check_block_size(cfg, self.cache_config.block_size)  # a plugin may have changed it
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()

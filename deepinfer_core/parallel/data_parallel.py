@@ -1,0 +1,169 @@
+"""Attention data parallel: the front-end of an engine with ``data_parallel_size`` ranks.
+
+Each rank is a process of its own (:mod:`deepinfer_core.worker.multiproc_executor`) that runs a whole
+engine core: an :class:`~deepinfer_core.engine.llm_engine.LLMEngine` with its scheduler, block manager,
+KV pools and state slots, and the model (with expert parallel, only its own routed experts). The
+front-end, in the caller's process, holds no model: it tokenizes, assigns each request to the rank with
+the least outstanding tokens, and steps the ranks in lock-step (every step goes to every rank with
+expert parallel; a rank with nothing scheduled runs a placeholder step through the MoE collectives).
+``LLMEngine(EngineArgs(data_parallel_size=N))`` builds it, so ``LLM``, ``AsyncLLM`` and the server use
+it unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.plugins import load_backend
+from deepinfer_core.sampling.params import SamplingParams
+
+
+class DataParallelEngine:
+    """LLMEngine's public API (``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``,
+    prefix-cache calls) over the ranks' engine cores; ``step`` returns outputs in the order the requests
+    were added."""
+
+    def __init__(self, args: Any):
+        from deepinfer_core.default_model import default_model_path
+        from deepinfer_core.engine.llm_engine import parallel_config_of
+        from deepinfer_core.tokenizer import get_tokenizer
+        from deepinfer_core.worker.executor import place_ranks
+        from deepinfer_core.worker.multiproc_executor import RankProcesses
+
+        self.args = args
+        self.parallel_config = pc = parallel_config_of(args)
+        path = Path(args.model) if args.model is not None else default_model_path()
+        self.model_config = cfg = ModelConfig.from_pretrained(path)
+        ep = pc.expert_parallel_size
+        if ep > 1 and cfg.n_routed_experts % ep:
+            raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split evenly over {ep} "
+                             "expert-parallel ranks")
+        if not args.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {args.distributed_timeout_s!r}")
+        self.topology, self.plan = place_ranks(load_backend(args.backend), pc)
+        self.tokenizer = get_tokenizer(path)
+        self.num_ranks = pc.data_parallel_size
+        self.ranks = RankProcesses(args, self.num_ranks, self.plan.device_of_rank, args.distributed_timeout_s)
+        self._finalizer = weakref.finalize(self, self.ranks.shutdown)
+        info = self.ranks.info
+        self.rank_info = [info[r] for r in range(self.num_ranks)]
+        self.dtype: torch.dtype = info[0]["dtype"]
+        self.device = torch.device(info[0]["device"])
+        self.scheduler_config = info[0]["scheduler_config"]
+        self.pool_sizes = info[0]["pool_sizes"]
+        self._counter = itertools.count()
+        self._added = itertools.count()
+        self._owner: dict[str, int] = {}  # unfinished request -> its rank
+        self._order: dict[str, int] = {}  # unfinished request -> when it was added
+        self._plan: dict[str, tuple[int, int, int]] = {}  # request -> (n, prompt tokens, most new tokens)
+        self._outstanding: dict[str, int] = {}  # request -> tokens it still has to compute
+        self.load = [0] * self.num_ranks  # outstanding tokens per rank
+        self._busy = [False] * self.num_ranks
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        from deepinfer_core.engine.llm_engine import LLMEngine
+
+        return LLMEngine._prompt_ids(self, prompt)  # the same reading of a prompt (it only calls encode)
+
+    def add_request(self, request_id: str | None, prompt: str | dict | list[int],
+                    params: SamplingParams | None = None) -> str:
+        """Queue a request on the least loaded rank; raises ValueError (and queues nothing) when invalid."""
+        params = params or SamplingParams()
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        rank = min(range(self.num_ranks), key=lambda r: (self.load[r], r))
+        self.ranks.call(rank, "add", (request_id, {"prompt": text, "prompt_token_ids": ids}, params))
+        room = max(self.scheduler_config.max_model_len - len(ids), 0)
+        most = room if params.max_tokens is None else min(params.max_tokens, room)
+        self._owner[request_id], self._order[request_id] = rank, next(self._added)
+        self._plan[request_id] = (params.n, len(ids), most)
+        self._set_outstanding(request_id, params.n * (len(ids) + most))
+        self._busy[rank] = True
+        return request_id
+
+    def _set_outstanding(self, request_id: str, tokens: int) -> None:
+        rank = self._owner[request_id]
+        self.load[rank] += tokens - self._outstanding.get(request_id, 0)
+        self._outstanding[request_id] = tokens
+
+    def _forget(self, request_id: str) -> None:
+        if request_id in self._owner:
+            self._set_outstanding(request_id, 0)
+        for book in (self._owner, self._order, self._plan, self._outstanding):
+            book.pop(request_id, None)
+
+    def abort_request(self, request_id: str) -> None:
+        rank = self._owner.get(str(request_id))
+        if rank is None:
+            return
+        self._busy[rank] = self.ranks.call(rank, "abort", str(request_id))
+        self._forget(str(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return any(self._busy)
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every rank (lock-step); the outputs of all ranks, in the requests' order."""
+        if not any(self._busy):
+            return []
+        if self.parallel_config.expert_parallel_size > 1:
+            ranks = range(self.num_ranks)  # idle ranks take part in the MoE collectives
+        else:
+            ranks = [r for r in range(self.num_ranks) if self._busy[r]]
+        answers = self.ranks.call_all(ranks, "step")
+        outputs: list[RequestOutput] = []
+        for rank, (outs, busy) in answers.items():
+            self._busy[rank] = busy
+            outputs.extend(outs)
+        outputs.sort(key=lambda out: self._order.get(out.request_id, -1))
+        for out in outputs:
+            if out.request_id not in self._owner:
+                continue
+            if out.finished:
+                self._forget(out.request_id)
+            else:
+                _, _, most = self._plan[out.request_id]
+                self._set_outstanding(out.request_id, sum(max(most - len(c.token_ids), 0) for c in out.outputs))
+        return outputs
+
+    # --- prefix cache, lifetime ------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        self.ranks.call_all(range(self.num_ranks), "reset_prefix_cache")
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Summed over the ranks."""
+        per_rank = self.ranks.call_all(range(self.num_ranks), "prefix_cache_stats")
+        stats: dict[str, float] = {}
+        for rank_stats in per_rank.values():
+            for key, value in rank_stats.items():
+                if key != "hit_rate":
+                    stats[key] = stats.get(key, 0) + value
+        stats["hit_rate"] = stats["hit_tokens"] / stats["query_tokens"] if stats.get("query_tokens") else 0.0
+        return stats
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return self.ranks.pids
+
+    def shutdown(self) -> None:
+        """End the ranks' processes (also done when the engine is collected or the program exits)."""
+        self._finalizer()

@@ -1,0 +1,278 @@
+"""The processes of a data-parallel engine: every rank runs an engine core (an :class:`LLMEngine` over a
+:class:`RankExecutor`, rank ``r`` of the torch.distributed group) in a process of its own, spawned and
+driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_parallel.DataParallelEngine`).
+
+The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
+(a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
+``reset_prefix_cache``, ``prefix_cache_stats``, ``stop``. A rank whose step scheduled nothing runs a
+placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
+always meet in the same collectives.
+
+Faults: a rank that dies is seen at once (its process sentinel); one that does not answer within the
+timeout, or answers with an error, fails the engine too. :class:`RankFailure` names the rank(s) and every
+process is ended (``shutdown``), none is left behind. Collectives on the group time out after
+``distributed_timeout_s``; the front-end waits a few seconds longer for answers, so that a rank blocked
+by a hung peer answers with its timeout and the peer is the one named as silent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from deepinfer_core.engine.scheduler_output import SchedulerOutput
+from deepinfer_core.worker.executor import UniProcExecutor
+from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+ANSWER_GRACE_S = 5.0  # the front-end waits this much longer than a collective may
+
+
+class RankFailure(RuntimeError):
+    """A rank of a data-parallel engine died, hung or failed; the engine is shut down."""
+
+
+class RankExecutor(UniProcExecutor):
+    """A rank's executor: counts the steps it launched (a step that launched none is followed by a
+    placeholder step) and remembers a forward that raised (with expert parallel that is fatal: the
+    ranks' collectives would no longer line up)."""
+
+    num_launched = 0
+    failed: BaseException | None = None
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        self.num_launched += 1
+        try:
+            return super().execute_model(scheduler_output)
+        except BaseException as exc:
+            self.failed = exc
+            raise
+
+
+class _RankCore:
+    """The commands a rank's process serves, over its engine core."""
+
+    def __init__(self, engine: Any):
+        self.engine, self.executor = engine, engine.executor
+        self.expert_parallel = engine.parallel_config.expert_parallel_size > 1
+
+    def info(self) -> dict[str, Any]:
+        worker = self.executor.driver_worker
+        disp = worker.ep_dispatcher
+        return {"pid": os.getpid(), "dtype": self.engine.dtype, "device": str(self.engine.device),
+                "scheduler_config": self.engine.scheduler_config, "pool_sizes": self.engine.pool_sizes,
+                "local_experts": None if disp is None else (disp.local_experts.start, disp.local_experts.stop)}
+
+    def add(self, payload: tuple[str, Any, Any]) -> None:
+        self.engine.add_request(*payload)
+
+    def abort(self, request_id: str) -> bool:
+        self.engine.abort_request(request_id)
+        return self.engine.has_unfinished_requests()
+
+    def step(self, _: Any) -> tuple[list[Any], bool]:
+        launched = self.executor.num_launched
+        outputs = self.engine.step()
+        if self.expert_parallel and self.executor.failed is not None:
+            raise RuntimeError("a forward failed; with expert parallel the ranks cannot go on") from self.executor.failed
+        if self.executor.num_launched == launched:
+            self.executor.execute_dummy()
+        return outputs, self.engine.has_unfinished_requests()
+
+    def reset_prefix_cache(self, _: Any) -> None:
+        self.engine.reset_prefix_cache()
+
+    def prefix_cache_stats(self, _: Any) -> dict[str, float]:
+        return self.engine.prefix_cache_stats()
+
+
+def _rank_main(rank: int, env: dict[str, str], args: Any, threads: int, conn: Connection) -> None:
+    """A rank's process: build the engine core, then answer the front-end's commands until ``stop`` (or
+    until the front-end is gone)."""
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front-end ends the ranks
+    torch.set_num_threads(threads)
+    from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.parallel.process_group import destroy_process_group
+
+    try:
+        try:
+            core = _RankCore(LLMEngine(args, executor_class=RankExecutor))
+            conn.send(("ok", core.info()))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return
+        while True:
+            try:
+                command, payload = conn.recv()
+            except (EOFError, OSError):
+                return  # the front-end is gone
+            if command == "stop":
+                conn.send(("ok", None))
+                return
+            try:
+                reply = ("ok", getattr(core, command)(payload))
+            except ValueError as exc:
+                reply = ("invalid", str(exc)) if command == "add" else ("error", traceback.format_exc())
+            except BaseException:
+                reply = ("error", traceback.format_exc())
+            conn.send(reply)
+    except (BrokenPipeError, EOFError, OSError):
+        pass
+    finally:
+        destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class RankProcesses:
+    """Spawns the ranks' processes (torch.multiprocessing, spawn) and exchanges commands with them."""
+
+    def __init__(self, args: Any, world_size: int, device_of_rank: dict[int, int], timeout_s: float):
+        self.world_size, self.timeout_s = world_size, float(timeout_s)
+        self.failure: RankFailure | None = None
+        self.closed = False
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        ctx = mp.get_context("spawn")
+        port = str(_free_port())
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        ep = getattr(args, "enable_expert_parallel", False)
+        for rank in range(world_size):
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+                   "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(device_of_rank.get(rank, 0))}
+            # graphs are not captured around the expert-parallel collectives (yet)
+            rank_args = dataclasses.replace(args, data_parallel_rank=rank, enforce_eager=args.enforce_eager or ep)
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, env, rank_args, threads, child), daemon=True,
+                               name=f"deepinfer-dp-rank{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.info = self._collect(range(world_size), self.timeout_s, "starting")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def call(self, rank: int, command: str, payload: Any = None) -> Any:
+        return self.call_all([rank], command, payload)[rank]
+
+    def call_all(self, ranks: Any, command: str, payload: Any = None) -> dict[int, Any]:
+        """Send ``command`` to every rank in ``ranks``, then wait for all their answers; raises ValueError for
+        a refused ``add``, RankFailure (after shutting every rank down) for anything else that went wrong."""
+        if self.failure is not None:
+            raise RankFailure(f"the data-parallel engine has failed before: {self.failure}")
+        if self.closed:
+            raise RuntimeError("the data-parallel engine was shut down")
+        ranks = list(ranks)
+        for rank in ranks:
+            try:
+                self.conns[rank].send((command, payload))
+            except (BrokenPipeError, OSError):
+                pass  # dead: the wait below reports it
+        return self._collect(ranks, self.timeout_s + ANSWER_GRACE_S, command)
+
+    def _collect(self, ranks: list[int] | range, timeout_s: float, what: str) -> dict[int, Any]:
+        pending, answers = set(ranks), {}
+        dead: dict[int, str] = {}
+        errors: dict[int, str] = {}
+        invalid = None
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            waitables = {}
+            for rank in pending:
+                waitables[self.conns[rank]] = rank
+                waitables[self.procs[rank].sentinel] = rank
+            for obj in wait(list(waitables), timeout=left):
+                rank = waitables[obj]
+                if rank not in pending:
+                    continue
+                conn = self.conns[rank]
+                try:
+                    message = conn.recv() if obj is conn or conn.poll() else None
+                except (EOFError, OSError):
+                    message = None
+                if message is None:
+                    self.procs[rank].join(timeout=1)
+                    dead[rank] = _exit_text(self.procs[rank].exitcode)
+                    pending.discard(rank)
+                    continue
+                pending.discard(rank)
+                status, value = message
+                if status == "ok":
+                    answers[rank] = value
+                elif status == "invalid":
+                    invalid = value
+                else:
+                    errors[rank] = value
+            if dead:
+                break  # a dead rank fails the engine at once
+            if errors:  # the others may be waiting in a collective with it: give them a moment to say so
+                deadline = min(deadline, time.monotonic() + ANSWER_GRACE_S)
+        if dead or errors or pending:
+            parts = [f"rank {r} died ({code})" for r, code in sorted(dead.items())]
+            parts += [f"rank {r} failed:\n{text.rstrip()}" for r, text in sorted(errors.items())]
+            if not dead:
+                parts += [f"rank {r} gave no answer within {timeout_s:.0f} s (hung?)" for r in sorted(pending)]
+            self.failure = RankFailure(f"data-parallel engine ({what}): " + "; ".join(parts))
+            self.shutdown(graceful=False)
+            raise self.failure
+        if invalid is not None:
+            raise ValueError(invalid)
+        return answers
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """End every rank (``graceful``: asked to stop first; then SIGTERM, then SIGKILL): no process is
+        left behind. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            for proc, conn in zip(self.procs, self.conns):
+                if proc.is_alive():
+                    try:
+                        conn.send(("stop", None))
+                    except (BrokenPipeError, OSError):
+                        pass
+            end = time.monotonic() + 5
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, end - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=1)
+            if proc.is_alive():
+                proc.kill()  # also ends a stopped process
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
