@@ -55,10 +55,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     group.add_argument("--allow-reference-fallback", action="store_true",
                        help="let ops the backend lacks fall back to the reference implementations")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                       help="attention data parallel: N rank processes, each with its own scheduler and KV "
+                            "cache (default: 1)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="shard the routed experts over the data-parallel ranks")
 
 
 _POSITIVE_ENGINE_INTS = (
     "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_bytes",
+    "data_parallel_size",
 )
 
 
@@ -80,6 +86,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_chunked_prefill"] = False
     if args.allow_reference_fallback:
         kwargs["allow_reference_fallback"] = True
+    if args.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     return kwargs
 
 
