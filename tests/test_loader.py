@@ -237,12 +237,23 @@ def test_deepseek_naming_loads_identically(tiny_copy, reference_logits, keep_pre
     assert torch.equal(logits_of(tiny_copy), reference_logits)
 
 
-def test_unused_tensors_are_skipped(tiny_copy, reference_logits):
+def test_rotary_buffers_are_skipped(tiny_copy, reference_logits):
     tensors = read_tensors(tiny_copy)
     tensors["model.layers.0.attn.rotary_emb.inv_freq"] = torch.ones(4)
-    tensors["model.some_future_buffer"] = torch.zeros(3, 3)
     write_tensors(tiny_copy, tensors)
     assert torch.equal(logits_of(tiny_copy), reference_logits)
+
+
+def test_unknown_tensors_are_an_error_naming_them(tiny_copy):
+    """Not silently skipped: a tensor the config has no place for is named, with its file."""
+    tensors = read_tensors(tiny_copy)
+    tensors["model.some_future_buffer"] = torch.zeros(3, 3)
+    tensors["model.layers.1.attn.wq_c.weight"] = torch.zeros(3, 3)
+    write_tensors(tiny_copy, tensors)
+    with pytest.raises(CheckpointError, match="2 tensor") as info:
+        load(tiny_copy)
+    assert "some_future_buffer" in str(info.value) and "layers.1.attn.wq_c.weight" in str(info.value)
+    assert "model.safetensors" in str(info.value)
 
 
 def test_canonical_names():

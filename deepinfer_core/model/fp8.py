@@ -114,7 +114,7 @@ def quantize_params_fp8(params: dict[str, torch.Tensor], cfg: ModelConfig) -> li
     done = []
     for name in sorted(fp8_weight_names(cfg)):
         w = params.get(name)
-        if w is None or w.dtype == FP8_DTYPE:
+        if w is None or w.dtype == FP8_DTYPE or name + "_scale" in params:  # absent, or quantised already (FP4)
             continue
         if w.dim() == 3:  # one expert at a time keeps the float32 working copy small
             parts = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]

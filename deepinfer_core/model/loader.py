@@ -1,15 +1,32 @@
-"""Safetensors loading in DeepSeek's tensor layout, lazily, tensor by tensor.
+"""Safetensors loading: every tensor checked against the config first, then read file by file straight
+onto the target device.
 
-Accepted names: DeepSeek's own (``layers.N.attn.wq_a.weight``, ``layers.N.ffn.experts.E.w1.weight``,
-``hc_head_fn``, ``mtp.0.*``), with or without a leading ``model.``, and the few leaf names transformers
-keeps when it saves (``embed_tokens``, ``hc_head.hc_fn``). Routed experts are stacked on load into
-``experts.w13`` [E, 2I, D] (gate rows then up rows) and ``experts.w2`` [E, D, I]. FP8 E4M3 weights with
-128x128 block scales (``.scale`` or ``.weight_scale_inv``) are dequantised, unless ``keep_fp8``: then
-the parameters FP8 mode keeps in E4M3 (:func:`~deepinfer_core.model.fp8.fp8_weight_names`) stay E4M3
-with their scales as ``name + "_scale"``, routed experts stacked in E4M3 with stacked scales (an
-unquantised expert is quantised as it is stacked). Where 128-row tiles would straddle the gate and up
-halves (``moe_intermediate_size`` not a multiple of 128) the experts are stacked dequantised and left
-for :func:`~deepinfer_core.model.fp8.quantize_params_fp8` to quantise whole.
+Accepted layouts (one canonical name each, :func:`canonical_name`): DeepSeek's published one (flat names
+as its ``inference/model.py`` declares them: ``layers.N.attn.kv_norm.weight``,
+``layers.N.ffn.experts.E.w1.weight``, ``hc_head_fn``, ``mtp.0.*``), with or without a leading ``model.``;
+what transformers' ``save_pretrained`` writes (``embed_tokens``, ``hc_head.hc_fn``, ``attn.norm`` for the
+kv norm); and transformers' in-memory names (``model.layers.N.self_attn.q_a_proj.weight``, the merged
+``mlp.experts.gate_up_proj`` [E, 2I, D] and ``down_proj``).
+
+Formats in a file: float tensors; FP8 E4M3 weights with one scale per 128x128 tile (``.scale`` or
+``.weight_scale_inv``; ``float8_e8m0fnu``, float32 or bf16); routed experts in packed FP4 e2m1 (int8 or
+``float4_e2m1fn_x2`` [out, in/2], ``float8_e8m0fnu`` scales [out, in/32]) where ``config.json`` declares
+``expert_dtype: "fp4"``. ``quantization_config`` is honoured: its block size and formats must be the
+ones read here, and with ``scale_fmt: "ue8m0"`` every scale must be a power of two. An unknown, missing,
+mis-shaped or mis-typed tensor is a :class:`CheckpointError` naming it and its file, raised before any
+tensor is read; so is an unreadable (truncated, corrupted) file.
+
+Routed experts are stacked on load into ``experts.w13`` [E, 2I, D] (gate rows then up rows) and
+``experts.w2`` [E, D, I], only those of ``experts`` (a range) where given. Quantised tensors are
+dequantised on the device, unless ``keep_fp8``: then the parameters FP8 mode keeps in E4M3
+(:func:`~deepinfer_core.model.fp8.fp8_weight_names`) stay E4M3 with their scales as ``name + "_scale"``,
+FP4 experts stay packed (uint8 [E, 2I, D/2] with e8m0 scales [E, 2I, D/32]), FP8 experts are stacked in
+E4M3 with stacked scales (an unquantised expert is quantised as it is stacked). Where 128-row tiles would
+straddle the gate and up halves (``moe_intermediate_size`` not a multiple of 128) the experts are stacked
+dequantised and left for :func:`~deepinfer_core.model.fp8.quantize_params_fp8` to quantise whole.
+
+Host memory: safetensors maps each file and one tensor at a time is copied to the device, so the peak
+host copy is one tensor (its file's pages are the kernel's page cache, not the process's own memory).
 
 The tensors, by canonical name, then become the typed records of :mod:`deepinfer_core.model.weights`
 (:func:`build_weights`); :data:`_LAYOUT` is the one place that says which name fills which field.
@@ -23,6 +40,7 @@ import re
 import types
 import typing
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +58,7 @@ from deepinfer_core.model.fp8 import (
     scale_shape,
 )
 from deepinfer_core.model.fp8 import dequantize_fp8_block as dequantize_fp8
+from deepinfer_core.model.fp4 import E8M0_DTYPE, FP4_BLOCK, dequantize_fp4_block, e8m0_from_float, is_power_of_two
 from deepinfer_core.model.weights import (
     Attention,
     Block,
@@ -58,24 +77,70 @@ from deepinfer_core.model.weights import (
 
 
 class CheckpointError(ValueError):
-    """The checkpoint is malformed: a missing file or tensor, or a tensor of the wrong shape."""
+    """The checkpoint is malformed: an unreadable file, a missing, unexpected, mis-shaped or mis-typed
+    tensor, or a quantisation its config.json does not declare. The message names the tensor and file."""
 
 
+# --- names ---------------------------------------------------------------------------------------------
+
+#: transformers' in-memory names (``model.layers.N.self_attn.q_a_proj.weight``, the merged
+#: ``mlp.experts.gate_up_proj``) -> DeepSeek's, applied in order; DeepSeek's own names pass unchanged
+_TRANSFORMERS_RENAMES = [(re.compile(p), r) for p, r in [
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.attn\.sinks$", ".attn.attn_sink"),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.experts\.gate_up_proj$", ".experts.w13"),
+    (r"\.experts\.down_proj$", ".experts.w2"),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.compressor\.position_bias$", ".compressor.ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+]]
 _LEAF_RENAMES = [
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
     (re.compile(r"^lm_head\.weight$"), "head.weight"),
     (re.compile(r"(^|\.)hc_head\.hc_(fn|base|scale)$"), r"\1hc_head_\2"),
+    # what transformers' save_pretrained writes for the attention's kv_norm
+    (re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.weight$"), r"\1kv_norm.weight"),
+    (re.compile(r"\.weight_scale_inv$"), ".scale"),
 ]
+#: file entries that are not weights of the engine's model and are dropped: rotary buffers some exports
+#: write, and the MTP layer's own copies of the embedding and head (it shares the main model's)
+_IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$|^mtp\.\d+\.(embed|embed_tokens|emb)\.weight$"
+                      r"|^mtp\.\d+\.(head|lm_head)\.weight$)")
 _FP32_PARAM = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias|norm\.weight$)")
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_MERGED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w13|w2)$")
 
 
 def canonical_name(name: str) -> str:
-    if name.startswith("model."):
-        name = name[len("model.") :]
+    """The engine's name of a checkpoint tensor: DeepSeek's published one (``layers.3.attn.kv_norm.weight``,
+    block scales as ``.scale``), from DeepSeek's names with or without ``model.``, from what transformers'
+    ``save_pretrained`` writes, or from transformers' in-memory module names."""
+    name = name.removeprefix("model.")
+    for pattern, repl in _TRANSFORMERS_RENAMES:
+        name = pattern.sub(repl, name)
     for pattern, repl in _LEAF_RENAMES:
         name = pattern.sub(repl, name)
     return name
+
+
+# --- what the config expects ---------------------------------------------------------------------------
 
 
 def block_prefixes(cfg: ModelConfig) -> list[tuple[str, int]]:
@@ -85,11 +150,12 @@ def block_prefixes(cfg: ModelConfig) -> list[tuple[str, int]]:
     return blocks
 
 
-def expected_shapes(cfg: ModelConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
-    """Every parameter the engine needs, with its shape (after expert stacking)."""
+def expected_shapes(cfg: ModelConfig, with_mtp: bool, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Every parameter the engine needs, with its shape (routed experts stacked: ``num_experts`` of them,
+    all by default)."""
     d, h, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
     qr, g, olr = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
-    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    e, inter = cfg.n_routed_experts if num_experts is None else num_experts, cfg.moe_intermediate_size
     mix = (2 + n) * n
     shapes: dict[str, tuple[int, ...]] = {
         "embed.weight": (cfg.vocab_size, d),
@@ -109,9 +175,9 @@ def expected_shapes(cfg: ModelConfig, with_mtp: bool) -> dict[str, tuple[int, ..
             p + "hc_ffn_fn": (mix, n * d), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
             p + "attn.wq_a.weight": (qr, d), p + "attn.q_norm.weight": (qr,),
             p + "attn.wq_b.weight": (h * hd, qr), p + "attn.wkv.weight": (hd, d),
-            p + "attn.norm.weight": (hd,), p + "attn.attn_sink": (h,),
+            p + "attn.kv_norm.weight": (hd,), p + "attn.attn_sink": (h,),
             p + "attn.wo_a.weight": (g * olr, h * hd // g), p + "attn.wo_b.weight": (d, g * olr),
-            p + "ffn.gate.weight": (e, d),
+            p + "ffn.gate.weight": (cfg.n_routed_experts, d),
             p + "ffn.experts.w13": (e, 2 * inter, d), p + "ffn.experts.w2": (e, d, inter),
             p + "ffn.shared_experts.w1.weight": (inter, d), p + "ffn.shared_experts.w3.weight": (inter, d),
             p + "ffn.shared_experts.w2.weight": (d, inter),
@@ -136,7 +202,7 @@ def expected_shapes(cfg: ModelConfig, with_mtp: bool) -> dict[str, tuple[int, ..
         if layer >= 0 and cfg.mlp_layer_types[layer] == "hash_moe":
             shapes[p + "ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
         else:
-            shapes[p + "ffn.gate.bias"] = (e,)
+            shapes[p + "ffn.gate.bias"] = (cfg.n_routed_experts,)
         if layer < 0:
             shapes.update({
                 p + "e_proj.weight": (d, d), p + "h_proj.weight": (d, d), p + "enorm.weight": (d,),
@@ -151,10 +217,69 @@ def mtp_compress_rate(cfg: ModelConfig) -> int:
     return 0
 
 
+def expected_file_names(cfg: ModelConfig, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint in DeepSeek's layout holds for ``cfg`` (routed experts one by one as
+    ``...experts.E.w{1,2,3}.weight``), with their logical (unpacked) shapes; block scales not included."""
+    inter, d = cfg.moe_intermediate_size, cfg.hidden_size
+    out = {}
+    for name, shape in expected_shapes(cfg, with_mtp).items():
+        m = _MERGED_EXPERTS.match(name)
+        if not m:
+            out[name] = shape
+            continue
+        parts = {"w1": (inter, d), "w3": (inter, d)} if m.group(2) == "w13" else {"w2": (d, inter)}
+        for e in range(cfg.n_routed_experts):
+            out.update({f"{m.group(1)}.{e}.{w}.weight": s for w, s in parts.items()})
+    return out
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What ``config.json`` says about quantised tensors: FP8 block size and scale format, and the
+    format of the routed experts (``"fp4"``: packed e2m1 with one ue8m0 scale per 32 inputs)."""
+
+    block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+    scale_fmt: str | None = None
+    expert_dtype: str | None = None
+    declared: bool = False
+
+
+def quant_config(cfg: ModelConfig) -> QuantConfig:
+    """``quantization_config`` and ``expert_dtype`` of ``cfg``, checked against what the engine reads."""
+    where = f"{cfg.path / 'config.json' if cfg.path else 'config.json'}"
+    qc = getattr(cfg, "quantization_config", None)
+    expert_dtype = getattr(cfg, "expert_dtype", None)
+    if qc is None:
+        return QuantConfig(expert_dtype=expert_dtype)
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    method, fmt = qc.get("quant_method"), qc.get("fmt", "e4m3")
+    if method != "fp8" or fmt != "e4m3":
+        raise CheckpointError(f"{where}: quantization_config quant_method {method!r} fmt {fmt!r} is not "
+                              "supported (DeepSeek's block FP8: quant_method 'fp8', fmt 'e4m3')")
+    block = tuple(qc.get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK))
+    if block != (FP8_BLOCK, FP8_BLOCK):
+        raise CheckpointError(f"{where}: weight_block_size {list(block)} is not supported (only "
+                              f"[{FP8_BLOCK}, {FP8_BLOCK}])")
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise CheckpointError(f"{where}: scale_fmt {scale_fmt!r} is not supported (None or 'ue8m0')")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"{where}: activation_scheme {qc.get('activation_scheme')!r} is not supported "
+                              "(only 'dynamic')")
+    expert_dtype = qc.get("expert_dtype", expert_dtype)
+    if expert_dtype not in (None, "fp4", "fp8", "bf16"):
+        raise CheckpointError(f"{where}: expert_dtype {expert_dtype!r} is not supported (fp4, fp8 or bf16)")
+    return QuantConfig(block, scale_fmt, expert_dtype, True)
+
+
+# --- files ---------------------------------------------------------------------------------------------
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _index_weight_map(index)
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -169,21 +294,220 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _index_weight_map(index: Path) -> dict[str, str]:
+    try:
+        return json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a safetensors index (JSON with a weight_map): {exc}") from exc
+
+
+#: safetensors' dtype codes -> torch
+_FILE_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+    "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_FP4_FILE_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Entry:
+    """One tensor of the checkpoint, as its file header describes it."""
+
+    key: str  # its name in the file
+    file: Path
+    dtype: torch.dtype | str
+    shape: tuple[int, ...]
+
+    def where(self) -> str:
+        return f"{self.key!r} in {self.file.name}"
+
+
+def _open(f: Path, device: str = "cpu"):
+    try:
+        return safe_open(str(f), framework="pt", device=device)
+    except Exception as exc:  # safetensors' own error type is not importable by a stable name
+        raise CheckpointError(f"cannot read {f}: {exc} (truncated or not a safetensors file?)") from exc
+
+
+def read_headers(path: Path) -> dict[str, _Entry]:
+    """Canonical name -> file entry of every tensor in the checkpoint in ``path``; two entries of one
+    canonical name, or an index that puts a tensor in a file that lacks it, are errors."""
+    files = checkpoint_files(path)
+    entries: dict[str, _Entry] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with _open(f) as handle:
             for key in handle.keys():
-                yield key, handle.get_tensor(key)
+                sl = handle.get_slice(key)
+                code = sl.get_dtype()
+                entry = _Entry(key, f, _FILE_DTYPES.get(code, code), tuple(sl.get_shape()))
+                name = canonical_name(key)
+                if name in entries:
+                    raise CheckpointError(f"{entry.where()} and {entries[name].where()} are both the tensor {name}")
+                entries[name] = entry
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        by_key = {e.key: e for e in entries.values()}
+        for key, file in _index_weight_map(index).items():
+            if key not in by_key or by_key[key].file.name != Path(file).name:
+                found = f"it is in {by_key[key].file.name}" if key in by_key else "no shard holds it"
+                raise CheckpointError(f"{index.name} puts tensor {key!r} in {file}, but {found}")
+    return entries
 
 
-def check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+# --- the plan: every file tensor checked and assigned before anything is read --------------------------
+
+
+def check_scale(name: str, weight: torch.Tensor | tuple[int, ...], scale: torch.Tensor | tuple[int, ...],
+                block: int = FP8_BLOCK) -> None:
     """One scale per 128x128 tile of ``weight``, or a :class:`CheckpointError` naming both shapes."""
-    want = scale_shape(*weight.shape[-2:])
-    if tuple(scale.shape) != want:
+    wshape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight)
+    sshape = tuple(scale.shape) if isinstance(scale, torch.Tensor) else tuple(scale)
+    want = scale_shape(*wshape[-2:], block)
+    if sshape != want:
         raise CheckpointError(
-            f"block scale of {name} has shape {tuple(scale.shape)}, expected {want} "
-            f"(one per {FP8_BLOCK}x{FP8_BLOCK} tile of its {tuple(weight.shape)} weight)"
+            f"block scale of {name} has shape {sshape}, expected {want} "
+            f"(one per {block}x{block} tile of its {wshape} weight)"
         )
+
+
+@dataclass
+class _Item:
+    """How one weight of the file becomes (part of) a parameter."""
+
+    name: str  # canonical name of the weight in the file
+    entry: _Entry
+    fmt: str  # "float", "int", "fp8" (E4M3 + 128x128 scales) or "fp4" (packed e2m1 + scales per 32)
+    scale: _Entry | None = None
+    target: str | None = None  # the parameter it fills (a stack for routed experts)
+    expert: int | None = None  # position in the stack
+    rows: slice | None = None  # rows of the stacked expert it fills (None: all)
+
+
+def _fmt_of(name: str, entry: _Entry, scale: _Entry | None, expert: bool, quant: QuantConfig) -> str:
+    where = entry.where()
+    dtype = entry.dtype
+    if dtype == torch.float8_e4m3fn:
+        fmt = "fp8"
+    elif expert and dtype in _FP4_FILE_DTYPES:
+        if quant.expert_dtype != "fp4":
+            raise CheckpointError(f"tensor {name} ({where}) is {dtype}, i.e. packed FP4, but config.json does "
+                                  f"not declare expert_dtype 'fp4' (it has {quant.expert_dtype!r})")
+        fmt = "fp4"
+    elif dtype in _FLOAT_DTYPES:
+        fmt = "float"
+    elif name.endswith("tid2eid") and dtype in (torch.int32, torch.int64):
+        fmt = "int"
+    else:
+        raise CheckpointError(f"tensor {name} ({where}) has dtype {dtype}, which the engine does not read there")
+    if name.endswith("tid2eid") and fmt != "int":
+        raise CheckpointError(f"tensor {name} ({where}) has dtype {dtype}; a hash-routing table is int32 or int64")
+    if fmt in ("fp8", "fp4"):
+        if scale is None:
+            raise CheckpointError(f"{fmt.upper()} tensor {name} ({where}) has no block scale "
+                                  f"({name.removesuffix('.weight')}.scale)")
+        if scale.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(f"block scale of {name} ({scale.where()}) has dtype {scale.dtype}; expected "
+                                  f"one of {[str(d) for d in _SCALE_DTYPES]}")
+    elif scale is not None:
+        raise CheckpointError(f"tensor {name} ({where}) is {dtype}, not quantised, but has a block scale "
+                              f"({scale.where()})")
+    if quant.expert_dtype == "fp4" and expert and fmt != "fp4":
+        raise CheckpointError(f"config.json declares expert_dtype 'fp4' but routed expert {name} ({where}) "
+                              f"is {dtype}")
+    return fmt
+
+
+def _check_shape(name: str, entry: _Entry, fmt: str, want: tuple[int, ...], scale: _Entry | None,
+                 quant: QuantConfig) -> None:
+    got = entry.shape
+    if fmt == "fp4":
+        stored = (*want[:-1], want[-1] // 2)
+        if want[-1] % FP4_BLOCK or got != stored:
+            raise CheckpointError(f"tensor {name} ({entry.where()}) has shape {got}, expected {stored} "
+                                  f"(packed FP4: two values a byte of its {want} weight)")
+        want_scale = (*want[:-1], want[-1] // FP4_BLOCK)
+        if scale is not None and scale.shape != want_scale:
+            raise CheckpointError(f"block scale of {name} ({scale.where()}) has shape {scale.shape}, expected "
+                                  f"{want_scale} (one per {FP4_BLOCK} inputs of its {want} weight)")
+        return
+    if got != want:
+        raise CheckpointError(f"tensor {name} ({entry.where()}) has shape {got}, expected {want}")
+    if fmt == "fp8" and scale is not None:
+        try:
+            check_scale(name, got, scale.shape, quant.block[0])
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} ({scale.where()})") from None
+
+
+def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[int, ...]],
+          experts: range, quant: QuantConfig) -> tuple[list[_Item], dict[str, set[str]]]:
+    """(items, stack name -> the formats of its experts in the file); raises on any tensor
+    that is unknown, mis-shaped or mis-typed, and on any that is missing."""
+    inter = cfg.moe_intermediate_size
+    scales = {n.removesuffix(".scale") + ".weight": e for n, e in entries.items() if n.endswith(".scale")}
+    items: list[_Item] = []
+    unknown: list[str] = []
+    stack_fmt: dict[str, set[str]] = {}
+    filled: set[str] = set()
+    for name, entry in entries.items():
+        if name.endswith(".scale"):
+            if name.removesuffix(".scale") + ".weight" not in entries:
+                unknown.append(f"{name} ({entry.where()}: a block scale without its weight)")
+            continue
+        if _IGNORED.search(name):
+            continue
+        scale = scales.get(name)
+        m, merged = _EXPERT.match(name), _MERGED_EXPERTS.match(name)
+        if m:
+            prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+            key = prefix + (".w13" if which in ("w1", "w3") else ".w2")
+            if key not in shapes or e >= cfg.n_routed_experts:
+                unknown.append(f"{name} ({entry.where()}; the config has {cfg.n_routed_experts} experts)")
+                continue
+            fmt = _fmt_of(name, entry, scale, True, quant)
+            want = shapes[key][1:] if which == "w2" else (inter, shapes[key][2])
+            _check_shape(name, entry, fmt, want, scale, quant)
+            if e not in experts:
+                continue
+            stack_fmt.setdefault(key, set()).add(fmt)
+            rows = slice(0, shapes[key][1]) if which == "w2" else (slice(0, inter) if which == "w1" else slice(inter, 2 * inter))
+            items.append(_Item(name, entry, fmt, scale, key, e - experts.start, rows))
+            filled.add(f"{key}:{e}:{which}")
+        elif merged and name in shapes:
+            fmt = _fmt_of(name, entry, scale, True, quant)
+            if fmt != "float":
+                raise CheckpointError(f"merged experts {name} ({entry.where()}) are {entry.dtype}: quantised "
+                                      "merged experts are not read; use DeepSeek's per-expert layout")
+            _check_shape(name, entry, fmt, (cfg.n_routed_experts, *shapes[name][1:]), None, quant)
+            stack_fmt[name] = {fmt}
+            items.append(_Item(name, entry, fmt, None, name))
+            filled.update(f"{name}:{e}:{w}" for e in experts for w in (("w1", "w3") if name.endswith("w13") else ("w2",)))
+        elif name in shapes:
+            fmt = _fmt_of(name, entry, scale, False, quant)
+            _check_shape(name, entry, fmt, shapes[name], scale, quant)
+            items.append(_Item(name, entry, fmt, scale, name))
+            filled.add(name)
+        else:
+            unknown.append(f"{name} ({entry.where()})")
+    if unknown:
+        raise CheckpointError(f"{len(unknown)} tensor(s) the config does not have: {', '.join(unknown[:8])}"
+                              + (" ..." if len(unknown) > 8 else ""))
+    missing = [n for n in shapes if not _MERGED_EXPERTS.match(n) and n not in filled]
+    missing = [n for n in missing if not (n == "head.weight" and cfg.tie_word_embeddings and "embed.weight" in filled)]
+    for key in [k for k in shapes if _MERGED_EXPERTS.match(k)]:
+        prefix, which = key.rsplit(".", 1)
+        parts = ("w1", "w3") if which == "w13" else ("w2",)
+        missing += [f"{prefix}.{e}.{w}.weight" for e in experts for w in parts if f"{key}:{e}:{w}" not in filled]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+    return items, stack_fmt
+
+
+# --- reading -------------------------------------------------------------------------------------------
 
 
 def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -204,14 +528,29 @@ def load_weights(
     keep_fp8: bool = False,
     show_progress: bool = False,
     hook: Any = None,
+    experts: range | None = None,
 ) -> ModelWeights:
-    """The checkpoint in ``path`` as typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3 and
-    the FP8-eligible weights the checkpoint did not ship in E4M3 are quantised. ``hook`` (a plugin
-    manager's hook relay): its ``deepinfer_process_weights`` is called once on the records."""
-    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress)
+    """The checkpoint in ``path`` as typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3,
+    packed FP4 routed experts stay packed FP4, and the FP8-eligible weights the checkpoint did not ship
+    quantised are quantised. ``experts``: the routed experts to load (a contiguous range of ids, all by
+    default); the stacks then hold only those, in order. ``hook`` (a plugin manager's hook relay): its
+    ``deepinfer_process_weights`` is called once on the records."""
+    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts)
     if keep_fp8:
         quantize_params_fp8(params, cfg)
-    return build_weights(cfg, params, hook)
+    return build_weights(cfg, params, hook, num_experts=None if experts is None else len(experts))
+
+
+def _scale_values(name: str, scale: torch.Tensor, entry: _Entry, quant: QuantConfig, fmt: str) -> torch.Tensor:
+    """A block scale as float32 (e8m0 is exact), checked: finite and positive, and a power of two where
+    the config says ue8m0 (and always for FP4)."""
+    s = scale.float()
+    if not bool(torch.isfinite(s).all() and (s > 0).all()):
+        raise CheckpointError(f"block scale of {name} ({entry.where()}) holds non-finite or non-positive values")
+    if (quant.scale_fmt == "ue8m0" or fmt == "fp4") and scale.dtype != torch.float8_e8m0fnu and not is_power_of_two(s):
+        raise CheckpointError(f"block scale of {name} ({entry.where()}) is not a power of two, but "
+                              + ("FP4 scales are ue8m0" if fmt == "fp4" else "config.json says scale_fmt 'ue8m0'"))
+    return s
 
 
 def read_checkpoint(
@@ -221,107 +560,112 @@ def read_checkpoint(
     device: torch.device | str = "cpu",
     keep_fp8: bool = False,
     show_progress: bool = False,
+    experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read every tensor once, rename, stack experts, cast; check names and shapes against the config."""
-    files = checkpoint_files(path)
-    raw_keys = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            raw_keys.extend(handle.keys())
-    names = {canonical_name(k) for k in raw_keys}
-    with_mtp = any(k.startswith("mtp.") for k in names)
-    shapes = expected_shapes(cfg, with_mtp)
-    params: dict[str, torch.Tensor] = {}
-    filled_experts: set[str] = set()
-    scales: dict[str, torch.Tensor] = {}
-    pending_fp8: dict[str, torch.Tensor] = {}
+    """Check every tensor's name, shape and dtype against the config (before reading any), then read them
+    file by file straight onto ``device``, dequantising there (or keeping them quantised with
+    ``keep_fp8``), stacking the routed experts; block scales come back as ``name + "_scale"``."""
+    path = Path(path)
+    entries = read_headers(path)
+    quant = quant_config(cfg)
+    experts = range(cfg.n_routed_experts) if experts is None else experts
+    if experts.step != 1 or experts.start < 0 or experts.stop > cfg.n_routed_experts or not len(experts):
+        raise ValueError(f"experts must be a non-empty contiguous range within 0..{cfg.n_routed_experts}, got {experts}")
+    with_mtp = any(n.startswith("mtp.") and not _IGNORED.search(n) for n in entries)
+    shapes = expected_shapes(cfg, with_mtp, len(experts))
+    items, stack_fmt = _plan(cfg, entries, shapes, experts, quant)
+
+    device = torch.device(device)
+    dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
     kept_fp8 = fp8_weight_names(cfg) if keep_fp8 else set()
     inter = cfg.moe_intermediate_size
+    acc = torch.float32  # dequantised in float32 (as a float32 checkpoint of the same values), then cast
+    params: dict[str, torch.Tensor] = {}
 
     def param_dtype(name: str) -> torch.dtype:
         return parameter_dtype(name, dtype)
 
-    def store_expert(name: str, m: re.Match, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
-        prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
-        if which in ("w1", "w3"):
-            key = prefix + ".w13"
-            rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-        else:
-            key, rows = prefix + ".w2", slice(None)
-        if key not in shapes or expert >= shapes[key][0]:
-            raise CheckpointError(
-                f"unexpected expert tensor {name} (the config has {cfg.n_routed_experts} experts)"
-            )
-        # stacked in E4M3 only where each expert's tiles are whole tiles of the stack
-        fp8_stack = key in kept_fp8 and (which == "w2" or inter % FP8_BLOCK == 0)
+    def stack_layout(key: str) -> str:
+        """How stack ``key`` is kept: "fp4" (packed), "fp8" (E4M3 + tile scales) or "float"."""
+        fmts = stack_fmt[key]
+        if not keep_fp8:
+            return "float"
+        if "fp4" in fmts:  # then all are: packed FP4 needs expert_dtype "fp4", which admits nothing else
+            return "fp4"
+        whole_tiles = key.endswith(".w2") or inter % FP8_BLOCK == 0
+        return "fp8" if key in kept_fp8 and whole_tiles else "float"
+
+    def stack(key: str, layout: str) -> torch.Tensor:
         if key not in params:
-            params[key] = torch.empty(shapes[key], dtype=FP8_DTYPE if fp8_stack else param_dtype(key), device=device)
-            if fp8_stack:
-                params[key + "_scale"] = torch.empty((shapes[key][0], *scale_shape(*shapes[key][1:])),
-                                                     dtype=torch.float32, device=device)
-        target = params[key][expert, rows]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-        if scale is not None:
-            check_scale(name, tensor, scale)
-        if fp8_stack:
-            q, s = (tensor, scale) if scale is not None else quantize_fp8_block(tensor)
-            tile_rows = slice(rows.start // FP8_BLOCK, rows.stop // FP8_BLOCK) if which != "w2" else slice(None)
-            target.copy_(q)
-            params[key + "_scale"][expert, tile_rows].copy_(s)
-        else:
-            target.copy_(tensor if scale is None else dequantize_fp8(tensor, scale))
-        filled_experts.add(name)
-
-    def store(name: str, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        m = _EXPERT.match(name)
-        if m:
-            store_expert(name, m, tensor, scale)
-            return
-        if name not in shapes:
-            return  # tensors the engine does not use (e.g. rotary buffers) are skipped
-        if tuple(tensor.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shapes[name]}")
-        if scale is not None:
-            check_scale(name, tensor, scale)
-            if name in kept_fp8:
-                params[name + "_scale"] = scale.to(device=device, dtype=torch.float32)
-                params[name] = tensor.to(device=device)
-                return
-            tensor = dequantize_fp8(tensor, scale)
-        params[name] = tensor.to(device=device, dtype=param_dtype(name))
-
-    progress = tqdm(total=len(raw_keys), desc="loading weights", unit="tensor", disable=not show_progress)
-    for key, tensor in _iter_tensors(files):
-        progress.update(1)
-        name = canonical_name(key)
-        if name.endswith(".scale") or name.endswith(".weight_scale_inv"):
-            base = name.rsplit(".", 1)[0] + ".weight"
-            if base in pending_fp8:
-                store(base, pending_fp8.pop(base), tensor)
+            shape = shapes[key]
+            if layout == "fp4":
+                params[key] = torch.empty((*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=device)
+                params[key + "_scale"] = torch.empty((*shape[:-1], shape[-1] // FP4_BLOCK), dtype=E8M0_DTYPE,
+                                                     device=device)
+            elif layout == "fp8":
+                params[key] = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+                params[key + "_scale"] = torch.empty((shape[0], *scale_shape(*shape[1:])), dtype=torch.float32,
+                                                     device=device)
             else:
-                scales[base] = tensor
-            continue
-        if tensor.dtype == torch.float8_e4m3fn:
-            if name in scales:
-                store(name, tensor, scales.pop(name))
+                params[key] = torch.empty(shape, dtype=param_dtype(key), device=device)
+        return params[key]
+
+    def dequantized(item: _Item, tensor: torch.Tensor, scale: torch.Tensor | None, out: torch.dtype) -> torch.Tensor:
+        if item.fmt == "fp8":
+            return dequantize_fp8(tensor, scale, dtype=acc).to(out)
+        if item.fmt == "fp4":
+            return dequantize_fp4_block(tensor, scale, dtype=out)
+        return tensor.to(out)
+
+    handles: dict[Path, Any] = {}
+
+    def get(entry: _Entry) -> torch.Tensor:
+        if entry.file not in handles:
+            handles[entry.file] = _open(entry.file, dev).__enter__()
+        try:
+            return handles[entry.file].get_tensor(entry.key)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor {entry.where()}: {exc}") from exc
+
+    progress = tqdm(total=len(items), desc="loading weights", unit="tensor", disable=not show_progress)
+    try:
+        for item in sorted(items, key=lambda i: (str(i.entry.file), i.entry.key)):
+            progress.update(1)
+            tensor = get(item.entry).to(device)
+            scale = None
+            if item.scale is not None:
+                scale = _scale_values(item.name, get(item.scale).to(device), item.scale, quant, item.fmt)
+                if item.fmt == "fp4":
+                    scale = e8m0_from_float(scale)
+            if item.fmt == "fp4" and tensor.dtype != torch.uint8:
+                tensor = tensor.view(torch.uint8)
+            key = item.target
+            if item.expert is None and key in stack_fmt:  # transformers' merged experts: all of them at once
+                params[key] = tensor[experts.start : experts.stop].to(param_dtype(key)).contiguous()
+            elif item.expert is not None:
+                layout = stack_layout(key)
+                target = stack(key, layout)[item.expert, item.rows]
+                if layout == "fp4":
+                    target.copy_(tensor)
+                    params[key + "_scale"][item.expert, item.rows].copy_(scale)
+                elif layout == "fp8":
+                    q, s = (tensor, scale) if item.fmt == "fp8" else quantize_fp8_block(dequantized(item, tensor, scale, acc))
+                    tiles = slice(None) if key.endswith(".w2") else slice(item.rows.start // FP8_BLOCK,
+                                                                         item.rows.stop // FP8_BLOCK)
+                    target.copy_(q)
+                    params[key + "_scale"][item.expert, tiles].copy_(s)
+                else:
+                    target.copy_(dequantized(item, tensor, scale, target.dtype))
+            elif item.fmt == "fp8" and key in kept_fp8:
+                params[key], params[key + "_scale"] = tensor, scale
             else:
-                pending_fp8[name] = tensor
-            continue
-        store(name, tensor)
-    progress.close()
-    if pending_fp8:
-        raise CheckpointError(f"FP8 tensors without a block scale: {sorted(pending_fp8)[:5]}")
+                params[key] = dequantized(item, tensor, scale, param_dtype(key))
+    finally:
+        progress.close()
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
     if "head.weight" not in params and cfg.tie_word_embeddings and "embed.weight" in params:
         params["head.weight"] = params["embed.weight"]
-    missing = [n for n in shapes if n not in params]
-    for key in [k for k in shapes if k.endswith(("experts.w13", "experts.w2"))]:
-        prefix, which = key.rsplit(".", 1)
-        parts = ("w1", "w3") if which == "w13" else ("w2",)
-        missing += [f"{prefix}.{e}.{w}.weight" for e in range(cfg.n_routed_experts) for w in parts
-                    if f"{prefix}.{e}.{w}.weight" not in filled_experts and key in params]
-    if missing:
-        raise CheckpointError(f"checkpoint in {path} lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
     _stack_shared_experts(params, inter, param_dtype)
     return params
 
@@ -359,7 +703,7 @@ _LAYOUT: dict[type, dict[str, str]] = {
     Block: {"attn_hc": "hc_attn_", "attn_norm": "attn_norm.weight", "attn": "attn.", "ffn_hc": "hc_ffn_",
             "ffn_norm": "ffn_norm.weight", "moe": "ffn."},
     Attention: {"wq_a": "wq_a.weight", "q_norm": "q_norm.weight", "wq_b": "wq_b.weight", "wkv": "wkv.weight",
-                "kv_norm": "norm.weight", "sinks": "attn_sink", "wo_a": "wo_a.weight", "wo_b": "wo_b.weight",
+                "kv_norm": "kv_norm.weight", "sinks": "attn_sink", "wo_a": "wo_a.weight", "wo_b": "wo_b.weight",
                 "compressor": "compressor.", "indexer": "indexer."},
     Compressor: {"wkv": "wkv.weight", "wgate": "wgate.weight", "ape": "ape", "norm": "norm.weight"},
     Indexer: {"wq_b": "wq_b.weight", "weights_proj": "weights_proj.weight", "compressor": "compressor."},
@@ -407,15 +751,23 @@ def _build(cls: type, params: dict[str, torch.Tensor], prefix: str) -> Any:
     return cls(**values)
 
 
-def build_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], hook: Any = None) -> ModelWeights:
-    """The records of ``params`` (canonical names, experts stacked, FP8 scales as ``name + "_scale"``),
-    handed once to every plugin's ``deepinfer_process_weights`` when ``hook`` is given."""
+def build_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], hook: Any = None,
+                  num_experts: int | None = None) -> ModelWeights:
+    """The records of ``params`` (canonical names, experts stacked, FP8/FP4 scales as ``name + "_scale"``),
+    handed once to every plugin's ``deepinfer_process_weights`` when ``hook`` is given. ``num_experts``:
+    how many routed experts each stack holds (all by default; fewer where only a range was loaded)."""
+    params = {canonical_name(k): v for k, v in params.items()}
     weights = _build(ModelWeights, params, "")
     if len(weights.layers) != cfg.num_hidden_layers:
         raise CheckpointError(f"found {len(weights.layers)} decoder layers, the config has {cfg.num_hidden_layers}")
+    want = cfg.n_routed_experts if num_experts is None else num_experts
     for i, layer in enumerate([*weights.layers, *(m.block for m in weights.mtp)]):
-        if layer.moe.experts.w13.is_fp8 != layer.moe.experts.w2.is_fp8:
-            raise CheckpointError(f"block {i}: routed experts' w13 and w2 must both be FP8 or neither")
+        ex = layer.moe.experts
+        if ex.w13.format != ex.w2.format:
+            raise CheckpointError(f"block {i}: routed experts' w13 is {ex.w13.format} and w2 {ex.w2.format}; "
+                                  "both must have one format")
+        if ex.w13.weight.shape[0] != want or ex.w2.weight.shape[0] != want:
+            raise CheckpointError(f"block {i}: the expert stacks hold {ex.w13.weight.shape[0]} experts, expected {want}")
     if hook is not None:
         hook.deepinfer_process_weights(weights=weights, model_config=cfg)
     return weights

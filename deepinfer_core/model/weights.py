@@ -15,15 +15,31 @@ import torch
 
 @dataclass
 class Linear:
-    """``x @ weight.T``. ``scale`` is set when ``weight`` is E4M3: one float32 scale per 128x128 tile
-    (stacked experts: ``[E, ceil(N/128), ceil(K/128)]``)."""
+    """``x @ weight.T`` for a logical weight [N, K] (stacked experts: [E, N, K]), kept in one of three
+    formats (:attr:`format`):
+
+    * ``"float"``: ``weight`` [N, K] in a float dtype, ``scale`` None;
+    * ``"fp8"``: ``weight`` E4M3 [N, K], ``scale`` one float32 per 128x128 tile ``[ceil(N/128), ceil(K/128)]``;
+    * ``"fp4"``: ``weight`` uint8 [N, K/2], two e2m1 values a byte along K (the even one in the low
+      nibble), ``scale`` ``float8_e8m0fnu`` [N, K/32], one power of two per 32 inputs
+      (:mod:`deepinfer_core.model.fp4`)."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
 
     @property
+    def format(self) -> str:
+        if self.scale is None:
+            return "float"
+        return "fp4" if self.weight.dtype in (torch.uint8, torch.float4_e2m1fn_x2) else "fp8"
+
+    @property
     def is_fp8(self) -> bool:
-        return self.scale is not None
+        return self.format == "fp8"
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.format == "fp4"
 
 
 @dataclass
@@ -83,7 +99,8 @@ class Gate:
 
 @dataclass
 class Experts:
-    """Routed experts, stacked: ``w13`` [E, 2I, D] (gate rows, then up rows) and ``w2`` [E, D, I]."""
+    """Routed experts, stacked: ``w13`` [E, 2I, D] (gate rows, then up rows) and ``w2`` [E, D, I], both
+    in one :attr:`Linear.format` (FP4: packed [E, 2I, D/2] and [E, D, I/2] with scales per 32 inputs)."""
 
     w13: Linear
     w2: Linear
@@ -91,6 +108,10 @@ class Experts:
     @property
     def is_fp8(self) -> bool:
         return self.w13.is_fp8 and self.w2.is_fp8
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.w13.is_fp4 and self.w2.is_fp4
 
 
 @dataclass
