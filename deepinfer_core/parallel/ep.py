@@ -8,7 +8,7 @@ with nothing scheduled, so that its peers never wait forever)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ class AllToAllDispatcher:
         back = self._exchange(y, handle.recv_counts, handle.send_counts)
         pairs = torch.empty_like(back)
         pairs[handle.order] = back
-        pairs = pairs.view(handle.num_tokens, handle.top_k, -1)
+        pairs = pairs.view(handle.num_tokens, handle.top_k, back.shape[-1])
         slots = torch.sort(handle.topk_ids, dim=1, stable=True).indices
         pairs = pairs.gather(1, slots.unsqueeze(-1).expand_as(pairs))
         out = pairs.new_zeros((handle.num_tokens, pairs.shape[-1]))
@@ -98,8 +98,8 @@ def shard_experts(model, dispatcher) -> None:
                              f"shards {dispatcher.num_experts}")
         for name in ("w13", "w2"):
             lin: Linear = getattr(ex, name)
-            setattr(ex, name, Linear(lin.weight[local.start:local.stop].clone(),
-                                     None if lin.scale is None else lin.scale[local.start:local.stop].clone()))
+            scale = None if lin.scale is None else lin.scale[local.start:local.stop].clone()
+            setattr(ex, name, replace(lin, weight=lin.weight[local.start:local.stop].clone(), scale=scale))
     model.ep = dispatcher
 
 
