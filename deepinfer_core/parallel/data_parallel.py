@@ -160,6 +160,11 @@ class DataParallelEngine:
         stats["hit_rate"] = stats["hit_tokens"] / stats["query_tokens"] if stats.get("query_tokens") else 0.0
         return stats
 
+    def rank_counters(self) -> list[dict[str, int]]:
+        """Per rank: steps taken, of which placeholder steps (nothing scheduled there), and forwards run."""
+        per_rank = self.ranks.call_all(range(self.num_ranks), "counters")
+        return [per_rank[r] for r in range(self.num_ranks)]
+
     @property
     def rank_pids(self) -> list[int]:
         return self.ranks.pids

@@ -4,7 +4,7 @@ driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_paral
 
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
-``reset_prefix_cache``, ``prefix_cache_stats``, ``stop``. A rank whose step scheduled nothing runs a
+``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``stop``. A rank whose step scheduled nothing runs a
 placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
 always meet in the same collectives.
 
@@ -65,6 +65,7 @@ class _RankCore:
     def __init__(self, engine: Any):
         self.engine, self.executor = engine, engine.executor
         self.expert_parallel = engine.parallel_config.expert_parallel_size > 1
+        self.num_steps = self.num_placeholder_steps = 0
 
     def info(self) -> dict[str, Any]:
         worker = self.executor.driver_worker
@@ -85,9 +86,15 @@ class _RankCore:
         outputs = self.engine.step()
         if self.expert_parallel and self.executor.failed is not None:
             raise RuntimeError("a forward failed; with expert parallel the ranks cannot go on") from self.executor.failed
+        self.num_steps += 1
         if self.executor.num_launched == launched:
+            self.num_placeholder_steps += 1
             self.executor.execute_dummy()
         return outputs, self.engine.has_unfinished_requests()
+
+    def counters(self, _: Any) -> dict[str, int]:
+        return {"steps": self.num_steps, "placeholder_steps": self.num_placeholder_steps,
+                "forwards": self.executor.num_launched}
 
     def reset_prefix_cache(self, _: Any) -> None:
         self.engine.reset_prefix_cache()
