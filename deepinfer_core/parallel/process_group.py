@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 #: device type -> torch.distributed backend (anything else: gloo)
 DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+STARTUP_TIMEOUT_S = 600.0  # joining the group: the ranks may load a large model at different speeds
+_GROUP = None  # the engine's group: every rank, collectives bounded by the engine's timeout
 
 
 def dist_backend(device: torch.device) -> str:
@@ -20,13 +22,17 @@ def dist_backend(device: torch.device) -> str:
 
 
 def world_group() -> object | None:
-    """The default group when this process is one rank of several, else None."""
+    """The engine's group of all ranks when this process is one rank of several, else None."""
+    if _GROUP is not None:
+        return _GROUP
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def init_process_group(device: torch.device, world_size: int, timeout_s: float) -> None:
-    """Join the ranks' default group (once per process); every collective on it fails after ``timeout_s``
-    instead of waiting forever for a dead or hung peer."""
+    """Join the ranks' default group (once per process; the rendezvous waits up to
+    ``STARTUP_TIMEOUT_S``), then make the engine's group of all ranks, whose every collective fails after
+    ``timeout_s`` instead of waiting forever for a dead or hung peer."""
+    global _GROUP
     if world_size <= 1 or dist.is_initialized():
         return
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if name not in os.environ]
@@ -38,10 +44,13 @@ def init_process_group(device: torch.device, world_size: int, timeout_s: float) 
     kwargs = {}
     if device.type != "cpu":
         kwargs["device_id"] = device
-    dist.init_process_group(dist_backend(device), init_method="env://", timeout=timedelta(seconds=timeout_s),
-                            **kwargs)
+    dist.init_process_group(dist_backend(device), init_method="env://",
+                            timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)), **kwargs)
+    _GROUP = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s))
 
 
 def destroy_process_group() -> None:
+    global _GROUP
+    _GROUP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

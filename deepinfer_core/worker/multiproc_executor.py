@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
+from deepinfer_core.parallel.process_group import STARTUP_TIMEOUT_S
 from deepinfer_core.worker.executor import UniProcExecutor
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 
@@ -182,7 +183,7 @@ class RankProcesses:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self.info = self._collect(range(world_size), self.timeout_s, "starting")
+        self.info = self._collect(range(world_size), max(self.timeout_s, STARTUP_TIMEOUT_S), "starting")
 
     @property
     def pids(self) -> list[int]:
