@@ -137,6 +137,9 @@ def test_a_killed_rank_is_a_clear_error_and_no_rank_survives():
     _assert_all_gone(engine)
     with pytest.raises(RankFailure, match="failed before"):
         engine.step()
+    engine.abort_request("0")  # nothing left to abort
+    with pytest.raises(RankFailure, match="rank 1 died"):  # LLM.generate does not wait forever either
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
 
 
 def test_a_hung_rank_is_named_after_the_timeout():

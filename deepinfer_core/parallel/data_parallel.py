@@ -23,6 +23,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.worker.multiproc_executor import RankFailure, RankProcesses
 
 
 class DataParallelEngine:
@@ -35,7 +36,6 @@ class DataParallelEngine:
         from deepinfer_core.engine.llm_engine import parallel_config_of
         from deepinfer_core.tokenizer import get_tokenizer
         from deepinfer_core.worker.executor import place_ranks
-        from deepinfer_core.worker.multiproc_executor import RankProcesses
 
         self.args = args
         self.parallel_config = pc = parallel_config_of(args)
@@ -66,6 +66,7 @@ class DataParallelEngine:
         self._outstanding: dict[str, int] = {}  # request -> tokens it still has to compute
         self.load = [0] * self.num_ranks  # outstanding tokens per rank
         self._busy = [False] * self.num_ranks
+        self._stats: list[dict[str, float] | None] = [None] * self.num_ranks  # prefix cache, per rank
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -109,13 +110,17 @@ class DataParallelEngine:
             book.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> None:
+        """Abort a request (nothing to do once the engine has failed: every rank is gone)."""
         rank = self._owner.get(str(request_id))
-        if rank is None:
+        if rank is None or self.ranks.failure is not None:
             return
         self._busy[rank] = self.ranks.call(rank, "abort", str(request_id))
         self._forget(str(request_id))
 
     def has_unfinished_requests(self) -> bool:
+        """Raises the failure once the engine has failed (its requests can never finish)."""
+        if self.ranks.failure is not None:
+            raise RankFailure(f"the data-parallel engine has failed: {self.ranks.failure}")
         return any(self._busy)
 
     # --- the step --------------------------------------------------------------------------------
@@ -130,8 +135,8 @@ class DataParallelEngine:
             ranks = [r for r in range(self.num_ranks) if self._busy[r]]
         answers = self.ranks.call_all(ranks, "step")
         outputs: list[RequestOutput] = []
-        for rank, (outs, busy) in answers.items():
-            self._busy[rank] = busy
+        for rank, (outs, busy, stats) in answers.items():
+            self._busy[rank], self._stats[rank] = busy, stats
             outputs.extend(outs)
         outputs.sort(key=lambda out: self._order.get(out.request_id, -1))
         for out in outputs:
@@ -148,12 +153,16 @@ class DataParallelEngine:
 
     def reset_prefix_cache(self) -> None:
         self.ranks.call_all(range(self.num_ranks), "reset_prefix_cache")
+        self._stats = [None] * self.num_ranks
 
     def prefix_cache_stats(self) -> dict[str, float]:
-        """Summed over the ranks."""
-        per_rank = self.ranks.call_all(range(self.num_ranks), "prefix_cache_stats")
+        """Summed over the ranks (as of each rank's last step: they come with its answer)."""
+        missing = [r for r in range(self.num_ranks) if self._stats[r] is None]
+        if missing:
+            for rank, rank_stats in self.ranks.call_all(missing, "prefix_cache_stats").items():
+                self._stats[rank] = rank_stats
         stats: dict[str, float] = {}
-        for rank_stats in per_rank.values():
+        for rank_stats in self._stats:
             for key, value in rank_stats.items():
                 if key != "hit_rate":
                     stats[key] = stats.get(key, 0) + value

@@ -82,7 +82,7 @@ class _RankCore:
         self.engine.abort_request(request_id)
         return self.engine.has_unfinished_requests()
 
-    def step(self, _: Any) -> tuple[list[Any], bool]:
+    def step(self, _: Any) -> tuple[list[Any], bool, dict[str, float]]:
         launched = self.executor.num_launched
         outputs = self.engine.step()
         if self.expert_parallel and self.executor.failed is not None:
@@ -91,7 +91,7 @@ class _RankCore:
         if self.executor.num_launched == launched:
             self.num_placeholder_steps += 1
             self.executor.execute_dummy()
-        return outputs, self.engine.has_unfinished_requests()
+        return outputs, self.engine.has_unfinished_requests(), self.engine.prefix_cache_stats()
 
     def counters(self, _: Any) -> dict[str, int]:
         return {"steps": self.num_steps, "placeholder_steps": self.num_placeholder_steps,
