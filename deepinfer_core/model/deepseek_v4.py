@@ -253,6 +253,8 @@ class DeepseekV4Model:
 
     #: expert parallel: this rank's dispatcher (its stacks then hold only its own experts); None: all local
     ep = None
+    #: per-layer counts of the pairs routed to each expert (EPLB statistics), None: not counted
+    expert_load = None
 
     def moe(self, moe: MoE, h, token_ids) -> torch.Tensor:
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
@@ -261,6 +263,8 @@ class DeepseekV4Model:
         weights, ids = ops.moe_route(
             logits, cfg.scoring_func, cfg.num_experts_per_tok, gate.bias, fixed, cfg.routed_scaling_factor,
         )
+        if self.expert_load is not None:
+            self.expert_load.record(moe, ids)
         x = h
         if self.ep is not None:  # each (token, expert) pair goes to the expert's rank, one row per pair
             x, ids, weights, handle = self.ep.dispatch(h, ids, weights)

@@ -14,6 +14,7 @@ from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
+from deepinfer_core.parallel.eplb import ExpertLoad
 from deepinfer_core.parallel.ep import dummy_moe_step, shard_experts
 from deepinfer_core.parallel.process_group import init_process_group, world_group
 from deepinfer_core.platform import Platform
@@ -59,6 +60,7 @@ class Worker:
                                 batch_invariant=self.batch_invariant, quantization=args.quantization)
         if self.ep_dispatcher is not None:  # this rank keeps its own routed experts only
             shard_experts(self.model, self.ep_dispatcher)
+            self.model.expert_load = ExpertLoad.for_model(self.model)  # counted on the device
 
     def initialize_cache(self) -> PoolSizes:
         """Size the pools from the platform's budget (after a profiling forward where it measures memory),

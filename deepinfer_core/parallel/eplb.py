@@ -1,0 +1,38 @@
+"""Expert-parallel load balancing (EPLB), first part: the load of every logical expert, counted on the
+device during the forward (a scatter-add per MoE layer, no host sync, so it can live inside graphs).
+
+Still to come: redundant experts, DeepSeek's rearrangement algorithm, and moving expert weights between
+ranks between steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ExpertLoad:
+    """``counts[layer, expert]``: the (token, expert) pairs routed to each logical expert of each main MoE
+    layer, by this rank's tokens, since the last :meth:`take`."""
+
+    def __init__(self, moe_records: list[Any], num_experts: int, device: torch.device | str):
+        self._layer_of = {id(m): i for i, m in enumerate(moe_records)}
+        self._records = moe_records  # keeps the ids above valid
+        self.counts = torch.zeros((len(moe_records), num_experts), dtype=torch.long, device=device)
+
+    @classmethod
+    def for_model(cls, model: Any) -> ExpertLoad:
+        return cls([block.moe for block in model.weights.layers], model.cfg.n_routed_experts, model.device)
+
+    def record(self, moe: Any, topk_ids: torch.Tensor) -> None:
+        """Count one MoE layer's routing (global expert ids [T, k]); an MTP layer's is not counted."""
+        layer = self._layer_of.get(id(moe))
+        if layer is not None:
+            flat = topk_ids.reshape(-1)
+            self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
+
+    def take(self) -> torch.Tensor:
+        """The counts so far (on the host), zeroed for the next window."""
+        counts = self.counts.to("cpu", copy=True)
+        self.counts.zero_()
+        return counts
