@@ -16,12 +16,14 @@ import time
 
 import engine_fixtures
 import pytest
+import torch
 from engine_fixtures import greedy, make_prompt
 
 from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
 from deepinfer_core.entrypoints.cli_generate import add_engine_arguments, engine_kwargs
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.parallel.data_parallel import DataParallelEngine
+from deepinfer_core.parallel.eplb import ExpertLoad
 from deepinfer_core.worker.multiproc_executor import RankFailure
 
 one_torch_thread = engine_fixtures.one_torch_thread
@@ -95,6 +97,26 @@ def test_step_api_orders_outputs_balances_and_aborts(single, parallel):
     assert engine.load == [0, 0] and not engine._owner
     stats = engine.prefix_cache_stats()
     assert stats["query_tokens"] > 0 and 0 <= stats["hit_rate"] <= 1
+
+
+def test_expert_load_is_counted_on_the_ranks(single, parallel):
+    engine = parallel.llm_engine
+    engine.expert_load()  # start a fresh window
+    model = single.llm_engine.model
+    model.expert_load = ExpertLoad.for_model(model)
+    try:
+        prompts = [make_prompt(n, seed=50 + n, vocab_size=VOCAB) for n in (5, 23, 48)]
+        _generate(single, prompts, greedy(6))
+        _generate(parallel, prompts, greedy(6))
+        counts, expected = engine.expert_load(), model.expert_load.take()
+    finally:
+        model.expert_load = None
+    cfg = single.llm_engine.model_config
+    tokens = sum(len(p) + 6 - 1 for p in prompts)  # every prompt token and every output but the last
+    assert counts.shape == (cfg.num_hidden_layers, cfg.n_routed_experts)
+    assert counts.sum(1).tolist() == [tokens * cfg.num_experts_per_tok] * cfg.num_hidden_layers
+    assert torch.equal(counts, expected)  # the routing of one process
+    assert engine.expert_load().sum() == 0  # taken: the next window starts empty
 
 
 def test_cli_flags_reach_the_engine_arguments():

@@ -169,6 +169,13 @@ class DataParallelEngine:
         stats["hit_rate"] = stats["hit_tokens"] / stats["query_tokens"] if stats.get("query_tokens") else 0.0
         return stats
 
+    def expert_load(self) -> torch.Tensor | None:
+        """``[layer, expert]``: the (token, expert) pairs routed to each logical expert since the last call,
+        summed over the ranks (counted on each rank's device); None without expert parallel."""
+        per_rank = self.ranks.call_all(range(self.num_ranks), "expert_load")
+        counts = [per_rank[r] for r in range(self.num_ranks) if per_rank[r] is not None]
+        return torch.stack(counts).sum(0) if counts else None
+
     def rank_counters(self) -> list[dict[str, int]]:
         """Per rank: steps taken, of which placeholder steps (nothing scheduled there), and forwards run."""
         per_rank = self.ranks.call_all(range(self.num_ranks), "counters")

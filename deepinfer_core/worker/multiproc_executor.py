@@ -4,7 +4,7 @@ driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_paral
 
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
-``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``stop``. A rank whose step scheduled nothing runs a
+``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``stop``. A rank whose step scheduled nothing runs a
 placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
 always meet in the same collectives.
 
@@ -92,6 +92,10 @@ class _RankCore:
             self.num_placeholder_steps += 1
             self.executor.execute_dummy()
         return outputs, self.engine.has_unfinished_requests(), self.engine.prefix_cache_stats()
+
+    def expert_load(self, _: Any) -> torch.Tensor | None:
+        load = self.executor.driver_worker.model.expert_load
+        return None if load is None else load.take()
 
     def counters(self, _: Any) -> dict[str, int]:
         return {"steps": self.num_steps, "placeholder_steps": self.num_placeholder_steps,
