@@ -24,6 +24,7 @@ from engine_fixtures import token_prompts
 
 from deepinfer_core.engine.llm_engine import BATCH_INVARIANT_ENV
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.model.fp4 import quantize_fp4_block
 from deepinfer_core.model.fp8 import quantize_fp8_block
 from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import BuildContext, MissingOpError, OpRegistry, resolve_ops
@@ -47,7 +48,7 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "embedding": (0,), "rms_norm": (0,), "rotary_emb": (0, 1, 2), "linear": (0,), "grouped_linear": (0,),
     "swiglu": (0,), "sparse_attention": (0, 2, 6), "compress_windows": (0, 1), "indexer_topk": (0, 1, 3),
     "hc_pre": (0,), "hc_post": (0, 1, 2, 3), "hc_head": (0,), "moe_route": (0, 4), "moe_experts": (0, 3, 4),
-    "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6),
+    "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6), "moe_experts_fp4": (0, 5, 6),
     "apply_penalties": (0, 1, 2, 3, 4, 5), "top_k_top_p_min_p": (0, 1, 2, 3), "random_sample": (0, 1),
     "apply_token_bitmask": (0, 1),
 }
@@ -103,6 +104,9 @@ def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
         "moe_experts_fp8": (rn(T, D), *quantize_fp8_block(rn(E, 2 * I, D, std=D**-0.5)),
                             *quantize_fp8_block(rn(E, D, I, std=I**-0.5)), ids,
                             torch.rand(T, k, generator=g).to(dtype), 7.0),
+        "moe_experts_fp4": (rn(T, D), *quantize_fp4_block(rn(E, 2 * 64, D, std=D**-0.5)),
+                            *quantize_fp4_block(rn(E, D, 64, std=64**-0.5)), ids,
+                            torch.rand(T, k, generator=g).to(dtype), 7.0, True),
         "apply_penalties": (logits, torch.rand(T, V, generator=g) < 0.1, torch.randint(0, 3, (T, V), generator=g),
                             1 + torch.rand(T, generator=g).to(dtype), torch.rand(T, generator=g).to(dtype),
                             torch.rand(T, generator=g).to(dtype)),

@@ -172,3 +172,22 @@ _SPECS = [
 ]
 
 CATALOGUE: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
+
+# --- FP4 routed experts (DeepSeek's published format) ----------------------------------------------
+
+CATALOGUE["moe_experts_fp4"] = OpSpec(
+    "moe_experts_fp4",
+    "(x: [T, D], w13: U8 [E, 2I, D/2], w13_scale: E8M0|f32 [E, 2I, D/32], w2: U8 [E, D, I/2], "
+    "w2_scale: E8M0|f32 [E, D, I/32], topk_ids: Long[T, k], topk_weights: [T, k], swiglu_limit: float, "
+    "quant_act: bool) -> [T, D]",
+    "Routed experts in FP4 e2m1, packed two a byte along the input dim (even element in the low nibble; "
+    "codes 0-7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6, 8-15 their negatives), each row's 32 consecutive inputs "
+    "scaled by one power of two (w = value * scale). quant_act=False: exactly moe_experts on the weights "
+    "dequantised to x.dtype. quant_act=True (DeepSeek's inference/model.py): per expert e and its tokens, "
+    "x quantised per 128 channels to E4M3 with power-of-two scales s = 2^ceil(log2(max(amax, 1e-4) / 448)) "
+    "(quantise then dequantise), gate_up = xq . w13[e] accumulated in at least float32 and rounded to "
+    "x.dtype, h = swiglu(gate_up) * topk_weights[t,k] in at least float32, rounded to x.dtype and quantised "
+    "like x, y = hq . w2[e] rounded to x.dtype; out[t] = sum_k y summed in at least float32 (ids < 0 "
+    "skipped), returned in x.dtype.",
+    batch_invariant=False,
+)

@@ -414,3 +414,50 @@ def register(registry: Any, priority: int, skip: Iterable[str] = ()) -> None:
     for op, fn in NATIVE_OPS.items():
         if op not in skipped:
             registry.register(op, fn, priority=priority, syncs_host=op in SYNCS_HOST)
+
+
+# --- FP4 routed experts ------------------------------------------------------------------------------
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    quant_act: bool,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    """Experts in ascending id order, each one's packed weights dequantised on the fly (never the stack)."""
+    from deepinfer_core.model.fp4 import dequantize_fp4_block, fake_quant_act_ue8m0
+
+    k = topk_ids.shape[-1]
+    if not quant_act:  # moe_experts on the dequantised weights
+        out = torch.zeros_like(x)
+        for expert, pairs in expert_pairs(topk_ids, w13.shape[0]):
+            token_idx = pairs // k
+            h = swiglu(linear(x[token_idx], dequantize_fp4_block(w13[expert], w13_scale[expert], x.dtype)),
+                       swiglu_limit)
+            y = linear(h, dequantize_fp4_block(w2[expert], w2_scale[expert], x.dtype))
+            out.index_add_(0, token_idx, y * topk_weights.reshape(-1)[pairs, None].to(x.dtype))
+        return out
+    acc = acc_dtype(x.dtype)
+    xq = fake_quant_act_ue8m0(x).to(acc)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for expert, pairs in expert_pairs(topk_ids, w13.shape[0]):
+        token_idx = pairs // k
+        gate_up = linear(xq[token_idx], dequantize_fp4_block(w13[expert], w13_scale[expert], acc))
+        h = swiglu(gate_up.to(x.dtype).to(acc), swiglu_limit) * topk_weights.reshape(-1)[pairs, None].to(acc)
+        hq = fake_quant_act_ue8m0(h.to(x.dtype)).to(acc)
+        y = linear(hq, dequantize_fp4_block(w2[expert], w2_scale[expert], acc)).to(x.dtype)
+        out.index_add_(0, token_idx, y.to(acc))
+    return out.to(x.dtype)
+
+
+NATIVE_OPS["moe_experts_fp4"] = moe_experts_fp4
+SYNCS_HOST = SYNCS_HOST | {"moe_experts_fp4"}

@@ -173,3 +173,7 @@ ALL_OPS = {
     "linear_fp8": linear_fp8,
     "moe_experts_fp8": moe_experts_fp8,
 }
+
+# FP4: the same loop, its GEMMs and SwiGLU the invariant ones (activation quantisation is per row)
+moe_experts_fp4 = partial(ref.moe_experts_fp4, linear=linear, swiglu=swiglu)
+ALL_OPS["moe_experts_fp4"] = moe_experts_fp4
