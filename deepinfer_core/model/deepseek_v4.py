@@ -29,6 +29,11 @@ _ALWAYS_USED = frozenset({"embedding", "rms_norm", "rotary_emb", "grouped_linear
                           "hc_pre", "hc_post", "hc_head", "moe_route"})
 
 
+#: "transformers": transformers' DeepseekV4 arithmetic; "deepseek": DeepSeek's inference/model.py, whose
+#: activations are quantised (E4M3, power-of-two scales per 128) before its FP8 and FP4 linears
+NUMERICS = ("transformers", "deepseek")
+
+
 class RotaryTables:
     """cos/sin of the "main" and "compress" RoPE, computed as transformers does (float32 angles)."""
 
@@ -57,8 +62,11 @@ class RotaryTables:
 class DeepseekV4Model:
     """Runs the forward over ``weights`` (the loader's typed records) through ``ops``."""
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, ops: OpTable, dtype: torch.dtype):
-        self.cfg, self.weights, self.ops, self.dtype = cfg, weights, ops, dtype
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, ops: OpTable, dtype: torch.dtype,
+                 numerics: str = "transformers"):
+        if numerics not in NUMERICS:
+            raise ValueError(f"unknown numerics {numerics!r}; expected one of {NUMERICS}")
+        self.cfg, self.weights, self.ops, self.dtype, self.numerics = cfg, weights, ops, dtype, numerics
         self.device = weights.device
         self.rope = RotaryTables(cfg, self.device)
         self.cache_specs = layer_cache_specs(cfg)
@@ -90,7 +98,7 @@ class DeepseekV4Model:
             if isinstance(r, Linear):
                 used.add("linear_fp8" if r.is_fp8 else "linear")
             elif isinstance(r, Experts):
-                used.add("moe_experts_fp8" if r.is_fp8 else "moe_experts")
+                used.add({"fp8": "moe_experts_fp8", "fp4": "moe_experts_fp4"}.get(r.w13.format, "moe_experts"))
             elif isinstance(r, Compressor):
                 used.add("compress_windows")
             elif isinstance(r, Indexer):
@@ -272,6 +280,9 @@ class DeepseekV4Model:
         if ex.is_fp8:
             routed = ops.moe_experts_fp8(x, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids, weights,
                                          cfg.swiglu_limit)
+        elif ex.is_fp4:
+            routed = ops.moe_experts_fp4(x, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids, weights,
+                                         cfg.swiglu_limit, self.numerics == "deepseek")
         else:
             routed = ops.moe_experts(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
         if self.ep is not None:

@@ -104,17 +104,18 @@ def dequantize_fp4_block(packed: torch.Tensor, scale: torch.Tensor, dtype: torch
 def fake_quant_act_ue8m0(x: torch.Tensor, block: int = 128, qmax: float = E4M3_MAX,
                          eps: float = ACT_AMAX_EPS) -> torch.Tensor:
     """DeepSeek's ``act_quant`` with ue8m0 scales, simulated: each group of ``block`` values along the
-    last dim (the width must be a multiple of it) is divided by its power-of-two scale, rounded to E4M3
-    (saturating), and multiplied back; computed in float32 (float64 stays float64), returned in
+    last dim (the last group may be partial) is divided by its power-of-two scale, rounded to E4M3
+    (saturating) and multiplied back; computed in float32 (float64 stays float64), returned in
     ``x.dtype``."""
     k = x.shape[-1]
-    if k % block:
-        raise ValueError(f"activation width {k} is not a multiple of the quantisation block {block}")
+    groups_n = -(-k // block)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    groups = x.to(acc).reshape(*x.shape[:-1], k // block, block)
+    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
+    padded[..., :k] = x
+    groups = padded.view(*x.shape[:-1], groups_n, block)
     scale = pow2_scale(groups.abs().amax(dim=-1, keepdim=True), qmax, eps).to(acc)
     q = (groups / scale).clamp(-qmax, qmax).to(torch.float8_e4m3fn).to(acc)
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    return (q * scale).view(*x.shape[:-1], groups_n * block)[..., :k].to(x.dtype)
 
 
 def fake_quant_act_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:

@@ -47,14 +47,18 @@ def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [..., N, K] -> (E4M3 [..., N, K], float32 scales [..., ceil(N/block), ceil(K/block)])."""
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, ue8m0: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., N, K] -> (E4M3 [..., N, K], float32 scales [..., ceil(N/block), ceil(K/block)]);
+    ``ue8m0``: each scale rounded up to a power of two (DeepSeek's published scales)."""
     *lead, n, k = w.shape
     rows, cols = scale_shape(n, k, block)
     padded = torch.zeros((*lead, rows * block, cols * block), dtype=torch.float32, device=w.device)
     padded[..., :n, :k] = w
     tiles = padded.view(*lead, rows, block, cols, block)
     scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=AMAX_EPS) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = _round_e4m3(tiles / scale.unsqueeze(-1).unsqueeze(-3)).view(*lead, rows * block, cols * block)
     return q[..., :n, :k].contiguous(), scale
 

@@ -455,7 +455,9 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
     filled: set[str] = set()
     for name, entry in entries.items():
         if name.endswith(".scale"):
-            if name.removesuffix(".scale") + ".weight" not in entries:
+            weight = name.removesuffix(".scale") + ".weight"
+            expected = weight in shapes or (_EXPERT.match(weight) and not _IGNORED.search(weight))
+            if weight not in entries and not expected:  # (an expected weight is reported missing below)
                 unknown.append(f"{name} ({entry.where()}: a block scale without its weight)")
             continue
         if _IGNORED.search(name):

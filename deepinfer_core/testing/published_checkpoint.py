@@ -1,0 +1,161 @@
+"""Tiny DeepSeek-V4 checkpoints in the layout DeepSeek published, and their dequantised twins.
+
+:func:`build_published_checkpoint` writes a random tiny model (the weights of
+:func:`~deepinfer_core.testing.tiny_model.build_tiny_checkpoint`) as the published files are: flat names
+as DeepSeek's ``inference/model.py`` declares them (``layers.N.attn.kv_norm.weight``, ``embed.weight``,
+``hc_head_fn``, ``mtp.0.*``), the linears that are FP8 there in E4M3 with ``float8_e8m0fnu`` scales per
+128x128 tile, the routed experts in FP4 e2m1 packed two a byte as int8 [out, in/2] with
+``float8_e8m0fnu`` scales [out, in/32], the compressor and indexer-weight projections, router, embedding
+and head in bf16, norms, mHC, sinks, position biases and router biases in float32, ``tid2eid`` int32,
+and a ``config.json`` with ``quantization_config`` and ``expert_dtype: "fp4"``; optionally in shards
+with an index. :func:`write_dequantised_copy` writes the same values in float32 without quantisation
+(its own unpacking, not the loader's), the reference a published checkpoint must load equal to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.model.fp4 import E2M1_VALUES, quantize_fp4_block
+from deepinfer_core.model.fp8 import quantize_fp8_block
+
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+
+#: the linears ``inference/model.py`` builds in the default (FP8) dtype; ``wo_a`` is FP8 in the file too
+FP8_NAMES = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight"
+                       r"|\.shared_experts\.w[123]\.weight|^mtp\.\d+\.(e_proj|h_proj)\.weight)$")
+FP4_NAMES = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+BF16_NAMES = re.compile(r"(^embed\.weight|^head\.weight|\.compressor\.(wkv|wgate)\.weight"
+                        r"|\.indexer\.weights_proj\.weight|\.ffn\.gate\.weight)$")
+
+_RENAMES = [
+    (re.compile(r"^model\."), ""),
+    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.weight$"), r"\1kv_norm.weight"),
+]
+
+
+def published_name(saved_name: str) -> str:
+    """DeepSeek's name of a tensor as transformers' ``save_pretrained`` (and the tiny builder) wrote it."""
+    for pattern, repl in _RENAMES:
+        saved_name = pattern.sub(repl, saved_name)
+    return saved_name
+
+
+def to_published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float tensors under saved names -> the published names, dtypes and quantisation."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        name = published_name(key)
+        if FP4_NAMES.search(name):
+            packed, scale = quantize_fp4_block(value)
+            out[name], out[name.removesuffix(".weight") + ".scale"] = packed.view(torch.int8), scale
+        elif FP8_NAMES.search(name):
+            q, scale = quantize_fp8_block(value, ue8m0=True)
+            exponent = torch.log2(scale).round().to(torch.int32) + 127
+            out[name] = q
+            out[name.removesuffix(".weight") + ".scale"] = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+        elif name.endswith("tid2eid"):
+            out[name] = value.to(torch.int32)
+        elif BF16_NAMES.search(name):
+            out[name] = value.to(torch.bfloat16)
+        else:
+            out[name] = value.to(torch.float32)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _e8m0_values(scale: torch.Tensor) -> torch.Tensor:
+    return torch.pow(2.0, scale.view(torch.uint8).to(torch.float64) - 127)
+
+
+def dequantised(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published tensors -> float32 tensors of the same values under the same names, scales dropped."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".scale")
+        if scale is None:
+            out[name] = value if name.endswith("tid2eid") else value.to(torch.float32)
+            continue
+        s = _e8m0_values(scale) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.float64)
+        if value.dtype == torch.float8_e4m3fn:
+            n, k = value.shape
+            full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+            out[name] = (value.to(torch.float64) * full).to(torch.float32)
+        else:  # packed FP4: element 2j in the low nibble of byte j
+            b = value.view(torch.uint8).long()
+            vals = torch.empty((b.shape[0], 2 * b.shape[1]), dtype=torch.float64)
+            vals[:, 0::2], vals[:, 1::2] = table[b & 15], table[b >> 4]
+            out[name] = (vals * s.repeat_interleave(32, 1)).to(torch.float32)
+    return out
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> list[str]:
+    """``tensors`` as ``model.safetensors``, or as ``shards`` files plus ``model.safetensors.index.json``
+    (a weight and its scale may land in different shards, as nothing in the format forbids)."""
+    from safetensors.torch import save_file
+
+    for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        old.unlink()
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, files, weight_map = sorted(tensors), [], {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = names[i::shards]
+        save_file({n: tensors[n] for n in chunk}, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, file))
+        files.append(file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
+
+
+def _read_all(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def build_published_checkpoint(path: str | Path, name: str = "tiny", seed: int = 0, with_mtp: bool = True,
+                               shards: int = 1, **overrides: Any) -> Path:
+    """A random tiny model (config ``name`` with ``overrides``) in the published layout, in ``path``."""
+    from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
+
+    path = Path(path)
+    build_tiny_checkpoint(path, name, seed, with_mtp, **overrides)
+    write_tensors(path, to_published(_read_all(path)), shards)
+    config = json.loads((path / "config.json").read_text())
+    config.update(quantization_config=dict(QUANTIZATION_CONFIG), expert_dtype="fp4", torch_dtype="bfloat16")
+    config.pop("dtype", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "deepinfer_tiny.json").write_text(json.dumps({"name": name, "seed": seed, "layout": "published"}))
+    return path
+
+
+def write_dequantised_copy(src: str | Path, dst: str | Path) -> Path:
+    """A copy of the published checkpoint ``src`` with every tensor dequantised to float32 and the
+    quantisation keys removed from ``config.json``: the same model, unquantised."""
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    write_tensors(dst, dequantised(_read_all(src)))
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.pop("expert_dtype", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
