@@ -121,8 +121,8 @@ def _rank_main(rank: int, env: dict[str, str], args: Any, threads: int, conn: Co
         try:
             core = _RankCore(LLMEngine(args, executor_class=RankExecutor))
             conn.send(("ok", core.info()))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+        except BaseException as exc:
+            conn.send(_error(exc))
             return
         while True:
             try:
@@ -135,14 +135,23 @@ def _rank_main(rank: int, env: dict[str, str], args: Any, threads: int, conn: Co
             try:
                 reply = ("ok", getattr(core, command)(payload))
             except ValueError as exc:
-                reply = ("invalid", str(exc)) if command == "add" else ("error", traceback.format_exc())
-            except BaseException:
-                reply = ("error", traceback.format_exc())
+                reply = ("invalid", str(exc)) if command == "add" else _error(exc)
+            except BaseException as exc:
+                reply = _error(exc)
             conn.send(reply)
     except (BrokenPipeError, EOFError, OSError):
         pass
     finally:
         destroy_process_group()
+
+
+def _error(exc: BaseException) -> tuple[str, tuple[str, str]]:
+    """``("error", (summary, traceback))``: the summary names the exception and what caused it."""
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 4:
+        chain.append(f"{type(seen).__name__}: {seen}".strip())
+        seen = seen.__cause__ or seen.__context__
+    return "error", (" <- ".join(chain), traceback.format_exc())
 
 
 def _free_port() -> int:
@@ -253,10 +262,13 @@ class RankProcesses:
                 deadline = min(deadline, time.monotonic() + ANSWER_GRACE_S)
         if dead or errors or pending:
             parts = [f"rank {r} died ({code})" for r, code in sorted(dead.items())]
-            parts += [f"rank {r} failed:\n{text.rstrip()}" for r, text in sorted(errors.items())]
             if not dead:
                 parts += [f"rank {r} gave no answer within {timeout_s:.0f} s (hung?)" for r in sorted(pending)]
-            self.failure = RankFailure(f"data-parallel engine ({what}): " + "; ".join(parts))
+            parts += [f"rank {r} failed: {summary}" for r, (summary, _) in sorted(errors.items())]
+            text = f"data-parallel engine ({what}): " + "; ".join(parts)
+            for r, (_, trace) in sorted(errors.items()):
+                text += f"\n\nrank {r}'s traceback:\n{trace.rstrip()}"
+            self.failure = RankFailure(text)
             self.shutdown(graceful=False)
             raise self.failure
         if invalid is not None:
