@@ -81,7 +81,8 @@ def cuda_time_ms(fn, warmup: int, iters: int) -> float:
 
 
 def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: int) -> list[dict]:
-    from deepinfer_nvidia_sm100 import fp8_ops, torch_ops, triton_ops
+    from deepinfer_core.ops import native
+    from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
 
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -90,7 +91,7 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
         q, s = quantize_fp8_block(w)
         for m in batches:
             x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
-            bf16 = cuda_time_ms(partial(torch_ops.linear, x, w), warmup, iters)
+            bf16 = cuda_time_ms(partial(native.linear, x, w), warmup, iters)
             fp8 = cuda_time_ms(partial(fp8_ops.linear_fp8, x, q, s), warmup, iters)
             rows.append({"kernel": f"linear {name}", "N": n, "K": k, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
     experts, top_k, d, inter = 256, 6, 4096, 2048
