@@ -136,6 +136,12 @@ def test_bad_parallel_arguments_are_refused_before_spawning():
         LLMEngine(EngineArgs(data_parallel_size=4, enable_expert_parallel=True))
 
 
+def test_arguments_every_rank_refuses_are_a_value_error():
+    with pytest.raises(ValueError, match="max_model_len 9999 exceeds") as info:
+        LLM(dtype="float32", data_parallel_size=2, max_model_len=9999)
+    assert isinstance(info.value.__cause__, RankFailure)
+
+
 def _assert_all_gone(engine: DataParallelEngine) -> None:
     assert not any(proc.is_alive() for proc in engine.ranks.procs)
     for pid in engine.rank_pids:

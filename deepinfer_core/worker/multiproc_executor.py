@@ -40,7 +40,10 @@ ANSWER_GRACE_S = 5.0  # the front-end waits this much longer than a collective m
 
 
 class RankFailure(RuntimeError):
-    """A rank of a data-parallel engine died, hung or failed; the engine is shut down."""
+    """A rank of a data-parallel engine died, hung or failed; the engine is shut down.
+    ``invalid_arguments``: when every rank failed with a ValueError, rank 0's message."""
+
+    invalid_arguments: str | None = None
 
 
 class RankExecutor(UniProcExecutor):
@@ -146,12 +149,12 @@ def _rank_main(rank: int, env: dict[str, str], args: Any, threads: int, conn: Co
 
 
 def _error(exc: BaseException) -> tuple[str, tuple[str, str]]:
-    """``("error", (summary, traceback))``: the summary names the exception and what caused it."""
+    """``("error", (summary, traceback, is a ValueError))``: the summary names the exception and its causes."""
     chain, seen = [], exc
     while seen is not None and len(chain) < 4:
         chain.append(f"{type(seen).__name__}: {seen}".strip())
         seen = seen.__cause__ or seen.__context__
-    return "error", (" <- ".join(chain), traceback.format_exc())
+    return "error", (" <- ".join(chain), traceback.format_exc(), isinstance(exc, ValueError))
 
 
 def _free_port() -> int:
@@ -196,7 +199,12 @@ class RankProcesses:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self.info = self._collect(range(world_size), max(self.timeout_s, STARTUP_TIMEOUT_S), "starting")
+        try:
+            self.info = self._collect(range(world_size), max(self.timeout_s, STARTUP_TIMEOUT_S), "starting")
+        except RankFailure as exc:
+            if exc.invalid_arguments:  # every rank refused the arguments: the caller's error, as one process
+                raise ValueError(exc.invalid_arguments) from exc
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -264,11 +272,14 @@ class RankProcesses:
             parts = [f"rank {r} died ({code})" for r, code in sorted(dead.items())]
             if not dead:
                 parts += [f"rank {r} gave no answer within {timeout_s:.0f} s (hung?)" for r in sorted(pending)]
-            parts += [f"rank {r} failed: {summary}" for r, (summary, _) in sorted(errors.items())]
+            parts += [f"rank {r} failed: {summary}" for r, (summary, _, _) in sorted(errors.items())]
             text = f"data-parallel engine ({what}): " + "; ".join(parts)
-            for r, (_, trace) in sorted(errors.items()):
+            for r, (_, trace, _) in sorted(errors.items()):
                 text += f"\n\nrank {r}'s traceback:\n{trace.rstrip()}"
             self.failure = RankFailure(text)
+            if errors and not dead and not pending and all(invalid for _, _, invalid in errors.values()):
+                first = errors[min(errors)][0]
+                self.failure.invalid_arguments = first.removeprefix("ValueError: ")
             self.shutdown(graceful=False)
             raise self.failure
         if invalid is not None:
