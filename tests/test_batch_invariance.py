@@ -48,7 +48,7 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "embedding": (0,), "rms_norm": (0,), "rotary_emb": (0, 1, 2), "linear": (0,), "grouped_linear": (0,),
     "swiglu": (0,), "sparse_attention": (0, 2, 6), "compress_windows": (0, 1), "indexer_topk": (0, 1, 3),
     "hc_pre": (0,), "hc_post": (0, 1, 2, 3), "hc_head": (0,), "moe_route": (0, 4), "moe_experts": (0, 3, 4),
-    "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6), "moe_experts_fp4": (0, 5, 6),
+    "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6), "moe_experts_fp4": (0, 5, 6), "act_quant_sim": (0,),
     "apply_penalties": (0, 1, 2, 3, 4, 5), "top_k_top_p_min_p": (0, 1, 2, 3), "random_sample": (0, 1),
     "apply_token_bitmask": (0, 1),
 }
@@ -107,6 +107,7 @@ def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
         "moe_experts_fp4": (rn(T, D), *quantize_fp4_block(rn(E, 2 * 64, D, std=D**-0.5)),
                             *quantize_fp4_block(rn(E, D, 64, std=64**-0.5)), ids,
                             torch.rand(T, k, generator=g).to(dtype), 7.0, True),
+        "act_quant_sim": (rn(T, H, 32, std=3.0), 32, "e2m1", True),
         "apply_penalties": (logits, torch.rand(T, V, generator=g) < 0.1, torch.randint(0, 3, (T, V), generator=g),
                             1 + torch.rand(T, generator=g).to(dtype), torch.rand(T, generator=g).to(dtype),
                             torch.rand(T, generator=g).to(dtype)),

@@ -43,8 +43,28 @@ def is_power_of_two(scale: torch.Tensor) -> bool:
 
 
 def pow2_scale(amax: torch.Tensor, qmax: float, eps: float) -> torch.Tensor:
-    """``2**ceil(log2(max(amax, eps) / qmax))`` in float32: the smallest power of two that fits amax."""
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp(min=eps) / qmax)))
+    """``2**ceil(log2(max(amax, eps) / qmax))`` in float32: the smallest power of two that fits amax
+    (from the float's exponent bits, exact and identical on every row and device)."""
+    mantissa, exponent = torch.frexp(amax.float().clamp(min=eps) / qmax)  # v = m * 2^e, m in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    return torch.ldexp(torch.ones_like(mantissa), exponent)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H * K**-0.5`` along the last dim (K a power of two), H the Sylvester Hadamard matrix
+    (``H[i, j] = (-1)**popcount(i & j)``), as ``fast_hadamard_transform.hadamard_transform``; computed by
+    butterflies in float32 (float64 stays float64), the same adds in the same order for every row."""
+    k = x.shape[-1]
+    if k & (k - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two width, got {k}")
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(acc).reshape(-1, k)
+    h = 1
+    while h < k:
+        y = y.view(-1, k // (2 * h), 2, h)
+        y = torch.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * k**-0.5).to(x.dtype)
 
 
 def _e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
@@ -119,12 +139,16 @@ def fake_quant_act_ue8m0(x: torch.Tensor, block: int = 128, qmax: float = E4M3_M
 
 
 def fake_quant_act_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
-    """DeepSeek's ``fp4_act_quant`` simulated: per ``block`` values a power-of-two scale (amax / 6,
-    rounded up), each value rounded to the nearest e2m1 value, multiplied back; returned in ``x.dtype``."""
+    """DeepSeek's ``fp4_act_quant`` simulated: per ``block`` values (the last group may be partial) a
+    power-of-two scale (amax / 6, rounded up), each value rounded to the nearest e2m1 value, multiplied
+    back; computed in float32 (float64 stays float64), returned in ``x.dtype``."""
     k = x.shape[-1]
+    groups_n = -(-k // block)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    groups = x.to(acc).reshape(*x.shape[:-1], k // block, block)
+    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
+    padded[..., :k] = x
+    groups = padded.view(*x.shape[:-1], groups_n, block)
     scale = pow2_scale(groups.abs().amax(dim=-1, keepdim=True), FP4_MAX, FP4_AMAX_EPS).to(acc)
     codes = _nearest_e2m1_codes(groups / scale)
     values = _e2m1_table(x.device, acc)[codes.long()]
-    return (values * scale).reshape(x.shape).to(x.dtype)
+    return (values * scale).view(*x.shape[:-1], groups_n * block)[..., :k].to(x.dtype)

@@ -191,3 +191,16 @@ CATALOGUE["moe_experts_fp4"] = OpSpec(
     "skipped), returned in x.dtype.",
     batch_invariant=False,
 )
+
+CATALOGUE["act_quant_sim"] = OpSpec(
+    "act_quant_sim",
+    "(x: [..., K], block: int, fmt: str, rotate: bool) -> [..., K]",
+    "DeepSeek's simulated activation quantisation (quantise, then dequantise; inference/model.py's "
+    "act_quant and fp4_act_quant with inplace=True). rotate=True first applies the Walsh-Hadamard "
+    "transform x @ H * K^-0.5 (Sylvester order, H[i,j] = (-1)^popcount(i&j), K a power of two), rounded "
+    "to x.dtype as DeepSeek's kernel returns it. Then per "
+    "block consecutive values along K (the last group may be partial): s = 2^ceil(log2(max(amax, eps) / "
+    "qmax)); fmt 'e4m3': qmax 448, eps 1e-4, x/s rounded to E4M3 (nearest even, saturating); 'e2m1': "
+    "qmax 6, eps 6 * 2^-126, x/s rounded to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (ties to even, "
+    "signed); out = q * s. Computed in at least float32, returned in x.dtype.",
+)

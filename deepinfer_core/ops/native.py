@@ -461,3 +461,15 @@ def moe_experts_fp4(
 
 NATIVE_OPS["moe_experts_fp4"] = moe_experts_fp4
 SYNCS_HOST = SYNCS_HOST | {"moe_experts_fp4"}
+
+
+def act_quant_sim(x: torch.Tensor, block: int, fmt: str, rotate: bool) -> torch.Tensor:
+    from deepinfer_core.model.fp4 import fake_quant_act_fp4, fake_quant_act_ue8m0, hadamard
+
+    if fmt not in ("e4m3", "e2m1"):
+        raise ValueError(f"unknown fmt {fmt!r}; expected 'e4m3' or 'e2m1'")
+    y = hadamard(x) if rotate else x
+    return fake_quant_act_ue8m0(y, block) if fmt == "e4m3" else fake_quant_act_fp4(y, block)
+
+
+NATIVE_OPS["act_quant_sim"] = act_quant_sim

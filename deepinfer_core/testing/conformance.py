@@ -1004,15 +1004,54 @@ def _check_moe_experts_fp4(
     must still meet it (a wrong nibble order or scale fails it by far)."""
     if not case.args[-1]:
         return _check_outputs(case, actual, expected, ref_args, dtype, label)
+    _check_with_requant_flips(case, actual, expected, dtype, label, max_fraction=0.02)
+
+
+def _check_with_requant_flips(case: Case, actual: Any, expected: Any, dtype: torch.dtype, label: str,
+                              max_fraction: float, min_cosine: float = 1 - 2e-4) -> None:
+    """The dtype's tolerance (at least FP8_REQUANT's) on all but ``max_fraction`` of the elements, and
+    its cosine (or ``min_cosine`` where lower) on all of them."""
     _check_dtype(case, 0, actual, label)
     own = tolerance_for(dtype)
     tol = Tolerance(max(own.atol, FP8_REQUANT.atol), max(own.rtol, FP8_REQUANT.rtol),
-                    min(own.min_cosine, 1 - 2e-4))
+                    min(own.min_cosine, min_cosine))
     a, e = actual.double(), expected.double()
     outside = (a - e).abs() > tol.atol + tol.rtol * e.abs()
-    if outside.float().mean() > 0.02:
-        raise AssertionError(f"{label}: {int(outside.sum())} of {outside.numel()} elements outside "
-                             f"atol={tol.atol} + rtol={tol.rtol}*|e| (at most 2% may be re-quantisation flips)")
+    if outside.float().mean() > max_fraction:
+        raise AssertionError(f"{label}: {int(outside.sum())} of {outside.numel()} elements outside atol={tol.atol} "
+                             f"+ rtol={tol.rtol}*|e| (at most {max_fraction:.0%} may be re-quantisation flips)")
     cosine = torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0)
     if cosine < tol.min_cosine:
         raise AssertionError(f"{label}: cosine {float(cosine):.6f} < {tol.min_cosine}")
+
+
+@_gen("act_quant_sim")
+def _act_quant_sim(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """The three uses in DeepSeek's model: activations per 128 (a partial last group here), a KV entry's
+    non-RoPE values per 64, indexer queries Hadamard-rotated and FP4 per 32; rows of very different
+    ranges and an all-zero row."""
+    T = p.tokens
+    x = _randn(g, T, p.hidden + 40) * torch.logspace(-3, 3, T).unsqueeze(1)
+    x[0] = 0.0
+    kv = _randn(g, T, p.head_dim - p.rope_dim) * 4.0
+    q = _randn(g, T, p.index_heads, p.index_dim)
+    return [
+        Case("act_quant_sim", "act_e4m3_128", (x.to(dtype), 128, "e4m3", False), out_dtypes=(dtype,)),
+        Case("act_quant_sim", "kv_e4m3_64", (kv.to(dtype), 64, "e4m3", False), out_dtypes=(dtype,)),
+        Case("act_quant_sim", "index_hadamard_e2m1_32", (q.to(dtype), 32, "e2m1", True), out_dtypes=(dtype,)),
+    ]
+
+
+@_check("act_quant_sim")
+def _check_act_quant_sim(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+):
+    """Without rotation exact: the power-of-two scales and the roundings of x.dtype values are the same
+    in any precision. With it the rotated values are rounded to x.dtype first (bf16: 2^-9 relative),
+    which moves some across an e2m1 boundary: up to 5% of the elements may differ by one step, an e2m1
+    step being up to a third of the value (cosine 0.998; measured on the tiny preset: 0.99938)."""
+    if not case.args[-1]:
+        _check_dtype(case, 0, actual, label)
+        assert_close(actual, expected.to(actual.dtype), dtype=dtype, name=label, exact=True)
+        return
+    _check_with_requant_flips(case, actual, expected, dtype, label, max_fraction=0.05, min_cosine=0.998)
