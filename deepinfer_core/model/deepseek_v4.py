@@ -93,7 +93,7 @@ class DeepseekV4Model:
         have them. The sampler's ops are not the model's."""
         w = self.weights
         roots = [w.head, w.output, *w.layers, *(w.mtp if mtp else [])]
-        used = set(_ALWAYS_USED)
+        used = set(_ALWAYS_USED) | ({"act_quant_sim"} if self.numerics == "deepseek" else set())
         for r in records(roots, leaves=(Experts,)):
             if isinstance(r, Linear):
                 used.add("linear_fp8" if r.is_fp8 else "linear")
@@ -137,7 +137,7 @@ class DeepseekV4Model:
         eps = cfg.rms_norm_eps
         e = ops.rms_norm(ops.embedding(next_ids, self.weights.embed).to(self.dtype), m.enorm, eps)
         h = ops.rms_norm(streams, m.hnorm, eps)
-        x = self.linear(e, m.e_proj).unsqueeze(1) + self.linear(h, m.h_proj)
+        x = self.qlinear(e, m.e_proj).unsqueeze(1) + self.qlinear(h, m.h_proj)
         layer = cfg.num_hidden_layers + depth
         out = self.block(m.block, layer, x, batch, cache, self._rope(batch), next_ids)
         hidden = self.final_norm(out[batch.logits_indices], m.output)
@@ -160,6 +160,24 @@ class DeepseekV4Model:
         if lin.scale is None:
             return self.ops.linear(x, lin.weight)
         return self.ops.linear_fp8(x, lin.weight, lin.scale)
+
+    def qlinear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        """A projection that is FP8 in DeepSeek's model: under ``numerics="deepseek"`` its input is first
+        quantised as DeepSeek's ``act_quant`` does (E4M3, power-of-two scales per 128 values)."""
+        if self.numerics == "deepseek":
+            x = self.ops.act_quant_sim(x, 128, "e4m3", False)
+        return self.linear(x, lin)
+
+    def kv_sim(self, kv: torch.Tensor, rotate: bool = False) -> torch.Tensor:
+        """``numerics="deepseek"``: a KV entry as DeepSeek stores it, its non-RoPE values FP8-simulated per
+        64 with power-of-two scales (the RoPE values kept); an indexer key or query (``rotate``) Hadamard-
+        rotated and FP4-simulated per 32. Otherwise ``kv`` unchanged."""
+        if self.numerics != "deepseek":
+            return kv
+        if rotate:
+            return self.ops.act_quant_sim(kv, 32, "e2m1", True)
+        nope = kv.shape[-1] - self.cfg.rope_dim
+        return torch.cat([self.ops.act_quant_sim(kv[..., :nope], 64, "e4m3", False), kv[..., nope:]], dim=-1)
 
     # --- decoder block ---------------------------------------------------------------------------
 
@@ -184,11 +202,11 @@ class DeepseekV4Model:
         spec = self.cache_specs[layer]
         cos, sin = rope["main" if spec.compressor is None else "compress"]
 
-        q_res = ops.rms_norm(self.linear(h, a.wq_a), a.q_norm, eps)
-        q = self.linear(q_res, a.wq_b).view(n_tok, cfg.num_attention_heads, cfg.head_dim)
+        q_res = ops.rms_norm(self.qlinear(h, a.wq_a), a.q_norm, eps)
+        q = self.qlinear(q_res, a.wq_b).view(n_tok, cfg.num_attention_heads, cfg.head_dim)
         q = ops.rotary_emb(ops.rms_norm(q, None, eps), cos, sin, False)
-        kv = ops.rms_norm(self.linear(h, a.wkv), a.kv_norm, eps)
-        kv = ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1)
+        kv = ops.rms_norm(self.qlinear(h, a.wkv), a.kv_norm, eps)
+        kv = self.kv_sim(ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1))
         window_pool = cache.window_kv[layer]
         window_pool[batch.window_slots] = kv.to(window_pool.dtype)
 
@@ -209,10 +227,12 @@ class DeepseekV4Model:
         out = ops.rotary_emb(out, cos, sin, True)
         groups = cfg.o_groups
         out = ops.grouped_linear(out.reshape(n_tok, groups, -1), a.wo_a)
-        return self.linear(out.reshape(n_tok, -1), a.wo_b)
+        return self.qlinear(out.reshape(n_tok, -1), a.wo_b)
 
-    def compress(self, c: Compressor, h, spec: CompressorSpec, meta, pool, state, boundary) -> None:
-        """Project this step's tokens, emit the entries of every window that closed, update the ring.
+    def compress(self, c: Compressor, h, spec: CompressorSpec, meta, pool, state, boundary,
+                 rotate: bool = False) -> None:
+        """Project this step's tokens, emit the entries of every window that closed, update the ring
+        (``rotate``: the indexer's keys, see :meth:`kv_sim`).
 
         With overlapping windows it also saves, for every block end crossed, the first-half features of
         the window before it into that block's boundary record (what a prefix-cache hit restores).
@@ -240,7 +260,7 @@ class DeepseekV4Model:
             entries = ops.compress_windows(win_kv.to(self.dtype), win_gate)
             entries = ops.rms_norm(entries, c.norm, self.cfg.rms_norm_eps)
             cos, sin = self.rope("compress", meta.entry_positions, self.dtype)
-            entries = ops.rotary_emb(entries.unsqueeze(1), cos, sin, False).squeeze(1)
+            entries = self.kv_sim(ops.rotary_emb(entries.unsqueeze(1), cos, sin, False).squeeze(1), rotate)
             pool[meta.entry_slots] = entries.to(pool.dtype)  # slot -1: the trash block
         ring_kv[meta.ring_write] = kv[meta.ring_write_src]
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
@@ -250,10 +270,11 @@ class DeepseekV4Model:
         ops, cfg = self.ops, self.cfg
         meta = batch.compressors[spec.rate, spec.overlap]
         keys = cache.index_keys[layer]
-        self.compress(ix.compressor, h, spec, meta, keys, cache.index_state[layer], cache.index_boundary.get(layer))
+        self.compress(ix.compressor, h, spec, meta, keys, cache.index_state[layer], cache.index_boundary.get(layer),
+                      rotate=True)
         cos, sin = rope["compress"]
-        q = self.linear(q_res, ix.wq_b).view(h.shape[0], cfg.index_n_heads, cfg.index_head_dim)
-        q = ops.rotary_emb(q, cos, sin, False)
+        q = self.qlinear(q_res, ix.wq_b).view(h.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = self.kv_sim(ops.rotary_emb(q, cos, sin, False), rotate=True)
         weights = self.linear(h, ix.weights_proj) * cfg.index_n_heads**-0.5
         return ops.indexer_topk(q, weights, keys, meta.candidates, cfg.index_topk, cfg.index_head_dim**-0.5)
 
@@ -287,5 +308,5 @@ class DeepseekV4Model:
             routed = ops.moe_experts(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
         if self.ep is not None:
             routed = self.ep.combine(routed, handle)
-        shared = ops.swiglu(self.linear(h, moe.shared.w13), cfg.swiglu_limit)
-        return routed + self.linear(shared, moe.shared.w2)
+        shared = ops.swiglu(self.qlinear(h, moe.shared.w13), cfg.swiglu_limit)
+        return routed + self.qlinear(shared, moe.shared.w2)

@@ -531,13 +531,15 @@ def load_weights(
     show_progress: bool = False,
     hook: Any = None,
     experts: range | None = None,
+    keep_fp4: bool | None = None,
 ) -> ModelWeights:
     """The checkpoint in ``path`` as typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3,
     packed FP4 routed experts stay packed FP4, and the FP8-eligible weights the checkpoint did not ship
-    quantised are quantised. ``experts``: the routed experts to load (a contiguous range of ids, all by
+    quantised are quantised. ``keep_fp4`` (default: ``keep_fp8``): packed FP4 experts stay packed
+    whatever ``keep_fp8`` says. ``experts``: the routed experts to load (a contiguous range of ids, all by
     default); the stacks then hold only those, in order. ``hook`` (a plugin manager's hook relay): its
     ``deepinfer_process_weights`` is called once on the records."""
-    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts)
+    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts, keep_fp4)
     if keep_fp8:
         quantize_params_fp8(params, cfg)
     return build_weights(cfg, params, hook, num_experts=None if experts is None else len(experts))
@@ -563,6 +565,7 @@ def read_checkpoint(
     keep_fp8: bool = False,
     show_progress: bool = False,
     experts: range | None = None,
+    keep_fp4: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Check every tensor's name, shape and dtype against the config (before reading any), then read them
     file by file straight onto ``device``, dequantising there (or keeping them quantised with
@@ -590,10 +593,10 @@ def read_checkpoint(
     def stack_layout(key: str) -> str:
         """How stack ``key`` is kept: "fp4" (packed), "fp8" (E4M3 + tile scales) or "float"."""
         fmts = stack_fmt[key]
+        if "fp4" in fmts and (keep_fp8 if keep_fp4 is None else keep_fp4):
+            return "fp4"  # then all are: packed FP4 needs expert_dtype "fp4", which admits nothing else
         if not keep_fp8:
             return "float"
-        if "fp4" in fmts:  # then all are: packed FP4 needs expert_dtype "fp4", which admits nothing else
-            return "fp4"
         whole_tiles = key.endswith(".w2") or inter % FP8_BLOCK == 0
         return "fp8" if key in kept_fp8 and whole_tiles else "float"
 
