@@ -407,3 +407,21 @@ def test_fp4_kept_checkpoint_matches_the_dequantised_one_in_bfloat16(published):
         if isinstance(ex, Experts):
             ex.w13, ex.w2 = (replace(lin, weight=lin.weight.bfloat16()) for lin in (ex.w13, ex.w2))
     assert torch.equal(engine_logits(model, IDS), engine_logits(reference, IDS))
+
+
+# --- through the engine ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numerics", ["transformers", "deepseek"])
+def test_the_engine_serves_the_published_checkpoint(published, numerics):
+    """``LLM(..., numerics=...)`` reaches the model; greedy tokens as the model gives them alone."""
+    from deepinfer_core.entrypoints.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    with no_kernel_packs():
+        llm = LLM(str(published), dtype="float32", numerics=numerics, block_size=16)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": IDS}], params)[0].outputs[0].token_ids
+    model = llm.llm_engine.model
+    assert model.numerics == numerics and model.weights.layers[1].moe.experts.is_fp4 == (numerics == "deepseek")
+    assert list(out) == greedy_tokens(load(published, numerics=numerics), IDS)
