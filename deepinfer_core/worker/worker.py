@@ -57,7 +57,8 @@ class Worker:
     def load_model(self) -> None:
         args = self.args
         self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
-                                batch_invariant=self.batch_invariant, quantization=args.quantization)
+                                batch_invariant=self.batch_invariant, quantization=args.quantization,
+                                numerics=getattr(args, "numerics", None))
         if self.ep_dispatcher is not None:  # this rank keeps its own routed experts only
             shard_experts(self.model, self.ep_dispatcher)
             self.model.expert_load = ExpertLoad.for_model(self.model)  # counted on the device
