@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -32,7 +33,7 @@ def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, blo
     span = SeqSpan(0, tokens, list(range(blocks)), list(range(blocks)), 0)
     batch = build_forward_batch([0] * tokens, [span], model.compressor_specs(), block_size,
                                 model.cfg.sliding_window, None, device)
-    peak = platform.peak_memory_of(lambda: model.forward(batch, cache))
+    peak = platform.peak_memory_of(partial(model.forward, batch, cache))
     del cache, batch
     sampler = 8 * sched.max_num_seqs * model.cfg.vocab_size * 4
     return peak + sampler

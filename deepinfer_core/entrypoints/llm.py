@@ -55,10 +55,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         order = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for prompt, p in zip(prompts, params):
             rid = f"gen-{next(self._ids)}"
             order.append(rid)
             try:
