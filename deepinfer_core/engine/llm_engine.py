@@ -14,6 +14,7 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.processor import InputProcessor, Request, prompt_ids
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -67,11 +68,6 @@ def parallel_config_of(args: EngineArgs) -> ParallelConfig:
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
     return ParallelConfig(data_parallel_size=dp, expert_parallel_size=dp if args.enable_expert_parallel else 1)
-
-
-class _Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]):
-        self.request_id, self.prompt, self.prompt_token_ids, self.seqs = request_id, prompt, prompt_token_ids, seqs
 
 
 @dataclass
@@ -140,9 +136,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
-        self.requests: dict[str, _Request] = {}
+        self.processor = InputProcessor(cfg, self.scheduler_config, self.tokenizer, self.structured, args.seed)
+        self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
-        self._seed_rng = torch.Generator().manual_seed(args.seed)
         self._inflight: _Step | None = None  # async scheduling: the launched step not yet finished
         self._known: set[int] = set()  # sequences the workers hold state for
         self._retired: list[int] = []  # finished sequences the workers have not been told about
@@ -184,9 +180,10 @@ class LLMEngine:
     # --- requests --------------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.processor.encode(prompt)
+
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        return prompt_ids(prompt, self.encode)
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> str:
@@ -195,54 +192,10 @@ class LLMEngine:
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        self._validate(ids, params)
-        so = params.structured_outputs
-        grammar = self.structured.compile(so) if so is not None else None  # ValueError: not queued
-        seqs = []
-        for i in range(params.n):
-            gen = torch.Generator()
-            if params.seed is not None:
-                gen.manual_seed((params.seed * 1000003 + i) % 2**64)  # any int seed, no overflow
-            else:
-                gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
-            seqs.append(Sequence(request_id, i, ids, params, gen, self.model_config.eos_token_ids))
-            if grammar is not None:
-                seqs[-1].grammar = self.structured.new_state(grammar, so)
-        self.requests[request_id] = _Request(request_id, text, ids, seqs)
-        for seq in seqs:
+        req = self.requests[request_id] = self.processor.process(request_id, prompt, params)
+        for seq in req.seqs:
             self.scheduler.add(seq)
         return request_id
-
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.encode(prompt["prompt"])
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        vocab, max_len = self.model_config.vocab_size, self.scheduler_config.max_model_len
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_len} "
-                             "(prompt plus at least one generated token must fit)")
-        sched = self.scheduler_config
-        if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_num_batched_tokens is "
-                             f"{sched.max_num_batched_tokens} and chunked prefill is off")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids {params.stop_token_ids} are outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(str(request_id), None)
@@ -279,7 +232,7 @@ class LLMEngine:
     # sequences (finish reason "error") and nothing else.
 
     def step(self) -> list[RequestOutput]:
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         prev, self._inflight = self._inflight, None
         if prev is not None and not self._can_overlap(prev):
             self._finish_or_fail(prev, touched)
@@ -384,13 +337,13 @@ class LLMEngine:
             seq.num_inflight += 1
         return _Step(scheduled, to_sample, positions, output if to_sample else None)
 
-    def _finish_or_fail(self, launched: _Step, touched: dict[str, _Request]) -> None:
+    def _finish_or_fail(self, launched: _Step, touched: dict[str, Request]) -> None:
         try:
             self._finish(launched, touched)
         except Exception as exc:
             self._fail(launched.sampled, exc, touched)
 
-    def _finish(self, launched: _Step, touched: dict[str, _Request]) -> None:
+    def _finish(self, launched: _Step, touched: dict[str, Request]) -> None:
         """Post-process a launched step: put its tokens in place of the placeholders, check stops."""
         if launched.output is None:
             return
@@ -406,7 +359,7 @@ class LLMEngine:
             touched[seq.request_id] = self.requests[seq.request_id]
             self._append(seq, pos, token, out.logprobs[i])
 
-    def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, _Request]) -> None:
+    def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
         """End ``seqs`` with an error after an exception in their step; the other requests go on."""
         logger.error("a step failed; its %d sequence(s) end with an error: %s: %s", len(seqs),
                      type(exc).__name__, exc, exc_info=exc)
@@ -466,7 +419,7 @@ class LLMEngine:
         return seq.detokenizer.advance(self.tokenizer, seq.output_token_ids, num_ids,
                                        seq.params.skip_special_tokens, last, stop)
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput:
         outs = []
         for seq in req.seqs:
             cum, ids = None, seq.completed_output_ids
