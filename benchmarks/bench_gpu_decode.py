@@ -147,7 +147,7 @@ HF_TO_DS = [
     (r"\.experts\.gate_up_proj$", ".experts.w13"),
     (r"\.experts\.down_proj$", ".experts.w2"),
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
-    (r"\.kv_norm\.", ".norm."),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),  # the attention's own stays kv_norm
     (r"\.position_bias$", ".ape"),
     (r"\.q_a_proj\.", ".wq_a."),
     (r"\.q_b_proj\.", ".wq_b."),
