@@ -15,7 +15,7 @@ from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
 from deepinfer_core.parallel.eplb import ExpertLoad
-from deepinfer_core.parallel.ep import dummy_moe_step, shard_experts
+from deepinfer_core.parallel.ep import dummy_moe_step
 from deepinfer_core.parallel.process_group import init_process_group, world_group
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
@@ -56,11 +56,12 @@ class Worker:
 
     def load_model(self) -> None:
         args = self.args
+        local = self.ep_dispatcher.local_experts if self.ep_dispatcher is not None else None
         self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
                                 batch_invariant=self.batch_invariant, quantization=args.quantization,
-                                numerics=getattr(args, "numerics", None))
-        if self.ep_dispatcher is not None:  # this rank keeps its own routed experts only
-            shard_experts(self.model, self.ep_dispatcher)
+                                numerics=getattr(args, "numerics", None), experts=local)
+        if self.ep_dispatcher is not None:  # this rank read only its own routed experts
+            self.model.ep = self.ep_dispatcher
             self.model.expert_load = ExpertLoad.for_model(self.model)  # counted on the device
 
     def initialize_cache(self) -> PoolSizes:
