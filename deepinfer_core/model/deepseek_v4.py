@@ -9,7 +9,7 @@ import torch
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import CompressorSpec, ModelCache, layer_cache_specs
-from deepinfer_core.model.metadata import ForwardBatch
+from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
 from deepinfer_core.model.weights import (
     Attention,
     Block,
@@ -116,9 +116,9 @@ class DeepseekV4Model:
         ops, cfg, w = self.ops, self.cfg, self.weights
         x = ops.embedding(batch.input_ids, w.embed).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        rope = self._rope(batch)
+        rope, candidates = self._rope(batch), {}
         for layer, block in enumerate(w.layers):
-            streams = self.block(block, layer, streams, batch, cache, rope, batch.input_ids)
+            streams = self.block(block, layer, streams, batch, cache, rope, batch.input_ids, candidates)
         hidden = self.final_norm(streams[batch.logits_indices], w.output)
         return self.logits(hidden), streams
 
@@ -139,7 +139,7 @@ class DeepseekV4Model:
         h = ops.rms_norm(streams, m.hnorm, eps)
         x = self.qlinear(e, m.e_proj).unsqueeze(1) + self.qlinear(h, m.h_proj)
         layer = cfg.num_hidden_layers + depth
-        out = self.block(m.block, layer, x, batch, cache, self._rope(batch), next_ids)
+        out = self.block(m.block, layer, x, batch, cache, self._rope(batch), next_ids, {})
         hidden = self.final_norm(out[batch.logits_indices], m.output)
         return self.logits(hidden), out
 
@@ -181,13 +181,14 @@ class DeepseekV4Model:
 
     # --- decoder block ---------------------------------------------------------------------------
 
-    def block(self, w: Block, layer, streams, batch, cache, rope, token_ids) -> torch.Tensor:
+    def block(self, w: Block, layer, streams, batch, cache, rope, token_ids, candidates) -> torch.Tensor:
         ops, cfg = self.ops, self.cfg
         hc = w.attn_hc
         post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps,
                                            cfg.rms_norm_eps)
         h = ops.rms_norm(collapsed, w.attn_norm, cfg.rms_norm_eps)
-        streams = ops.hc_post(self.attention(w.attn, layer, h, batch, cache, rope), streams, post, comb)
+        attn = self.attention(w.attn, layer, h, batch, cache, rope, candidates)
+        streams = ops.hc_post(attn, streams, post, comb)
         hc = w.ffn_hc
         post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps,
                                            cfg.rms_norm_eps)
@@ -196,7 +197,10 @@ class DeepseekV4Model:
 
     # --- attention -------------------------------------------------------------------------------
 
-    def attention(self, a: Attention, layer, h, batch: ForwardBatch, cache: ModelCache, rope) -> torch.Tensor:
+    def attention(self, a: Attention, layer, h, batch: ForwardBatch, cache: ModelCache, rope,
+                  candidates: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``candidates``: rate -> the step's compressed candidates (:func:`compressed_candidates`), derived
+        on the device by the first layer of that rate and shared by the rest of the forward."""
         ops, cfg = self.ops, self.cfg
         eps, n_tok = cfg.rms_norm_eps, h.shape[0]
         spec = self.cache_specs[layer]
@@ -212,14 +216,18 @@ class DeepseekV4Model:
 
         extra_pool = extra_idx = None
         if spec.compressor is not None:
-            meta = batch.compressors[spec.compressor.rate, spec.compressor.overlap]
+            rate = spec.compressor.rate
+            meta = batch.compressors[rate, spec.compressor.overlap]
             extra_pool = cache.comp_kv[layer]
             self.compress(a.compressor, h, spec.compressor, meta, extra_pool, cache.comp_state[layer],
                           cache.comp_boundary.get(layer))
+            if rate not in candidates:
+                candidates[rate] = compressed_candidates(batch, rate, cache.block_size)
             if spec.indexer is None:
-                extra_idx = meta.candidates
+                extra_idx = candidates[rate]
             else:
-                extra_idx = self.indexer(a.indexer, h, q_res, spec.indexer, batch, cache, layer, rope)
+                extra_idx = self.indexer(a.indexer, h, q_res, spec.indexer, batch, cache, layer, rope,
+                                         candidates[rate])
 
         out = ops.sparse_attention(
             q, window_pool, batch.window_indices, a.sinks, cfg.head_dim**-0.5, extra_pool, extra_idx
@@ -266,7 +274,7 @@ class DeepseekV4Model:
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
 
     def indexer(self, ix: Indexer, h, q_res, spec: CompressorSpec, batch, cache: ModelCache, layer,
-                rope) -> torch.Tensor:
+                rope, candidates: torch.Tensor) -> torch.Tensor:
         ops, cfg = self.ops, self.cfg
         meta = batch.compressors[spec.rate, spec.overlap]
         keys = cache.index_keys[layer]
@@ -276,7 +284,7 @@ class DeepseekV4Model:
         q = self.qlinear(q_res, ix.wq_b).view(h.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         q = self.kv_sim(ops.rotary_emb(q, cos, sin, False), rotate=True)
         weights = self.linear(h, ix.weights_proj) * cfg.index_n_heads**-0.5
-        return ops.indexer_topk(q, weights, keys, meta.candidates, cfg.index_topk, cfg.index_head_dim**-0.5)
+        return ops.indexer_topk(q, weights, keys, candidates, cfg.index_topk, cfg.index_head_dim**-0.5)
 
     # --- MoE -------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Per-step attention metadata for a flat varlen batch: every cache index the layers need.
 
 Built once per step on the host from the scheduler's view of each sequence (how many tokens are
-cached, how many are new, its block tables and state slot), then shared by every layer.
+cached, how many are new, its block tables and state slot), then shared by every layer. Nothing built on
+the host grows with the context but the block tables (one id per block): the compressed entries each
+query may attend are derived on the device, inside the forward (:func:`compressed_candidates`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ class CompressorMeta:
     ring_write: torch.Tensor  # [Rw] flat ring rows written
     ring_write_src: torch.Tensor  # [Rw] fresh token rows written there
     bias_idx: torch.Tensor  # [T] position % rate (which position-bias row each token gets)
-    candidates: torch.Tensor  # [T, E] compressed-pool rows each query may attend (-1 pad)
     boundary_src: torch.Tensor  # [Nb, rate] source rows of the last window before each block end crossed
     boundary_dst: torch.Tensor  # [Nb] compressed block whose boundary record they are saved into
 
@@ -54,10 +55,18 @@ class CompressorMeta:
 @dataclass(frozen=True)
 class GraphPadding:
     """The fixed layout of a captured decode graph: ``num_seqs`` sequences of one new token each, and
-    ``max_entries[rate]`` compressed candidates per query (enough for ``max_model_len``)."""
+    ``max_entries[rate]`` compressed candidates per query, enough for sequences of ``context`` tokens
+    (the graph's context bucket; None: as long as ``max_entries`` holds)."""
 
     num_seqs: int
     max_entries: dict[int, int]
+    context: int | None = None
+
+    def num_blocks(self, block_size: int) -> int:
+        """Columns of the layout's block tables: the blocks its candidates can address."""
+        if self.context is not None:
+            return max(1, -(-self.context // block_size))
+        return max([1] + [-(-n * rate // block_size) for rate, n in self.max_entries.items()])
 
 
 @dataclass
@@ -68,8 +77,12 @@ class ForwardBatch:
     window_indices: torch.Tensor  # [T, W] window-pool rows each query attends (-1 pad)
     logits_indices: torch.Tensor  # rows whose logits are wanted
     query_start_loc: list[int]
+    block_tables: torch.Tensor | None = None  # [S, B] compressed pool: logical block -> physical (-1 none)
+    token_seq: torch.Tensor | None = None  # [T] the sequence (row of block_tables) of each token
+    entry_widths: dict[int, int] = field(default_factory=dict)  # rate -> compressed candidates per query
     compressors: dict[tuple[int, bool], CompressorMeta] = field(default_factory=dict)  # (rate, overlap)
     padded_to: int | None = None  # set when the batch is laid out for a captured graph (GraphPadding)
+    padded_context: int | None = None  # and the context bucket of that graph (GraphPadding.context)
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +91,8 @@ class ForwardBatch:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every index tensor of the batch by a stable name (compressor fields as ``"rate.overlap.field"``)."""
         out = {k: getattr(self, k) for k in ("input_ids", "positions", "window_slots", "window_indices",
-                                                 "logits_indices")}
+                                                 "logits_indices", "block_tables", "token_seq")
+               if getattr(self, k) is not None}
         for (rate, overlap), meta in sorted(self.compressors.items()):
             out.update({f"{rate}.{int(overlap)}.{k}": v for k, v in vars(meta).items() if v is not None})
         return out
@@ -107,6 +121,20 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         return self.replace_tensors({k: v.to(device) for k, v in self.tensors().items()})
+
+
+def compressed_candidates(batch: ForwardBatch, rate: int, block_size: int) -> torch.Tensor:
+    """[T, E] compressed-pool rows each query may attend, on the batch's device (E =
+    ``batch.entry_widths[rate]``): entry e of the query's own sequence for every e < (position + 1) // rate,
+    in entry order, then -1. Derived from the block tables, so no tensor of this size crosses from the host."""
+    tables, width = batch.block_tables, batch.entry_widths[rate]
+    entry = torch.arange(width, device=tables.device)
+    blocks = (entry * rate // block_size).clamp(max=tables.shape[1] - 1)
+    phys = tables[batch.token_seq.unsqueeze(1), blocks.unsqueeze(0)]  # [T, E]
+    per_block = block_size // rate
+    rows = phys * per_block + entry % per_block
+    valid = (entry < ((batch.positions + 1) // rate).unsqueeze(1)) & (phys >= 0)
+    return torch.where(valid, rows, torch.full_like(rows, -1))
 
 
 def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,9 +213,13 @@ def build_forward_batch(
             logits_indices if logits_indices is not None else [e - 1 for e in starts[1:]], dtype=lo
         ),
         query_start_loc=starts,
+        block_tables=lay.tables,
+        token_seq=owner,
     )
+    longest = int(lay.seq_len.max()) if len(spans) else 0
     for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
         batch.compressors[rate, overlap] = _compressor_meta(rate, overlap, lay, block_size)
+        batch.entry_widths[rate] = longest // rate
     return batch.to(device)
 
 
@@ -229,12 +261,6 @@ def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) ->
     # ring rows written: each sequence's last ``rows`` positions among this step's tokens
     keep = lay.positions >= lay.seq_len[lay.owner] - rows
     token_idx = torch.arange(len(lay.positions))
-    # compressed entries each query may attend: those whose window closed at or before it
-    max_entries = int((lay.seq_len // rate).max()) if len(lay.seq_len) else 0
-    entry = torch.arange(max_entries)
-    seq_rows = _rows(lay.tables, torch.arange(len(lay.ctx)), entry.expand(len(lay.ctx), -1) * rate, block_size, rate)
-    cand = seq_rows[lay.owner]
-    cand = torch.where(entry < ((lay.positions + 1) // rate).unsqueeze(1), cand, torch.full_like(cand, -1))
     return CompressorMeta(
         ring_read=ring_read,
         cur_idx=cur,
@@ -244,7 +270,6 @@ def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) ->
         ring_write=lay.slots[lay.owner[keep]] * rows + lay.positions[keep] % rows,
         ring_write_src=token_idx[keep],
         bias_idx=lay.positions % rate,
-        candidates=cand,
         boundary_src=boundary_src,
         boundary_dst=boundary_dst,
     )
@@ -253,13 +278,19 @@ def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) ->
 def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: set[CompressorSpec],
                   block_size: int, sliding_window: int, device, pad: GraphPadding) -> ForwardBatch:
     """One new token per sequence and a fixed count of every kind of index per sequence: ``rows`` ring
-    reads, one window (written to -1 unless it closes now), one block end (likewise), ``max_entries``
-    candidates. Padding sequences have no blocks and state slot -1, so all they write lands in the trash.
+    reads, one window (written to -1 unless it closes now), one block end (likewise), a block table of
+    ``pad.num_blocks`` columns (``max_entries`` candidates are derived from it on the device). Padding
+    sequences have no blocks and state slot -1, so all they write lands in the trash.
     """
     n, size, lo = len(spans), pad.num_seqs, torch.long
     if n > size or any(s.num_new != 1 for s in spans) or len(token_ids) != n:
         raise ValueError(f"a graph of {size} sequences runs decode steps of at most {size} sequences, "
                          "one new token each")
+    for rate, entries in pad.max_entries.items():
+        longest = max([s.context_len + 1 for s in spans] + [0])
+        if longest // rate > entries:
+            raise ValueError(f"a sequence of {longest} tokens attends {longest // rate} entries of rate {rate}; "
+                             f"this graph layout holds {entries}")
     extra = size - n
     ctx = torch.tensor([s.context_len for s in spans] + [0] * extra, dtype=lo)
     seq = torch.arange(size)
@@ -268,6 +299,9 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
                   _table([s.block_table for s in spans] + [[]] * extra), seq, ctx)
     wtables = _table([s.window_block_table for s in spans] + [[]] * extra)
     window = ctx.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
+    width = pad.num_blocks(block_size)  # blocks past the candidates' reach are not needed on the device
+    tables = torch.full((size, width), -1, dtype=lo)
+    tables[:, :min(width, lay.tables.shape[1])] = lay.tables[:, :width]
     batch = ForwardBatch(
         input_ids=torch.tensor(token_ids + [0] * extra, dtype=lo),
         positions=ctx,
@@ -275,15 +309,18 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
         window_indices=_rows(wtables, seq, window, block_size),
         logits_indices=seq.clone(),
         query_start_loc=list(range(n + 1)),  # the real sequences only: their logits are the first rows
+        block_tables=tables,
+        token_seq=seq.clone(),
         padded_to=size,
+        padded_context=pad.context,
     )
     for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
-        batch.compressors[rate, overlap] = _padded_compressor_meta(rate, overlap, lay, block_size,
-                                                                   pad.max_entries[rate])
+        batch.compressors[rate, overlap] = _padded_compressor_meta(rate, overlap, lay, block_size)
+        batch.entry_widths[rate] = pad.max_entries[rate]
     return batch.to(device)
 
 
-def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int, max_entries: int):
+def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int):
     size, lo = len(lay.ctx), torch.long
     rows = (2 if overlap else 1) * rate
     within, seq = torch.arange(rate), torch.arange(size)
@@ -301,8 +338,6 @@ def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: 
     slots = _rows(lay.tables, seq, start, block_size, rate)
     crossed = (lay.seq_len % block_size == 0) & (lay.seq_len > lay.write_from)
     dst = lay.tables[seq, ((lay.seq_len // block_size) - 1).clamp(0, lay.tables.shape[1] - 1)]
-    entry = torch.arange(max_entries)
-    cand = _rows(lay.tables, seq, entry.expand(size, -1) * rate, block_size, rate)
     return CompressorMeta(
         ring_read=(lay.slots.unsqueeze(1) * rows + read_pos % rows).flatten(),
         cur_idx=source(start.unsqueeze(1) + within),
@@ -312,7 +347,6 @@ def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: 
         ring_write=lay.slots * rows + lay.positions % rows,
         ring_write_src=seq.clone(),
         bias_idx=lay.positions % rate,
-        candidates=torch.where(entry < ((lay.positions + 1) // rate).unsqueeze(1), cand, torch.full_like(cand, -1)),
         boundary_src=source(lay.seq_len.unsqueeze(1) - rate + within) if overlap else torch.zeros(0, rate, dtype=lo),
         boundary_dst=torch.where(crossed, dst, torch.full_like(dst, -1)) if overlap else torch.zeros(0, dtype=lo),
     )
