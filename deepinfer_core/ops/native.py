@@ -115,15 +115,36 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
     """The candidate ids of the ``topk`` best scores, best first, ties towards the earlier candidate
-    (a stable sort), invalid picks and missing slots as -1."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    (the first ``topk`` of a stable descending sort), invalid picks and missing slots as -1.
+
+    Only the picks are sorted: the k-th best score is found by a partial selection; every slot scoring
+    above it and the earliest slots equal to it are the picks, which are then ordered."""
     k = min(topk, candidates.shape[-1])
-    picked = order[:, :k]
+    picked = _stable_topk_columns(scores, k)
     chosen = candidates.gather(1, picked)
     chosen = torch.where(valid.gather(1, picked), chosen, torch.full_like(chosen, -1))
     if k < topk:
         chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], topk - k), -1)], dim=1)
     return chosen
+
+
+def _stable_topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` best scores per row in the order of a stable descending sort, without one."""
+    if k == 0:
+        return torch.zeros((scores.shape[0], 0), dtype=torch.long, device=scores.device)
+    values, columns = torch.topk(scores, k, dim=-1)  # best first; the order among equal scores is open
+    kth = values[:, -1:]
+    above = (values > kth).sum(-1, keepdim=True)  # these columns are certain picks
+    # the earliest columns scoring exactly the k-th score fill the remaining places
+    width = scores.shape[-1]
+    first = width - torch.arange(width, dtype=torch.int32, device=scores.device)
+    earliest = width - torch.topk(torch.where(scores == kth, first, 0), k, dim=-1).values.long()
+    place = torch.arange(k, device=scores.device)
+    picks = torch.where(place < above, columns, earliest.gather(1, (place - above).clamp(min=0)))
+    # order the picks by (score descending, column ascending)
+    picks = picks.sort(dim=-1).values
+    order = torch.sort(scores.gather(1, picks), dim=-1, descending=True, stable=True).indices
+    return picks.gather(1, order)
 
 
 def indexer_topk(
