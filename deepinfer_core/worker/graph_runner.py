@@ -1,10 +1,13 @@
-"""Decode steps replayed from captured graphs: one graph per bucketed batch size over static inputs.
+"""Decode steps replayed from captured graphs: one graph per (batch size, context) bucket over static inputs.
 
-A step of ``n`` decoding sequences runs the graph of the smallest captured size >= ``n``; the rows past
-``n`` are padding sequences with no blocks and state slot -1, whose writes land in the cache's trash.
-All of a step's index tensors live in one packed int64 device buffer per graph, filled by a single
-host-to-device copy from (pinned, where the platform has it) staging memory. Capture itself, streams
-and events come from the backend's :class:`~deepinfer_core.platform.Platform`.
+A step of ``n`` decoding sequences whose longest has ``L`` tokens (with the new one) runs the graph of the
+smallest captured size >= ``n`` and the smallest context bucket >= ``L`` (powers of two of tokens, then
+``max_model_len``): its compressed candidates, indexer work and block tables follow the batch's real
+contexts, and ``max_model_len`` only decides how many buckets there are. The rows past ``n`` are padding
+sequences with no blocks and state slot -1, whose writes land in the cache's trash. All of a step's
+index tensors live in one packed int64 device buffer per graph, filled by a single host-to-device copy
+from one of two (pinned, where the platform has it) staging buffers every graph shares. Capture itself,
+streams and events come from the backend's :class:`~deepinfer_core.platform.Platform`.
 """
 
 from __future__ import annotations
@@ -28,79 +31,111 @@ def capture_sizes(max_size: int, step: int = 32) -> list[int]:
     return sorted(set(sizes) | {max_size})
 
 
-class _StaticInputs:
-    """The packed device buffer of one graph's inputs, its views as a ForwardBatch, and two staging
-    buffers (a host buffer is reused only after its previous copy has run)."""
+#: the smallest context bucket (tokens) of the decode graphs
+MIN_CONTEXT_BUCKET = 1024
 
-    def __init__(self, host: ForwardBatch, platform: Platform):
-        flat = host.packed()
-        self.packed = flat.to(platform.device)
-        self.batch = host.with_storage(self.packed)
-        self.staging = [torch.empty_like(flat, pin_memory=platform.pin_memory) for _ in range(2)]
+
+def context_buckets(max_model_len: int, block_size: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
+    """Context capacities (tokens) of the decode graph layouts: powers of two from ``smallest`` below
+    ``max_model_len``, then ``max_model_len`` itself, each rounded up to whole blocks."""
+    top = -(-max(max_model_len, 1) // block_size) * block_size
+    buckets, c = set(), max(smallest, 1)
+    while c < top:
+        buckets.add(-(-c // block_size) * block_size)
+        c *= 2
+    return sorted(buckets | {top})
+
+
+class _Staging:
+    """Two host buffers, as long as the largest graph's inputs, that every graph's inputs pass through
+    (a buffer is refilled only after its previous copy has run)."""
+
+    def __init__(self, numel: int, platform: Platform):
+        self.buffers = [torch.empty(numel, dtype=torch.long, pin_memory=platform.pin_memory) for _ in range(2)]
         self.copied = [platform.new_event() for _ in range(2)]
         self.turn = 0
 
-    def load(self, host: ForwardBatch) -> None:
+    def copy(self, host: ForwardBatch, packed: torch.Tensor) -> None:
         k, self.turn = self.turn, 1 - self.turn
         if self.copied[k] is not None:
             self.copied[k].synchronize()
-        host.packed(out=self.staging[k])
-        self.packed.copy_(self.staging[k], non_blocking=True)
+        staging = self.buffers[k][: packed.numel()]
+        host.packed(out=staging)
+        packed.copy_(staging, non_blocking=True)
         if self.copied[k] is not None:
             self.copied[k].record()
 
 
+class _StaticInputs:
+    """The packed device buffer of one graph's inputs and its views as a ForwardBatch."""
+
+    def __init__(self, host: ForwardBatch, platform: Platform):
+        self.packed = host.packed().to(platform.device)
+        self.batch = host.with_storage(self.packed)
+
+
 class GraphRunner:
-    """Pads decode steps to a captured size and replays that size's graph.
+    """Pads decode steps to a captured (batch size, context) bucket and replays that bucket's graph.
 
     With ``capture=False`` (CPU tests) the padded static batch runs eagerly: the same inputs, buffers
-    and padding as a replay, without the graph.
+    and padding as a replay, without the graph. ``min_context`` is the smallest context bucket.
     """
 
     def __init__(self, model: DeepseekV4Model, cache: ModelCache, sizes: list[int], max_model_len: int,
-                 block_size: int, capture: bool = True, platform: Platform | None = None):
+                 block_size: int, capture: bool = True, platform: Platform | None = None,
+                 min_context: int = MIN_CONTEXT_BUCKET):
         self.model, self.cache, self.block_size = model, cache, block_size
         self.platform = platform or Platform(model.device)
         self.sizes = sorted(sizes)
-        rates = {spec.rate for spec in model.compressor_specs()}
-        self.max_entries = {rate: -(-max_model_len // rate) for rate in rates}
-        self.inputs: dict[int, _StaticInputs] = {}
-        self.graphs: dict[int, Graph] = {}
+        self.contexts = context_buckets(max_model_len, block_size, min_context)
+        self.rates = sorted({spec.rate for spec in model.compressor_specs()})
+        self.inputs: dict[tuple[int, int], _StaticInputs] = {}
+        self.graphs: dict[tuple[int, int], Graph] = {}
         for size in reversed(self.sizes):
-            empty = build_forward_batch([], [], model.compressor_specs(), block_size, model.cfg.sliding_window,
-                                        pad=GraphPadding(size, self.max_entries))
-            self.inputs[size] = _StaticInputs(empty, self.platform)
+            for context in reversed(self.contexts):
+                empty = build_forward_batch([], [], model.compressor_specs(), block_size, model.cfg.sliding_window,
+                                            pad=self.layout(size, context))
+                self.inputs[size, context] = _StaticInputs(empty, self.platform)
+        self.staging = _Staging(max(s.packed.numel() for s in self.inputs.values()), self.platform)
         if capture:
             self.capture()
 
+    def layout(self, size: int, context: int) -> GraphPadding:
+        return GraphPadding(size, {rate: -(-context // rate) for rate in self.rates}, context)
+
     def padding_for(self, spans: list[SeqSpan], logits_rows: list[int]) -> GraphPadding | None:
-        """The graph layout for this step, or None when it must run eagerly (prefill, too many sequences)."""
+        """The graph layout for this step, or None when it must run eagerly (prefill, too many sequences,
+        a sequence longer than the largest context bucket)."""
         n = len(spans)
         if not n or n > self.sizes[-1] or any(s.num_new != 1 for s in spans) or logits_rows != list(range(n)):
             return None
-        return GraphPadding(self.sizes[bisect.bisect_left(self.sizes, n)], self.max_entries)
+        longest = max(s.context_len + 1 for s in spans)
+        if longest > self.contexts[-1]:
+            return None
+        return self.layout(self.sizes[bisect.bisect_left(self.sizes, n)],
+                           self.contexts[bisect.bisect_left(self.contexts, longest)])
 
     def load(self, host: ForwardBatch) -> ForwardBatch:
         """Copy a padded host batch into its graph's static inputs; returns the static batch (device views).
 
         Its ``input_ids`` may still be changed in place on the device before :meth:`replay`.
         """
-        static = self.inputs[host.padded_to]
-        static.load(host)
+        static = self.inputs[host.padded_to, host.padded_context]
+        self.staging.copy(host, static.packed)
         static.batch.query_start_loc = host.query_start_loc
         return static.batch
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        size, n = batch.padded_to, len(batch.query_start_loc) - 1
-        if size in self.graphs:
-            self.graphs[size].replay()
-            return self.graphs[size].output[:n]
+        key, n = (batch.padded_to, batch.padded_context), len(batch.query_start_loc) - 1
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.graphs[key].output[:n]
         logits, _ = self.model.forward(batch, self.cache)
         return logits[:n]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size. The capture inputs are padding sequences only, so capturing writes nothing
-        outside the cache's trash."""
+        """Capture every (size, context) bucket, largest first into one pool. The capture inputs are
+        padding sequences only, so capturing writes nothing outside the cache's trash."""
         self.graphs = self.platform.capture_graphs(
-            self.sizes, lambda size: self.model.forward(self.inputs[size].batch, self.cache)[0])
+            list(self.inputs), lambda key: self.model.forward(self.inputs[key].batch, self.cache)[0])
