@@ -130,11 +130,10 @@ def compressed_candidates(batch: ForwardBatch, rate: int, block_size: int) -> to
     tables, width = batch.block_tables, batch.entry_widths[rate]
     entry = torch.arange(width, device=tables.device)
     blocks = (entry * rate // block_size).clamp(max=tables.shape[1] - 1)
-    phys = tables[batch.token_seq.unsqueeze(1), blocks.unsqueeze(0)]  # [T, E]
+    rows = tables[batch.token_seq.unsqueeze(1), blocks.unsqueeze(0)]  # [T, E] physical blocks
+    unused = (rows < 0) | (entry >= ((batch.positions + 1) // rate).unsqueeze(1))
     per_block = block_size // rate
-    rows = phys * per_block + entry % per_block
-    valid = (entry < ((batch.positions + 1) // rate).unsqueeze(1)) & (phys >= 0)
-    return torch.where(valid, rows, torch.full_like(rows, -1))
+    return rows.mul_(per_block).add_(entry % per_block).masked_fill_(unused, -1)  # one [T, E] index tensor
 
 
 def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
