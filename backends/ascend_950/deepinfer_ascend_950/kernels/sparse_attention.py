@@ -2,7 +2,8 @@
 
 One query token per persistent iteration of a core. The caller gathers the token's selected rows
 (window and compressed/indexed, ``-1`` slots as zero rows) into ``rows [T, K, D]`` and passes the
-indices for the validity mask; ``K`` is padded to a multiple of ``block_k``. Per block of ``block_k``
+indices for the validity mask; ``K`` (dynamic: one kernel serves every length) must be a multiple of
+``block_k``, the caller pads with ``-1``. Per block of ``block_k``
 rows:
 
 - Cube: ``S = Q . rows^T`` (``Q [H, D]`` in L1, float32 in L0C) and, after the softmax,
@@ -24,22 +25,21 @@ FP32 = T.float32
 def sparse_attention_sinks(
     heads: int,
     head_dim: int,
-    topk: int,
     scale: float,
     block_k: int = 64,
     num_cores: int = 32,
     dtype: str = "bfloat16",
     threads: int = 64,
 ):
-    """``(q [T, H, D], rows [T, K, D], indices int32 [T, K], sinks f32 [H]) -> writes out [T, H, D]``."""
+    """``(q [T, H, D], rows [T, K, D], indices int32 [T, K], sinks f32 [H]) -> writes out [T, H, D]``,
+    ``T`` and ``K`` dynamic."""
     if heads % 16 or head_dim % 16:
         raise ValueError(f"heads ({heads}) and head_dim ({head_dim}) must be multiples of 16 (Cube fractals); "
                          "pad the heads")
-    if topk < block_k or topk % block_k:
-        raise ValueError(f"topk ({topk}) must be a positive multiple of block_k ({block_k}); pad with -1")
     half = heads // 2  # heads per vector core (two AIVs per Cube core)
-    num_blocks = topk // block_k
     num_tokens = T.dynamic("num_tokens")
+    topk = T.dynamic("topk")  # rows per token: any multiple of block_k, one compiled kernel for all
+    num_blocks = T.ceildiv(topk, block_k)
 
     @T.prim_func
     def sparse_attention_sinks_kernel(
