@@ -25,16 +25,27 @@ class PoolSizes:
 
 def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, block_size: int,
                              platform: Platform, spec: KVCacheSpec | None = None) -> int:
-    """Peak device memory of one forward over a full token budget, beyond weights and cache (what the
-    pools must leave free), plus the sampler's per-sequence vocab-sized buffers."""
+    """Peak device memory of the forwards a step can run, beyond weights and cache (what the pools must
+    leave free), at the longest context: a full token budget as the last chunk of a ``max_model_len``
+    prompt, plus one decode step of as many sequences as a step holds, each ``max_model_len`` long (the
+    largest decode graph keeps that much in its pool), plus the sampler's per-sequence vocab-sized buffers.
+
+    The profiling cache holds one chunk's blocks, which every block table reuses: the shapes and the work
+    of a long context without its KV memory."""
     device, tokens = model.device, sched.max_num_batched_tokens
+    longest = max(sched.max_model_len, tokens)
     blocks = -(-tokens // block_size) + 1
     cache = ModelCache(model.cfg, blocks, blocks, 1, block_size, model.dtype, device, spec=spec)
-    span = SeqSpan(0, tokens, list(range(blocks)), list(range(blocks)), 0)
-    batch = build_forward_batch([0] * tokens, [span], model.compressor_specs(), block_size,
-                                model.cfg.sliding_window, None, device)
-    peak = platform.peak_memory_of(partial(model.forward, batch, cache))
-    del cache, batch
+    table = [i % blocks for i in range(-(-longest // block_size))]
+    specs, window = model.compressor_specs(), model.cfg.sliding_window
+    prefill = build_forward_batch([0] * tokens, [SeqSpan(longest - tokens, tokens, table, table, 0)], specs,
+                                  block_size, window, None, device)
+    seqs = min(sched.max_num_seqs, tokens)
+    decode = build_forward_batch([0] * seqs, [SeqSpan(longest - 1, 1, table, table, 0)] * seqs, specs,
+                                 block_size, window, None, device)
+    peak = platform.peak_memory_of(partial(model.forward, prefill, cache))
+    peak += platform.peak_memory_of(partial(model.forward, decode, cache))
+    del cache, prefill, decode
     sampler = 8 * sched.max_num_seqs * model.cfg.vocab_size * 4
     return peak + sampler
 
