@@ -37,7 +37,7 @@ class EngineArgs:
     backend: str = "cpu_ref"
     dtype: str | torch.dtype | None = None
     device: str | None = None
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped by the KV pools
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -102,7 +102,7 @@ class LLMEngine:
         path = Path(args.model) if args.model is not None else default_model_path()
         self.model_config = cfg = ModelConfig.from_pretrained(path)
         backend = load_backend(args.backend)
-        max_len = args.max_model_len or min(int(cfg.max_position_embeddings), 4096)
+        max_len = args.max_model_len or int(cfg.max_position_embeddings)  # capped below by the pools
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
@@ -128,6 +128,7 @@ class LLMEngine:
 
         self.tokenizer = get_tokenizer(path)
         sizes = self.pool_sizes = self.executor.pool_sizes
+        self._fit_max_model_len(sizes.num_blocks * self.cache_config.block_size)
         self.block_manager = BlockManager(
             sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, self.cache_config.block_size,
             cfg.sliding_window,
@@ -142,6 +143,21 @@ class LLMEngine:
         self._inflight: _Step | None = None  # async scheduling: the launched step not yet finished
         self._known: set[int] = set()  # sequences the workers hold state for
         self._retired: list[int] = []  # finished sequences the workers have not been told about
+
+    def _fit_max_model_len(self, capacity: int) -> None:
+        """Without an explicit ``max_model_len`` the checkpoint's ``max_position_embeddings`` is the default,
+        capped by the tokens the compressed pool the memory plan sized holds for one sequence (``capacity``)."""
+        sched = self.scheduler_config
+        if sched.max_model_len <= capacity or self.cache_config.num_blocks is not None:
+            return  # explicit pool sizes: a sequence that outgrows them ends with an error of its own
+        if self.args.max_model_len is None:
+            logger.info("max_model_len %d (the checkpoint's max_position_embeddings) capped to %d, what the KV "
+                        "pools hold for one sequence; a larger KV budget (gpu_memory_utilization, "
+                        "kv_cache_bytes) holds more", sched.max_model_len, capacity)
+            sched.max_model_len = capacity
+        else:
+            logger.warning("max_model_len %d is more than the KV pools hold for one sequence (%d tokens); "
+                           "longer sequences are preempted or fail", sched.max_model_len, capacity)
 
     # --- the in-process worker (single-process executor only) -------------------------------------
 

@@ -74,9 +74,11 @@ class ModelRunner:
             else:
                 max_size = min(args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
                                scheduler_config.max_num_seqs)
+                # no sequence outgrows the compressed pool: no graph needs a longer context bucket
+                longest = min(scheduler_config.max_model_len, cache.num_blocks * cache.block_size)
                 graphs = backend.hook.deepinfer_graph_runner(
                     model=model, cache=cache, capture_sizes=capture_sizes(max_size),
-                    max_model_len=scheduler_config.max_model_len, block_size=cache.block_size, platform=platform,
+                    max_model_len=longest, block_size=cache.block_size, platform=platform,
                 )
         return cls(model, cache, cache.block_size, sampler, platform, graphs)
 
