@@ -1,0 +1,239 @@
+"""Long contexts: what a step builds on the host does not grow with the context (but for the block tables),
+the compressed candidates derived on the device are the sequence's own entries, decode graphs are
+chosen by the batch's contexts (so ``max_model_len`` only sets capacity) and give transformers' tokens
+across context buckets and across thousands of tokens, the activation profile runs at the longest
+context, and the default ``max_model_len`` comes from the checkpoint, capped by the pools."""
+
+from __future__ import annotations
+
+import logging
+
+import engine_fixtures
+import pytest
+import torch
+from engine_fixtures import greedy, hf_argmax, make_prompt, run_tokens
+
+from deepinfer_core.config import ModelConfig, SchedulerConfig
+from deepinfer_core.engine.memory import profile_activation_bytes
+from deepinfer_core.model.cache import CompressorSpec, bytes_per_block
+from deepinfer_core.model.metadata import GraphPadding, SeqSpan, build_forward_batch, compressed_candidates
+from deepinfer_core.platform import Platform
+from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
+from deepinfer_core.worker.graph_runner import GraphRunner, context_buckets
+
+make_llm = engine_fixtures.make_llm
+one_torch_thread = engine_fixtures.one_torch_thread
+tiny_path = engine_fixtures.tiny_path
+
+BS = 16
+SPECS = {CompressorSpec(4, 8, True), CompressorSpec(8, 8, False)}
+WINDOW = 8
+
+
+def _spans(context: int, new: int, count: int = 1) -> list[SeqSpan]:
+    table = list(range(-(-(context + new) // BS)))
+    return [SeqSpan(context, new, table, table, slot) for slot in range(count)]
+
+
+def _sizes(batch) -> dict[str, int]:
+    return {name: t.numel() * t.element_size() for name, t in batch.tensors().items()}
+
+
+@pytest.mark.parametrize("new", [1, 64])
+def test_host_batch_does_not_grow_with_context_but_for_the_block_tables(new):
+    """One decode token (or a 64-token chunk) at contexts 1K and 16K: every host tensor the step builds
+    has the same size, except the block tables (one id per block of 16 tokens)."""
+    short, long = (build_forward_batch([5] * new, _spans(c, new), SPECS, BS, WINDOW) for c in (1024, 16384))
+    a, b = _sizes(short), _sizes(long)
+    assert a.keys() == b.keys()
+    assert {k for k in a if a[k] != b[k]} == {"block_tables"}
+    assert b["block_tables"] - a["block_tables"] == 8 * (16384 - 1024) // BS
+    assert sum(a.values()) - a["block_tables"] == sum(b.values()) - b["block_tables"]
+
+
+def test_graph_layout_follows_its_context_bucket():
+    """A graph layout's host batch is as large as its context bucket needs, whatever max_model_len is."""
+    pads = {c: GraphPadding(4, {4: c // 4, 8: c // 8}, c) for c in (1024, 16384)}
+    a, b = (_sizes(build_forward_batch([5], _spans(1000, 1), SPECS, BS, WINDOW, [0], pad=pads[c])) for c in pads)
+    assert {k for k in a if a[k] != b[k]} == {"block_tables"}
+    assert a["block_tables"] == 8 * 4 * 1024 // BS
+    with pytest.raises(ValueError, match="holds"):
+        build_forward_batch([5], _spans(1100, 1), SPECS, BS, WINDOW, [0], pad=pads[1024])
+
+
+def test_candidates_are_the_sequences_own_entries():
+    """Against a direct enumeration: query t of sequence s attends entry e of s for every e < (p+1)//rate
+    (p its position), at row table[s][e*rate // BS] * (BS // rate) + e % (BS // rate), then -1; a
+    released (-1) block gives -1."""
+    spans = [SeqSpan(37, 5, [3, 9, 4], [0, 1, 2], 0), SeqSpan(0, 3, [7], [5], 1),
+             SeqSpan(70, 1, [2, -1, 8, 6, 11], [6, 7, 8, 9, 10], 2)]
+    ids = [5] * sum(s.num_new for s in spans)
+    batch = build_forward_batch(ids, spans, SPECS, BS, WINDOW)
+    for rate in (4, 8):
+        got = compressed_candidates(batch, rate, BS)
+        rows = []
+        for s in spans:
+            for p in range(s.context_len, s.seq_len):
+                row = []
+                for e in range((p + 1) // rate):
+                    block = s.block_table[e * rate // BS]
+                    row.append(-1 if block < 0 else block * (BS // rate) + e % (BS // rate))
+                rows.append(row)
+        width = max(s.seq_len for s in spans) // rate
+        assert got.shape == (len(ids), width)
+        assert got.tolist() == [r + [-1] * (width - len(r)) for r in rows]
+
+
+def test_context_buckets():
+    assert context_buckets(4096, 16) == [1024, 2048, 4096]
+    assert context_buckets(5000, 128) == [1024, 2048, 4096, 5120]
+    assert context_buckets(1 << 20, 128)[-1] == 1 << 20 and len(context_buckets(1 << 20, 128)) == 11
+    assert context_buckets(300, 16, smallest=64) == [64, 128, 256, 304]
+    assert context_buckets(100, 128) == [128]
+
+
+def test_graph_buckets_are_chosen_by_context(make_llm, tiny_path):
+    """The layout of a decode step depends on its batch size and longest context only: at a fixed context
+    max_model_len changes nothing; the static inputs of a bucket are sized by the bucket; the two staging
+    buffers are shared by every graph."""
+    llm = make_llm(tiny_path("tiny"), dtype="float32", max_num_seqs=4)
+    engine = llm.llm_engine
+    model, cache = engine.model, engine.cache
+    runners = {m: GraphRunner(model, cache, [1, 2, 4], m, BS, capture=False, min_context=64) for m in (512, 4096)}
+    rows = [0, 1, 2]
+    for context, bucket in ((10, 64), (63, 64), (64, 128), (200, 256), (511, 512)):
+        spans = _spans(context, 1, 2) + _spans(5, 1)
+        pads = [r.padding_for(spans, rows) for r in runners.values()]
+        assert pads[0] == pads[1]
+        assert (pads[0].num_seqs, pads[0].context) == (4, bucket)
+        assert pads[0].max_entries == {4: bucket // 4, 8: bucket // 8}
+    assert runners[512].padding_for(_spans(512, 1), [0]) is None  # longer than the largest bucket: eager
+    assert runners[4096].padding_for(_spans(512, 1), [0]).context == 1024
+    big = runners[4096]
+    assert set(big.inputs) == {(s, c) for s in (1, 2, 4) for c in (64, 128, 256, 512, 1024, 2048, 4096)}
+    for (size, context), static in big.inputs.items():
+        assert static.batch.block_tables.shape == (size, context // BS)
+        assert static.batch.entry_widths == {4: context // 4, 8: context // 8}
+    largest = max(s.packed.numel() for s in big.inputs.values())
+    assert [b.numel() for b in big.staging.buffers] == [largest, largest]
+
+
+LONG_PROMPTS = [2, 13, 29, 60, 61, 125]  # decode crosses the context buckets 16, 32, 64, 128
+
+
+def test_padded_decode_across_context_buckets_matches_transformers(make_llm, tiny_path):
+    path = tiny_path("tiny")
+    llm = make_llm(path, dtype="float64", max_num_seqs=8)
+    engine = llm.llm_engine
+    runner = engine.runner.graph_runner = GraphRunner(engine.model, engine.cache, [1, 2, 4, 8],
+                                                      engine.scheduler_config.max_model_len, BS, capture=False,
+                                                      min_context=16)
+    keys = []
+    original = runner.replay
+    runner.replay = lambda batch: keys.append((batch.padded_to, batch.padded_context)) or original(batch)
+    prompts = [make_prompt(n, seed=i) for i, n in enumerate(LONG_PROMPTS)]
+    params = [greedy(max_tokens=6 + i) for i in range(len(prompts))]
+    alone = [run_tokens(llm, [p], q)[0] for p, q in zip(prompts, params)]  # each its own buckets
+    assert {c for _, c in keys} == {16, 32, 64, 128, 256}, keys
+    keys.clear()
+    together = run_tokens(llm, prompts, params)  # the longest sequence picks the bucket
+    assert {c for _, c in keys} == {128, 256} and {n for n, _ in keys} >= {8, 4}, keys
+    assert together == alone
+    for prompt, tokens in zip(prompts, alone):
+        assert tokens == hf_argmax(path, prompt, tokens)
+
+
+def test_thousands_of_tokens_match_transformers(make_llm, tiny_path):
+    """A prompt crossing hundreds of compression windows and blocks, prefilled in chunks, then decoded
+    through graph layouts across the 2048-token bucket boundary."""
+    path = tiny_path("tiny")
+    llm = make_llm(path, dtype="float64", max_num_seqs=2, max_num_batched_tokens=512)
+    engine = llm.llm_engine
+    runner = engine.runner.graph_runner = GraphRunner(engine.model, engine.cache, [1, 2],
+                                                      engine.scheduler_config.max_model_len, BS, capture=False)
+    keys = []
+    original = runner.replay
+    runner.replay = lambda batch: keys.append(batch.padded_context) or original(batch)
+    prompt = make_prompt(2044, seed=3)
+    tokens = run_tokens(llm, [prompt], greedy(max_tokens=8))[0]
+    assert set(keys) == {2048, 4096}
+    assert tokens == hf_argmax(path, prompt, tokens)
+
+
+def test_padded_equals_unpadded_at_a_long_context(tiny_path):
+    """One decode step at context 1500 laid out for a graph bucket of 2048 gives the unpadded logits."""
+    from deepinfer_core.model import load_model
+    from deepinfer_core.testing.model_runner import SimpleRunner
+
+    model = load_model(tiny_path("tiny"), "cpu_ref", torch.float64)
+    run = SimpleRunner(model, 1, 1600, block_size=BS)
+    prompt = make_prompt(1500, seed=4)
+    for start in range(0, len(prompt), 500):
+        run.step({0: prompt[start:start + 500]})
+    spans = [SeqSpan(1500, 1, run.table(0), run.table(0), 0)]
+    specs, window = model.compressor_specs(), model.cfg.sliding_window
+    before = [t.clone() for t in run.cache.comp_kv.values()]
+    plain, _ = model.forward(build_forward_batch([7], spans, specs, BS, window), run.cache)
+    for t, b in zip(run.cache.comp_kv.values(), before):
+        t.copy_(b)
+    pad = GraphPadding(2, {4: 512, 8: 256}, 2048)
+    padded, _ = model.forward(build_forward_batch([7], spans, specs, BS, window, [0], pad=pad), run.cache)
+    torch.testing.assert_close(padded[:1], plain, rtol=0, atol=1e-12)
+
+
+class _RecordingPlatform(Platform):
+    def __init__(self, device):
+        super().__init__(device)
+        self.calls = 0
+
+    def peak_memory_of(self, fn):
+        self.calls += 1
+        fn()
+        return 1000
+
+
+def test_activation_profile_runs_at_the_longest_context(tiny_path):
+    """The profile runs a full token budget ending at max_model_len and a decode step of max_num_seqs
+    sequences at max_model_len, from a cache of one chunk's blocks."""
+    from deepinfer_core.model import load_model
+
+    model = load_model(tiny_path("tiny"), "cpu_ref", torch.float32)
+    seen = []
+    forward = model.forward
+    model.forward = lambda batch, cache: seen.append((batch.positions.clone(), cache.num_blocks)) or forward(
+        batch, cache)
+    sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=4000)
+    platform = _RecordingPlatform(torch.device("cpu"))
+    total = profile_activation_bytes(model, sched, BS, platform)
+    assert platform.calls == 2 and total == 2000 + 8 * 3 * model.cfg.vocab_size * 4
+    (chunk, blocks), (decode, _) = seen
+    assert chunk.tolist() == list(range(4000 - 64, 4000)) and blocks == 64 // BS + 1
+    assert decode.tolist() == [3999] * 3
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("long_tiny"), "tiny", max_position_embeddings=32768)
+
+
+def test_default_max_model_len_is_the_checkpoints(make_llm, long_tiny):
+    llm = make_llm(long_tiny, dtype="float32", max_num_seqs=2, kv_cache_bytes=64 << 20)
+    engine = llm.llm_engine
+    assert engine.scheduler_config.max_model_len == 32768
+    assert engine.pool_sizes.num_blocks * BS >= 32768
+
+
+def test_default_max_model_len_is_capped_by_the_pools(make_llm, long_tiny, caplog):
+    cfg = ModelConfig.from_pretrained(long_tiny)
+    comp, window = bytes_per_block(cfg, BS, torch.float32)
+    with caplog.at_level(logging.INFO, logger="deepinfer_core.engine.llm_engine"):
+        llm = make_llm(long_tiny, dtype="float32", max_num_seqs=2, kv_cache_bytes=300 * comp + 64 * window + (1 << 20))
+    engine = llm.llm_engine
+    capacity = engine.pool_sizes.num_blocks * BS
+    assert capacity < 32768 and engine.scheduler_config.max_model_len == capacity
+    assert any("capped" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("x", {"prompt_token_ids": make_prompt(capacity + 1, seed=0)}, greedy(2))
+    explicit = make_llm(long_tiny, dtype="float32", max_num_seqs=2, max_model_len=32768,
+                        kv_cache_bytes=300 * comp + 64 * window + (1 << 20))
+    assert explicit.llm_engine.scheduler_config.max_model_len == 32768
