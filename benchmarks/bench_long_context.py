@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -180,17 +181,18 @@ def main(argv=None) -> dict:
         for ctx in a.contexts:
             for batch in a.batches:
                 row = dict(context=ctx, batch=batch)
-                row["eager_host_bytes"], build, step = measure(lambda: h.eager(ctx, 1, batch), a.warmup, a.reps)
+                row["eager_host_bytes"], build, step = measure(partial(h.eager, ctx, 1, batch), a.warmup, a.reps)
                 row["eager_build_ms"], row["eager_step_ms"] = build * 1e3, step * 1e3
                 if h.graphs is not None and ctx + 1 <= a.max_model_len:
-                    row["graph_host_bytes"], build, step = measure(lambda: h.graph(ctx, batch), a.warmup, a.reps)
+                    row["graph_host_bytes"], build, step = measure(partial(h.graph, ctx, batch), a.warmup, a.reps)
                     row["graph_build_ms"], row["graph_step_ms"] = build * 1e3, step * 1e3
                 row["max_rss_mb"] = rss_mb()
                 rows.append(row)
                 print(_line(row), flush=True)
             if a.chunk:
                 row = dict(context=ctx, batch=1, chunk=a.chunk)
-                row["eager_host_bytes"], build, step = measure(lambda: h.eager(ctx, a.chunk, 1), 1, max(a.reps // 2, 1))
+                row["eager_host_bytes"], build, step = measure(partial(h.eager, ctx, a.chunk, 1), 1,
+                                                                 max(a.reps // 2, 1))
                 row["eager_build_ms"], row["eager_step_ms"] = build * 1e3, step * 1e3
                 row["max_rss_mb"] = rss_mb()
                 rows.append(row)
