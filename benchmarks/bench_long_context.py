@@ -8,8 +8,9 @@ sequence prefills a ``--chunk``-token chunk at context ``L``), laid out
   with ``--max-model-len`` as the capacity the graphs were built for.
 
 "host KB" is the bytes of the step's packed host batch (every index tensor the step builds); "build ms"
-the host time to build it; "step ms" build + copy + forward (+ device sync). The cache holds no real
-history (every sequence reads the same blocks), which changes no shape and no amount of work.
+the host time to build it; "step ms" build + copy + forward (+ device sync); "max RSS MB" the process's
+peak host memory so far (run one context per process for each context's own peak). The cache holds no
+real history (every sequence reads the same blocks), which changes no shape and no amount of work.
 
 CPU (tiny model)::
 
@@ -20,6 +21,8 @@ GPU (4 layers at V4-Flash widths, bf16, captured graphs; random weights)::
     python benchmarks/bench_long_context.py --gpu --backend nvidia_sm100 --device cuda \\
         --contexts 4096,32768,131072,524288 --batches 1,16,64 --max-model-len 1048576 --chunk 2048 \\
         --out benchmarks/results/h200/long_context.json
+
+(``--gpu --small --device cpu --backend cpu_ref --dtype float32`` runs the GPU path at small widths.)
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 on the CPU, bfloat16 with --gpu")
     ap.add_argument("--gpu", action="store_true", help="4 layers at V4-Flash widths, random weights, graphs captured")
+    ap.add_argument("--small", action="store_true", help="with --gpu: bench_gpu_decode's small widths (a CPU "
+                    "smoke test of the GPU path)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--label", default=None, help="what this run measures (default: the git commit)")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -83,7 +88,7 @@ def flash_model(a, dtype: torch.dtype):
 
     longest = max(a.max_model_len, max(a.contexts) + max(a.chunk, 1) + 1)
     ga = gd.parse_args(["--backend", a.backend, "--device", a.device, "--dtype", str(dtype).split(".")[-1],
-                        "--prompt-len", str(longest), "--gen-len", "1"])
+                        "--prompt-len", str(longest), "--gen-len", "1"] + (["--small"] * a.small))
     return gd.RandomModel(ga, torch.device(a.device), dtype).deepinfer_model()
 
 
@@ -201,7 +206,8 @@ def main(argv=None) -> dict:
         benchmark="long_context", label=a.label or git_commit(), commit=git_commit(),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         host=host_platform.platform(), torch=torch.__version__, device=str(device), backend=a.backend,
-        dtype=str(dtype).split(".")[-1], model="v4-flash-4-layers" if a.gpu else "tiny",
+        dtype=str(dtype).split(".")[-1],
+        model=("bench_gpu_decode-small" if a.small else "v4-flash-4-layers") if a.gpu else "tiny",
         block_size=a.block_size, max_model_len=a.max_model_len, threads=torch.get_num_threads(),
         graph_init_s=getattr(h, "graph_init_s", None), rows=rows,
     )
