@@ -1,0 +1,140 @@
+"""What the ascend_950 backend registers for each op, at which priority, under which predicate.
+
+Every catalogued op is served at the bottom (:data:`NATIVE`) by the core's native body (plain torch, which
+runs on the NPU through torch_npu's aten kernels); three ops add a ``torch_npu`` fused operator
+(:data:`TORCH_NPU`, :mod:`.npu_ops`) and two a TileLang-Ascend kernel (:data:`TILELANG`,
+:mod:`.tilelang_ops`). Predicates decide once, when the engine is built: the fused operators need an NPU
+device and torch_npu with that operator; the TileLang kernels also need TileLang, CANN's ``bisheng``, a
+dtype the kernel takes and, outside ``probe_only`` listings, a one-off self-check on the device against
+the native body. Kernel packs override any of them with a higher priority (e.g. 10).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepinfer_ascend_950 import npu
+from deepinfer_core.ops import native
+from deepinfer_core.ops.catalogue import CATALOGUE
+from deepinfer_core.ops.registry import CHOSEN, SHADOWED, BuildContext, OpImpl, OpRegistry
+
+logger = logging.getLogger(__name__)
+
+NATIVE, TORCH_NPU, TILELANG = 1, 2, 3
+TILELANG_DTYPES = {"sparse_attention": (torch.bfloat16, torch.float16),
+                   "hc_pre": (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def npu_op_applies(operator: str) -> Callable[[BuildContext], bool]:
+    def applies(ctx: BuildContext) -> bool:
+        return npu.is_npu(ctx.device) and npu.environment().has(operator)
+
+    applies.__qualname__ = f"torch_npu_applies[{operator}]"
+    return applies
+
+
+def tilelang_verdict(op: str, ctx: BuildContext) -> tuple[bool, str]:
+    env = npu.environment()
+    if not npu.is_npu(ctx.device):
+        return False, "the engine's device is not an NPU"
+    if env.torch_npu is None:
+        return False, "torch_npu is not importable"
+    if not env.tilelang:
+        return False, "tilelang is not installed"
+    if env.bisheng is None:
+        return False, "CANN's bisheng compiler not found (BISHENG_HOME/bin, PATH)"
+    if ctx.dtype is not None and ctx.dtype not in TILELANG_DTYPES[op]:
+        return False, f"the kernel does not take {ctx.dtype}"
+    if not ctx.probe_only:
+        return self_check(op, str(ctx.device), ctx.dtype or torch.bfloat16)
+    return True, ""
+
+
+def tilelang_applies(op: str) -> Callable[[BuildContext], bool]:
+    def applies(ctx: BuildContext) -> bool:
+        return tilelang_verdict(op, ctx)[0]
+
+    applies.__qualname__ = f"tilelang_applies[{op}]"
+    return applies
+
+
+def _self_check_case(op: str, device: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(0)
+    if op == "sparse_attention":
+        q = torch.randn(3, 16, 64, generator=g)
+        kv, extra = torch.randn(40, 64, generator=g), torch.randn(24, 64, generator=g)
+        idx, ex = torch.randint(-1, 40, (3, 70), generator=g), torch.randint(-1, 24, (3, 20), generator=g)
+        args = (q.to(dtype), kv.to(dtype), idx, torch.randn(16, generator=g), 0.125, extra.to(dtype), ex)
+    else:
+        streams = torch.randn(11, 4, 64, generator=g).to(dtype)
+        args = (streams, torch.randn(24, 256, generator=g) * 0.05, torch.randn(24, generator=g) * 0.1,
+                torch.rand(3, generator=g) + 0.5, 20, 1e-6, 1e-6)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), {}
+
+
+@functools.cache
+def self_check(op: str, device: str, dtype: torch.dtype) -> tuple[bool, str]:
+    """Compile and run the TileLang kernel of ``op`` once on ``device`` against the native body; a
+    failure declines the kernel (with a warning) instead of failing the engine."""
+    from deepinfer_ascend_950 import tilelang_ops
+    from deepinfer_core.testing.compare import assert_close
+
+    try:
+        args, _ = _self_check_case(op, device, dtype)
+        got = tilelang_ops.ALL_OPS[op](*args)
+        want = native.NATIVE_OPS[op](*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert_close(a.float().cpu(), b.float().cpu(), dtype=dtype, name=f"{op} self-check")
+    except Exception as exc:
+        logger.warning("ascend_950: TileLang %s declined: self-check failed: %s: %s", op, type(exc).__name__, exc)
+        return False, f"self-check failed: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def register_all(registry: OpRegistry) -> None:
+    from deepinfer_ascend_950 import npu_ops, tilelang_ops
+
+    native.register(registry, priority=NATIVE)
+    for op, (fn, operator) in npu_ops.ALL_OPS.items():
+        registry.register(op, fn, priority=TORCH_NPU, predicate=npu_op_applies(operator))
+    for op, fn in tilelang_ops.ALL_OPS.items():
+        registry.register(op, fn, priority=TILELANG, predicate=tilelang_applies(op))
+
+
+@functools.cache
+def _names() -> dict[Callable, str]:
+    from deepinfer_ascend_950 import npu_ops, tilelang_ops
+
+    names = {fn: "native" for fn in native.NATIVE_OPS.values()}
+    names.update({fn: f"torch_npu.{operator}" for fn, operator in npu_ops.ALL_OPS.values()})
+    names.update({fn: "tilelang" for fn in tilelang_ops.ALL_OPS.values()})
+    return names
+
+
+def implementation_name(impl: OpImpl) -> str:
+    """``"native"``, ``"torch_npu.<operator>"``, ``"tilelang"``, or the registering plugin's name."""
+    return _names().get(impl.fn) or impl.provider.partition(":")[2] or impl.provider
+
+
+def op_labels(registry: OpRegistry, ctx: BuildContext) -> dict[str, str]:
+    """op -> the implementation the core's resolution picks under ``ctx`` (``"none"``); under
+    ``probe_only`` a TileLang kernel reads ``"tilelang (if its self-check passes, else <next>)"``."""
+    from deepinfer_ascend_950 import tilelang_ops
+
+    kernels = set(tilelang_ops.ALL_OPS.values())
+    out = {}
+    for op in CATALOGUE:
+        serving = [impl for impl, verdict in registry.explain(op, ctx) if verdict in (CHOSEN, SHADOWED)]
+        if not serving:
+            out[op] = "none"
+            continue
+        name = implementation_name(serving[0])
+        if ctx.probe_only and serving[0].fn in kernels and len(serving) > 1:
+            name = f"{name} (if its self-check passes, else {implementation_name(serving[1])})"
+        out[op] = name
+    return out

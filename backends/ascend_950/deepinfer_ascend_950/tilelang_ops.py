@@ -1,0 +1,90 @@
+"""Catalogued ops served by the TileLang-Ascend kernels of :mod:`.kernels`, compiled for the device once
+per kernel configuration (``tilelang.compile(target="ascend")``, which needs CANN's ``bisheng``).
+
+- ``hc_pre``: the mixes GEMM and the stream collapse in torch on the NPU, the split + Sinkhorn in the
+  :mod:`.kernels.hc_sinkhorn` kernel.
+- ``sparse_attention``: the selected rows gathered by torch on the NPU (window then extra, ``-1`` slots as
+  zero rows), padded to whole blocks, attention with sinks in :mod:`.kernels.sparse_attention`; heads are
+  padded to 16 and tokens processed in chunks so the gathered rows stay under :data:`GATHER_BUDGET`.
+
+These paths run only on an Ascend 950; here they are covered by the lowering tests and by the CPU mirrors
+of :mod:`.reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from deepinfer_ascend_950 import reference
+
+BLOCK_K = 64
+HEAD_ALIGN = 16
+GATHER_BUDGET = 256 << 20  # bytes of gathered rows per kernel call
+KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.cache
+def cube_cores(index: int = 0) -> int:
+    """The NPU's Cube core count (TileLang's driver query), 32 when it cannot say."""
+    try:
+        from tilelang.carver.arch.driver import get_num_cube_cores
+
+        return int(get_num_cube_cores(index))
+    except Exception:
+        return 32
+
+
+@functools.cache
+def compiled(builder_name: str, **params: Any) -> Any:
+    import tilelang
+
+    from deepinfer_ascend_950.kernels import hc_sinkhorn, sparse_attention
+
+    builders = {"hc_split_sinkhorn": hc_sinkhorn.hc_split_sinkhorn,
+                "sparse_attention_sinks": sparse_attention.sparse_attention_sinks}
+    return tilelang.compile(builders[builder_name](**params), target="ascend")
+
+
+def hc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    n = streams.shape[1]
+    f32 = torch.float32
+    flat = streams.flatten(1).to(f32)
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    mixes = (flat @ fn.to(f32).T).contiguous()
+    t = streams.shape[0]
+    pre = torch.empty(t, n, dtype=f32, device=streams.device)
+    post, comb = torch.empty_like(pre), torch.empty(t, n, n, dtype=f32, device=streams.device)
+    if t:
+        kernel = compiled("hc_split_sinkhorn", hc=n, sinkhorn_iters=int(sinkhorn_iters), eps=float(hc_eps))
+        kernel(mixes, scale.to(f32).contiguous(), base.to(f32).contiguous(), pre, post, comb)
+    collapsed = (pre.unsqueeze(-1) * streams.to(f32)).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def sparse_attention(q, kv, indices, sinks, scale: float, extra_kv=None, extra_indices=None):
+    t, h, d = q.shape
+    heads = -(-h // HEAD_ALIGN) * HEAD_ALIGN
+    if heads != h:  # padded heads attend with zero queries and sink 0; their outputs are dropped
+        q = torch.cat([q, q.new_zeros(t, heads - h, d)], dim=1)
+        sinks = torch.cat([sinks, sinks.new_zeros(heads - h)])
+    out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
+    k_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_indices is not None else 0)
+    step = max(1, GATHER_BUDGET // max(1, (k_total + BLOCK_K) * d * q.element_size()))
+    device = q.device
+    kernel = compiled("sparse_attention_sinks", heads=heads, head_dim=d, scale=float(scale),
+                      block_k=BLOCK_K, num_cores=cube_cores(device.index or 0), dtype=KERNEL_DTYPES[q.dtype])
+    sinks32 = sinks.to(torch.float32).contiguous()
+    for start in range(0, t, step):
+        stop = min(t, start + step)
+        ex = extra_indices[start:stop] if extra_indices is not None else None
+        rows, sel = reference.gather_selected(kv, indices[start:stop], extra_kv, ex)
+        rows, sel = reference.pad_to_blocks(rows.to(q.dtype), sel, BLOCK_K)
+        kernel(q[start:stop].contiguous(), rows.contiguous(), sel.to(torch.int32).contiguous(), sinks32,
+               out[start:stop])
+    return out[:, :h]
+
+
+ALL_OPS = {"hc_pre": hc_pre, "sparse_attention": sparse_attention}
