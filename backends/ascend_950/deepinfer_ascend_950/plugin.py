@@ -1,9 +1,12 @@
-"""Hook implementations of the ascend_950 backend: registration and an availability probe only.
+"""Hook implementations of the ascend_950 backend: availability probe, ops, NPU device and platform, HCCL,
+topology.
 
-No ops are registered yet. Nothing NPU-specific is imported at module import: ``torch_npu``,
-``tilelang`` and Triton-Ascend are imported only inside ``is_available()``/``details()``, after the
-probe has checked that the CANN toolkit is there (importing ``torch_npu`` without CANN fails, and
-importing it at all initialises the NPU runtime).
+Ops (:mod:`.registration`): the core's native body for every op, ``torch_npu`` fused operators where one
+exists, TileLang-Ascend kernels for the DeepSeek-V4-specific ones, each behind a predicate decided once
+when the engine is built. Nothing NPU-specific is imported at module import: ``torch_npu``, ``tilelang``
+and Triton-Ascend are imported only inside ``is_available()``/``details()`` or when an engine is built,
+after the probe has checked that the CANN toolkit is there (importing ``torch_npu`` without CANN fails,
+and importing it at all initialises the NPU runtime).
 """
 
 from __future__ import annotations
@@ -123,6 +126,10 @@ def details() -> dict[str, str]:
             out["npu_device"] = f"probe failed: {type(exc).__name__}: {exc}"
     for module, dists in KERNEL_LIBRARIES.items():
         out[module] = probe_library(module, dists)
+    from deepinfer_ascend_950.npu import find_bisheng
+
+    out["bisheng"] = find_bisheng() or "missing: not in BISHENG_HOME/bin or PATH (CANN's compiler)"
+    out["ops"] = "python -m deepinfer_ascend_950.dry_run: which implementation serves each op here and on an NPU"
     return out
 
 
@@ -138,5 +145,105 @@ def deepinfer_backend_info():
 
 
 @hookimpl
+def deepinfer_register_ops(registry, backend):
+    if backend.name != NAME:
+        return
+    from deepinfer_ascend_950.registration import register_all
+
+    register_all(registry)
+
+
+def npu_device(index: int):
+    import torch
+
+    return torch.device("npu", index)
+
+
+@hookimpl
+def deepinfer_init_device(local_rank):
+    """The NPU of ``local_rank``, made current; a clear error when there is none."""
+    torch, reason = _import_torch_npu()
+    if torch is None:
+        raise RuntimeError(f"backend {NAME!r} cannot select an NPU for local rank {local_rank}: {reason}")
+    npu = getattr(torch, "npu", None)
+    count = npu.device_count() if npu is not None and npu.is_available() else 0
+    if count == 0:
+        raise RuntimeError(
+            f"backend {NAME!r} cannot select an NPU for local rank {local_rank}: no NPU device visible "
+            f"(torch.npu.is_available() is False; check npu-smi and ASCEND_RT_VISIBLE_DEVICES="
+            f"{os.environ.get('ASCEND_RT_VISIBLE_DEVICES', '<unset>')})"
+        )
+    if not 0 <= local_rank < count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no NPU: {count} visible (ASCEND_RT_VISIBLE_DEVICES="
+            f"{os.environ.get('ASCEND_RT_VISIBLE_DEVICES', '<unset>')}); start one process per NPU"
+        )
+    npu.set_device(local_rank)
+    return npu_device(local_rank)
+
+
+@hookimpl
+def deepinfer_platform(device):
+    if getattr(device, "type", None) != "npu":
+        return None
+    from deepinfer_ascend_950.platform import NpuPlatform
+
+    return NpuPlatform(device)
+
+
+@hookimpl
+def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform):
+    """ACL graphs of the decode step through the core's GraphRunner over :class:`NpuPlatform`."""
+    if not platform.supports_graphs or not capture_sizes:
+        return None
+    from deepinfer_core.worker.graph_runner import GraphRunner
+
+    return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, platform=platform)
+
+
+@hookimpl
+def deepinfer_make_communicator(group, device):
+    """Collectives over ``group``: HCCL on NPUs (a group of another library is refused)."""
+    if getattr(device, "type", None) == "npu":
+        from deepinfer_ascend_950.comm import HcclCommunicator
+
+        return HcclCommunicator(group)
+    from deepinfer_core.comm import TorchDistributedCommunicator
+
+    return TorchDistributedCommunicator(group)
+
+
+@hookimpl
+def deepinfer_make_ep_dispatcher(communicator, num_experts, hidden_size):
+    """all_to_all over the communicator's group (HCCL's all_to_all on NPUs)."""
+    from deepinfer_core.parallel.ep import AllToAllDispatcher
+
+    return AllToAllDispatcher(communicator, num_experts, hidden_size)
+
+
+@hookimpl
+def deepinfer_discover_topology():
+    from deepinfer_ascend_950 import topology
+
+    torch, _ = _import_torch_npu()
+    return topology.discover(getattr(torch, "npu", None) if torch is not None else None)
+
+
+@hookimpl
+def deepinfer_plan_parallel(topology, parallel_config):
+    from deepinfer_core.topology import plan_single_host
+
+    return plan_single_host(
+        topology,
+        getattr(parallel_config, "data_parallel_size", 1),
+        getattr(parallel_config, "expert_parallel_size", 1),
+    )
+
+
+@hookimpl
 def deepinfer_collect_env():
-    return details()
+    env = details()
+    for var in ("ASCEND_RT_VISIBLE_DEVICES", "BISHENG_HOME", "ASCEND_HOME_PATH"):
+        if var in os.environ:
+            env[f"env.{var}"] = os.environ[var]
+    return env
