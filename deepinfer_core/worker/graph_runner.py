@@ -89,8 +89,8 @@ class GraphRunner:
         self.sizes = sorted(sizes)
         self.contexts = context_buckets(max_model_len, block_size, min_context)
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
-        self.inputs: dict[tuple[int, int], _StaticInputs] = {}
-        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.inputs: dict[tuple[int, int], _StaticInputs] = {}  # (size, context bucket) -> its inputs
+        self.graphs: dict[int, dict[int, Graph]] = {}  # size -> context bucket -> its graph
         for size in reversed(self.sizes):
             for context in reversed(self.contexts):
                 empty = build_forward_batch([], [], model.compressor_specs(), block_size, model.cfg.sliding_window,
@@ -126,10 +126,10 @@ class GraphRunner:
         return static.batch
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        key, n = (batch.padded_to, batch.padded_context), len(batch.query_start_loc) - 1
-        if key in self.graphs:
-            self.graphs[key].replay()
-            return self.graphs[key].output[:n]
+        graph, n = self.graphs.get(batch.padded_to, {}).get(batch.padded_context), len(batch.query_start_loc) - 1
+        if graph is not None:
+            graph.replay()
+            return graph.output[:n]
         logits, _ = self.model.forward(batch, self.cache)
         return logits[:n]
 
@@ -137,5 +137,8 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every (size, context) bucket, largest first into one pool. The capture inputs are
         padding sequences only, so capturing writes nothing outside the cache's trash."""
-        self.graphs = self.platform.capture_graphs(
+        captured = self.platform.capture_graphs(
             list(self.inputs), lambda key: self.model.forward(self.inputs[key].batch, self.cache)[0])
+        self.graphs = {}
+        for (size, context), graph in captured.items():
+            self.graphs.setdefault(size, {})[context] = graph
