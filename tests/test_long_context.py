@@ -121,23 +121,51 @@ def test_graph_buckets_are_chosen_by_context(make_llm, tiny_path):
 LONG_PROMPTS = [2, 13, 29, 60, 61, 125]  # decode crosses the context buckets 16, 32, 64, 128
 
 
+class _Rerun:
+    """A "captured graph" that reruns the forward on replay into its output buffer."""
+
+    def __init__(self, forward, key):
+        self.forward, self.key, self.replays = forward, key, 0
+        self.output = forward(key).clone()
+
+    def replay(self):
+        self.replays += 1
+        self.output.copy_(self.forward(self.key))
+
+
+class _RerunPlatform(Platform):
+    supports_graphs = True
+
+    def capture_graphs(self, keys, forward):
+        self.captured = sorted(keys, reverse=True)
+        return {key: _Rerun(forward, key) for key in self.captured}
+
+
 def test_padded_decode_across_context_buckets_matches_transformers(make_llm, tiny_path):
+    """Graphs captured per (size, context bucket) and kept by size, then bucket; each decode step replays
+    the graph of its batch size and longest context, and the tokens are transformers'."""
     path = tiny_path("tiny")
     llm = make_llm(path, dtype="float64", max_num_seqs=8)
     engine = llm.llm_engine
+    platform = _RerunPlatform(engine.device)
     runner = engine.runner.graph_runner = GraphRunner(engine.model, engine.cache, [1, 2, 4, 8],
-                                                      engine.scheduler_config.max_model_len, BS, capture=False,
-                                                      min_context=16)
-    keys = []
-    original = runner.replay
-    runner.replay = lambda batch: keys.append((batch.padded_to, batch.padded_context)) or original(batch)
+                                                      engine.scheduler_config.max_model_len, BS,
+                                                      platform=platform, min_context=16)
+    assert sorted(runner.graphs) == runner.sizes == [1, 2, 4, 8]
+    assert set(runner.graphs[8]) == set(runner.contexts) == {16 << i for i in range(9)}
+    assert platform.captured[0] == (8, 4096)
+
+    def replayed() -> set[tuple[int, int]]:
+        return {(n, c) for n, by_ctx in runner.graphs.items() for c, g in by_ctx.items() if g.replays}
+
     prompts = [make_prompt(n, seed=i) for i, n in enumerate(LONG_PROMPTS)]
     params = [greedy(max_tokens=6 + i) for i in range(len(prompts))]
     alone = [run_tokens(llm, [p], q)[0] for p, q in zip(prompts, params)]  # each its own buckets
-    assert {c for _, c in keys} == {16, 32, 64, 128, 256}, keys
-    keys.clear()
+    assert replayed() == {(1, c) for c in (16, 32, 64, 128, 256)}
+    for graph in (g for by_ctx in runner.graphs.values() for g in by_ctx.values()):
+        graph.replays = 0
     together = run_tokens(llm, prompts, params)  # the longest sequence picks the bucket
-    assert {c for _, c in keys} == {128, 256} and {n for n, _ in keys} >= {8, 4}, keys
+    assert {c for _, c in replayed()} == {128, 256} and {n for n, _ in replayed()} >= {8, 4}
     assert together == alone
     for prompt, tokens in zip(prompts, alone):
         assert tokens == hf_argmax(path, prompt, tokens)
