@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from deepinfer_ascend_950 import reference
+
 from deepinfer_core.ops import native
 from deepinfer_core.testing.compare import assert_close
 
