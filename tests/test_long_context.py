@@ -265,3 +265,20 @@ def test_default_max_model_len_is_capped_by_the_pools(make_llm, long_tiny, caplo
     explicit = make_llm(long_tiny, dtype="float32", max_num_seqs=2, max_model_len=32768,
                         kv_cache_bytes=300 * comp + 64 * window + (1 << 20))
     assert explicit.llm_engine.scheduler_config.max_model_len == 32768
+
+
+def test_prefix_hit_on_a_long_history_matches_transformers(make_llm, tiny_path):
+    """An agent turn re-sending a 2K-token history (plus its answer and a new message) is served from the
+    cache up to the last full block, decodes through the graph layouts, and gives transformers' tokens."""
+    path = tiny_path("tiny")
+    llm = make_llm(path, dtype="float64", max_num_seqs=2, max_num_batched_tokens=512)
+    engine = llm.llm_engine
+    engine.runner.graph_runner = GraphRunner(engine.model, engine.cache, [1, 2], engine.scheduler_config.max_model_len,
+                                             BS, capture=False)
+    history = make_prompt(2030, seed=5)
+    answer = run_tokens(llm, [history], greedy(max_tokens=6))[0]
+    turn = history + answer + make_prompt(9, seed=6)
+    out = llm.generate([{"prompt_token_ids": turn}], greedy(max_tokens=6), use_tqdm=False)[0]
+    assert out.num_cached_tokens >= (len(history) // BS - 1) * BS
+    tokens = out.outputs[0].token_ids
+    assert tokens == hf_argmax(path, turn, tokens)
