@@ -113,7 +113,8 @@ def deepinfer_process_weights(weights: ModelWeights, model_config: ModelConfig) 
 def deepinfer_graph_runner(
     model: Any, cache: Any, capture_sizes: list[int], max_model_len: int, block_size: int, platform: Platform
 ) -> Any:
-    """Capture the decode forward of ``model`` over ``cache`` at each of ``capture_sizes`` sequences and
+    """Capture the decode forward of ``model`` over ``cache`` at each of ``capture_sizes`` sequences (each
+    size once per context bucket up to ``max_model_len``: graphs are keyed by (size, bucket)) and
     return the runner that replays it (usually :class:`deepinfer_core.worker.graph_runner.GraphRunner`
     over ``platform``'s graphs), or ``None`` to always run eagerly.
 

@@ -14,6 +14,8 @@ import torch
 
 from deepinfer_core.config import CacheConfig
 
+GraphKey = tuple[int, int]  # (batch size, context bucket) of a captured decode graph
+
 
 class Event(Protocol):
     def record(self) -> None: ...
@@ -66,6 +68,8 @@ class Platform:
         """Bytes the KV pools and state slots may take (after weights and ``reserved_bytes``)."""
         return cache_config.cpu_kv_cache_bytes
 
-    def capture_graphs(self, sizes: Sequence[int], forward: Callable[[int], torch.Tensor]) -> dict[int, Graph]:
-        """Capture ``forward(size)`` for every size (largest first, one memory pool)."""
+    def capture_graphs(self, keys: Sequence[GraphKey], forward: Callable[[GraphKey], torch.Tensor]
+                       ) -> dict[GraphKey, Graph]:
+        """Capture ``forward(key)`` for every key, a (batch size, context bucket) pair (largest first, one
+        memory pool)."""
         raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")

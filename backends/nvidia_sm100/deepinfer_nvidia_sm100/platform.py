@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.config import CacheConfig
-from deepinfer_core.platform import Graph, Platform
+from deepinfer_core.platform import Graph, GraphKey, Platform
 
 
 class _CapturedGraph:
@@ -56,24 +56,26 @@ class CudaPlatform(Platform):
 
     def memory_budget(self, cache_config: CacheConfig, reserved_bytes: int = 0) -> int:
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * cache_config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device) - reserved_bytes
+        allocated = torch.cuda.memory_allocated(self.device)
+        return int(total * cache_config.gpu_memory_utilization) - allocated - reserved_bytes
 
-    def capture_graphs(self, sizes: Sequence[int], forward: Callable[[int], torch.Tensor]) -> dict[int, Graph]:
+    def capture_graphs(self, keys: Sequence[GraphKey], forward: Callable[[GraphKey], torch.Tensor]
+                       ) -> dict[GraphKey, Graph]:
         """Largest first into one pool; each size runs twice on a side stream first (kernels compile,
         allocations settle)."""
         torch.cuda.synchronize(self.device)
         pool, graphs = None, {}
         side = torch.cuda.Stream(self.device)
-        for size in sorted(sizes, reverse=True):
+        for key in sorted(keys, reverse=True):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    forward(size)
+                    forward(key)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                output = forward(size)
+                output = forward(key)
             pool = graph.pool()
-            graphs[size] = _CapturedGraph(graph, output)
+            graphs[key] = _CapturedGraph(graph, output)
         torch.cuda.synchronize(self.device)
         return graphs
