@@ -80,7 +80,7 @@ class EngineProbe:
         return self.clock.cuda and torch.cuda.is_current_stream_capturing()
 
     def __enter__(self) -> EngineProbe:
-        runner, engine = self.engine.runner, self.engine
+        runner = self.engine.runner
         prepare, execute = runner.prepare, runner.execute
 
         def timed_prepare(token_ids, spans, logits_rows, *args, **kw):
