@@ -73,3 +73,86 @@ class Platform:
         """Capture ``forward(key)`` for every key, a (batch size, context bucket) pair (largest first, one
         memory pool)."""
         raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")
+
+
+class _CapturedGraph:
+    def __init__(self, graph: Any, output: torch.Tensor):
+        self.graph, self.output = graph, output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class AcceleratorPlatform(Platform):
+    """A device driven through a ``torch.cuda``-shaped module (``torch.cuda``, ``torch.npu``): its events,
+    streams, pinned asynchronous copies, memory statistics and graphs. A backend names the module and its
+    graph class; the core never imports either."""
+
+    supports_graphs = True
+    pin_memory = True
+    measures_memory = True
+    graph_class_name = "CUDAGraph"  # the module's graph class (``NPUGraph`` on torch.npu)
+
+    def __init__(self, device: torch.device, module: Any):
+        super().__init__(device)
+        self.module = module
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def synchronize(self) -> None:
+        self.module.synchronize(self.device)
+
+    def new_event(self) -> Any:
+        return self.module.Event()
+
+    def to_host(self, tensors):
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                if t is not None else None for t in tensors]
+        event = self.module.Event()
+        event.record()
+        return host, event
+
+    def upload(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.pin_memory().to(self.device, non_blocking=True)
+
+    def peak_memory_of(self, fn: Callable[[], Any]) -> int:
+        mod = self.module
+        mod.synchronize(self.device)
+        mod.reset_peak_memory_stats(self.device)
+        base = mod.memory_allocated(self.device)
+        fn()
+        mod.synchronize(self.device)
+        peak = mod.max_memory_allocated(self.device) - base
+        mod.empty_cache()
+        return peak
+
+    def memory_budget(self, cache_config: CacheConfig, reserved_bytes: int = 0) -> int:
+        mod = self.module
+        total = mod.get_device_properties(self.device).total_memory
+        allocated = mod.memory_allocated(self.device)
+        return int(total * cache_config.gpu_memory_utilization) - allocated - reserved_bytes
+
+    def capture_graphs(self, keys: Sequence[GraphKey], forward: Callable[[GraphKey], torch.Tensor]
+                       ) -> dict[GraphKey, Graph]:
+        """Largest first into one pool; each key runs twice on a side stream first (kernels compile,
+        allocations settle)."""
+        mod = self.module
+        mod.synchronize(self.device)
+        pool, graphs = None, {}
+        side = mod.Stream(self.device)
+        for key in sorted(keys, reverse=True):
+            side.wait_stream(mod.current_stream())
+            with mod.stream(side):
+                for _ in range(2):
+                    forward(key)
+            mod.current_stream().wait_stream(side)
+            graph = getattr(mod, self.graph_class_name)()
+            with mod.graph(graph, pool=pool):
+                output = forward(key)
+            pool = graph.pool()
+            graphs[key] = _CapturedGraph(graph, output)
+        mod.synchronize(self.device)
+        return graphs
+

@@ -10,13 +10,11 @@ arithmetic, not that ACL graph capture of the decode step works on the device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from deepinfer_core.config import CacheConfig
-from deepinfer_core.platform import Graph, Platform
+from deepinfer_core.platform import AcceleratorPlatform
 
 
 def _npu() -> Any:
@@ -26,72 +24,10 @@ def _npu() -> Any:
     return npu
 
 
-class _CapturedGraph:
-    def __init__(self, graph: Any, output: torch.Tensor):
-        self.graph, self.output = graph, output
+class NpuPlatform(AcceleratorPlatform):
+    """The core's accelerator platform over ``torch.npu``: ACL graphs are ``NPUGraph``."""
 
-    def replay(self) -> None:
-        self.graph.replay()
+    graph_class_name = "NPUGraph"
 
-
-class NpuPlatform(Platform):
-    supports_graphs = True
-    pin_memory = True
-    measures_memory = True
-
-    @property
-    def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16
-
-    def synchronize(self) -> None:
-        _npu().synchronize(self.device)
-
-    def new_event(self) -> Any:
-        return _npu().Event()
-
-    def to_host(self, tensors):
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                if t is not None else None for t in tensors]
-        event = _npu().Event()
-        event.record()
-        return host, event
-
-    def upload(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.pin_memory().to(self.device, non_blocking=True)
-
-    def peak_memory_of(self, fn: Callable[[], Any]) -> int:
-        npu = _npu()
-        npu.synchronize(self.device)
-        npu.reset_peak_memory_stats(self.device)
-        base = npu.memory_allocated(self.device)
-        fn()
-        npu.synchronize(self.device)
-        peak = npu.max_memory_allocated(self.device) - base
-        npu.empty_cache()
-        return peak
-
-    def memory_budget(self, cache_config: CacheConfig, reserved_bytes: int = 0) -> int:
-        npu = _npu()
-        total = npu.get_device_properties(self.device).total_memory
-        return int(total * cache_config.gpu_memory_utilization) - npu.memory_allocated(self.device) - reserved_bytes
-
-    def capture_graphs(self, sizes: Sequence[int], forward: Callable[[int], torch.Tensor]) -> dict[int, Graph]:
-        """ACL graphs, largest first into one pool; each size runs twice on a side stream first (kernels
-        compile, allocations settle)."""
-        npu = _npu()
-        npu.synchronize(self.device)
-        pool, graphs = None, {}
-        side = npu.Stream(self.device)
-        for size in sorted(sizes, reverse=True):
-            side.wait_stream(npu.current_stream())
-            with npu.stream(side):
-                for _ in range(2):
-                    forward(size)
-            npu.current_stream().wait_stream(side)
-            graph = npu.NPUGraph()
-            with npu.graph(graph, pool=pool):
-                output = forward(size)
-            pool = graph.pool()
-            graphs[size] = _CapturedGraph(graph, output)
-        npu.synchronize(self.device)
-        return graphs
+    def __init__(self, device: torch.device):
+        super().__init__(device, _npu())
