@@ -7,6 +7,7 @@ engine drives one in-process worker (:class:`UniProcExecutor`) or worker process
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,14 @@ def place_ranks(backend: LoadedBackend, parallel_config: ParallelConfig) -> tupl
     return topology, plan
 
 
-class Executor:
+class Executor(ABC):
     """Interface: ``execute_model`` launches a step on every worker; the result's ``get_output`` waits."""
 
     pool_sizes: PoolSizes
 
+    @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
-        raise NotImplementedError
+        """Launch the step described by ``scheduler_output``."""
 
     def shutdown(self) -> None:
         pass
