@@ -14,7 +14,7 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.processor import InputProcessor, Request, prompt_ids
+from deepinfer_core.engine.processor import InputProcessor, Request
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -23,6 +23,7 @@ from deepinfer_core.model.cache import check_block_size
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.sampling.structured import StructuredOutputManager
 from deepinfer_core.worker.executor import Executor, UniProcExecutor
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
@@ -78,10 +79,6 @@ class _Step:
     sampled: list[Sequence]
     positions: list[int]
     output: AsyncModelRunnerOutput | None  # the samples on their way to the host
-
-
-def _base_seed(seq: Sequence) -> int:
-    return seq.generator.initial_seed() if seq.generator is not None else 0
 
 
 class LLMEngine:
@@ -197,9 +194,6 @@ class LLMEngine:
 
     def encode(self, prompt: str) -> list[int]:
         return self.processor.encode(prompt)
-
-    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
-        return prompt_ids(prompt, self.encode)
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> str:
@@ -327,7 +321,7 @@ class LLMEngine:
             start = seq.num_computed_tokens
             if seq.seq_id not in self._known:
                 self._known.add(seq.seq_id)
-                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, _base_seed(seq)))
+                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, base_seed(seq)))
             sample = start + num_new == len(seq)
             items.append(ScheduledSeq(seq.seq_id, start, seq.token_slice(start, start + num_new), seq.block_table,
                                       seq.window_block_table, seq.state_slot, seq.write_from, seq.pending_restore,

@@ -35,6 +35,12 @@ def prompt_ids(prompt: Any, encode: Any) -> tuple[str | None, list[int]]:
     raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
 
 
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig, tokenizer: Any,
                  structured: StructuredOutputManager, seed: int):
@@ -43,9 +49,7 @@ class InputProcessor:
         self._seed_rng = torch.Generator().manual_seed(seed)
 
     def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return encode_prompt(self.tokenizer, prompt)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         """The request's sequences; raises ValueError when the request is invalid."""

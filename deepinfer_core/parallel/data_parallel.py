@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.engine.processor import encode_prompt, prompt_ids
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
@@ -71,14 +72,7 @@ class DataParallelEngine:
     # --- requests --------------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; pass prompt_token_ids instead")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
-
-    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
-        from deepinfer_core.engine.llm_engine import LLMEngine
-
-        return LLMEngine._prompt_ids(self, prompt)  # the same reading of a prompt (it only calls encode)
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> str:
@@ -87,7 +81,7 @@ class DataParallelEngine:
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_ids(prompt, self.encode)
         rank = min(range(self.num_ranks), key=lambda r: (self.load[r], r))
         self.ranks.call(rank, "add", (request_id, {"prompt": text, "prompt_token_ids": ids}, params))
         room = max(self.scheduler_config.max_model_len - len(ids), 0)

@@ -69,7 +69,8 @@ def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return u.log_().neg_()
 
 
-def _base_seed(seq: Any) -> int:
+def base_seed(seq: Any) -> int:
+    """The seed a sequence's sampling noise is derived from: its ``seed`` or its generator's."""
     seed = getattr(seq, "seed", None)
     if seed is not None:
         return seed
@@ -78,7 +79,7 @@ def _base_seed(seq: Any) -> int:
 
 def sampling_noise(seq: Any, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [V] (float64, on the CPU) for ``seq``'s next output position."""
-    seed = _signed(noise_seed(_base_seed(seq), len(seq.output_token_ids)))
+    seed = _signed(noise_seed(base_seed(seq), len(seq.output_token_ids)))
     return exponential_noise(torch.tensor([seed]), vocab_size)[0]
 
 
@@ -95,11 +96,8 @@ class SamplerOutput:
 
     def to_host(self, platform: Platform | None = None) -> SamplerOutput:
         """Start copying to the host without waiting (the event, if any, says when it is there)."""
-        tensors = [self.sampled_token_ids, self.logprob_token_ids, self.logprobs]
-        if platform is None:
-            host, event = [t.cpu() if t is not None else None for t in tensors], None
-        else:
-            host, event = platform.to_host(tensors)
+        platform = platform or Platform(self.sampled_token_ids.device)
+        host, event = platform.to_host([self.sampled_token_ids, self.logprob_token_ids, self.logprobs])
         return SamplerOutput(*host, ready=event, dead_ends=self.dead_ends)
 
     def tolists(self, seqs: list[Any]) -> tuple[list[int], list[dict[int, float] | None]]:
@@ -176,7 +174,7 @@ class Sampler:
                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sampled tokens, their rows in ``logits``) for the random rows ``rows``; one copy to the device."""
         p = [s.params for s in seqs]
-        ints = torch.tensor([rows, [_signed(noise_seed(_base_seed(s), len(s.output_token_ids))) for s in seqs],
+        ints = torch.tensor([rows, [_signed(noise_seed(base_seed(s), len(s.output_token_ids))) for s in seqs],
                              [x.top_k for x in p]], dtype=torch.int64)
         floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]],
                               dtype=torch.float64)

@@ -34,7 +34,6 @@ class CachedRequestState:
     params: SamplingParams
     seed: int
     output_token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER until a sample reaches the host
-    generator: Any = None
 
 
 class _PendingOutput:
