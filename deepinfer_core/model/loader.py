@@ -49,6 +49,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.fp4 import E8M0_DTYPE, FP4_BLOCK, dequantize_fp4_block, e8m0_from_float, is_power_of_two
 from deepinfer_core.model.fp8 import (
     FP8_BLOCK,
     FP8_DTYPE,
@@ -58,7 +59,6 @@ from deepinfer_core.model.fp8 import (
     scale_shape,
 )
 from deepinfer_core.model.fp8 import dequantize_fp8_block as dequantize_fp8
-from deepinfer_core.model.fp4 import E8M0_DTYPE, FP4_BLOCK, dequantize_fp4_block, e8m0_from_float, is_power_of_two
 from deepinfer_core.model.weights import (
     Attention,
     Block,

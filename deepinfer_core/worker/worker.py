@@ -14,8 +14,8 @@ from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
-from deepinfer_core.parallel.eplb import ExpertLoad
 from deepinfer_core.parallel.ep import dummy_moe_step
+from deepinfer_core.parallel.eplb import ExpertLoad
 from deepinfer_core.parallel.process_group import init_process_group, world_group
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
