@@ -187,7 +187,6 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
     """On a platform with graphs the ModelRunner asks the backend for its graph runner (with the
     platform) and decodes through it; on one without, it never asks."""
     from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
-    from deepinfer_core.sampling.params import SamplingParams
     from deepinfer_core.worker.graph_runner import GraphRunner
 
     asked = []
@@ -228,7 +227,6 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
         assert asked == [((1, 2, 4), "GraphPlatform")]
         assert isinstance(engine.runner.graph_runner, GraphRunner)
         assert _greedy(engine) == eager
-        assert SamplingParams  # imported for _greedy
     finally:
         loaded.pm.unregister(pack)
 
