@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NPU = "npu"
+#: test-only switch: TileLang kernels serve a CPU engine through :mod:`.emulator` (nothing is compiled)
+EMULATE_ENV = "DEEPINFER_ASCEND_EMULATE"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ def assume(env: Environment) -> Iterator[Environment]:
         yield env
     finally:
         _ASSUMED.pop()
+
+
+def emulating() -> bool:
+    """``DEEPINFER_ASCEND_EMULATE=1``: the TileLang kernels run in the CPU emulator, for tests."""
+    return os.environ.get(EMULATE_ENV, "") not in ("", "0")
 
 
 def is_npu(device: Any) -> bool:

@@ -40,6 +40,10 @@ def npu_op_applies(operator: str) -> Callable[[BuildContext], bool]:
 
 def tilelang_verdict(op: str, ctx: BuildContext) -> tuple[bool, str]:
     env = npu.environment()
+    if npu.emulating() and getattr(ctx.device, "type", ctx.device) == "cpu":
+        if ctx.dtype is not None and ctx.dtype not in TILELANG_DTYPES[op]:
+            return False, f"the kernel does not take {ctx.dtype}"
+        return True, ""
     if not npu.is_npu(ctx.device):
         return False, "the engine's device is not an NPU"
     if env.torch_npu is None:
@@ -106,13 +110,14 @@ def register_all(registry: OpRegistry) -> None:
         registry.register(op, fn, priority=TILELANG, predicate=tilelang_applies(op))
 
 
-@functools.cache
 def _names() -> dict[Callable, str]:
     from deepinfer_ascend_950 import npu_ops, tilelang_ops
 
     names = {fn: "native" for fn in native.NATIVE_OPS.values()}
     names.update({fn: f"torch_npu.{operator}" for fn, operator in npu_ops.ALL_OPS.values()})
     names.update({fn: "tilelang" for fn in tilelang_ops.ALL_OPS.values()})
+    if npu.emulating():
+        names.update({fn: "tilelang (emulated on the CPU)" for fn in tilelang_ops.ALL_OPS.values()})
     return names
 
 
@@ -134,7 +139,7 @@ def op_labels(registry: OpRegistry, ctx: BuildContext) -> dict[str, str]:
             out[op] = "none"
             continue
         name = implementation_name(serving[0])
-        if ctx.probe_only and serving[0].fn in kernels and len(serving) > 1:
+        if ctx.probe_only and serving[0].fn in kernels and len(serving) > 1 and not npu.emulating():
             name = f"{name} (if its self-check passes, else {implementation_name(serving[1])})"
         out[op] = name
     return out

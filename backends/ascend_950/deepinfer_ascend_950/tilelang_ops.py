@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_ascend_950 import reference
+from deepinfer_ascend_950 import npu, reference
 
 BLOCK_K = 64
 HEAD_ALIGN = 16
@@ -37,15 +37,24 @@ def cube_cores(index: int = 0) -> int:
         return 32
 
 
-@functools.cache
 def compiled(builder_name: str, **params: Any) -> Any:
+    """The kernel ``builder_name`` built with ``params``, compiled for the NPU once (or, under
+    ``DEEPINFER_ASCEND_EMULATE=1``, wrapped by the CPU emulator)."""
+    return _compiled(builder_name, npu.emulating(), **params)
+
+
+@functools.cache
+def _compiled(builder_name: str, emulate: bool, **params: Any) -> Any:
+    from deepinfer_ascend_950.kernels import builder
+
+    program = builder(builder_name)(**params)
+    if emulate:
+        from deepinfer_ascend_950 import emulator
+
+        return emulator.compile(program)
     import tilelang
 
-    from deepinfer_ascend_950.kernels import hc_sinkhorn, sparse_attention
-
-    builders = {"hc_split_sinkhorn": hc_sinkhorn.hc_split_sinkhorn,
-                "sparse_attention_sinks": sparse_attention.sparse_attention_sinks}
-    return tilelang.compile(builders[builder_name](**params), target="ascend")
+    return tilelang.compile(program, target="ascend")
 
 
 def hc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):

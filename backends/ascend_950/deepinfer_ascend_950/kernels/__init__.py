@@ -2,5 +2,22 @@
 
 Each module builds a ``T.prim_func`` for TileLang's ``ascend`` target (Ascend 950, ``dav-3510``) from
 compile-time parameters. Importing a module here imports ``tilelang``: the backend does so only when a
-kernel is lowered or compiled, never when the plugin is imported.
+kernel is lowered, compiled or emulated, never when the plugin is imported.
 """
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+#: kernel name -> "module:builder" (imported on first use)
+KERNELS = {
+    "hc_split_sinkhorn": "hc_sinkhorn:hc_split_sinkhorn",
+    "sparse_attention_sinks": "sparse_attention:sparse_attention_sinks",
+}
+
+
+def builder(name: str) -> Callable[..., Any]:
+    module, _, fn = KERNELS[name].partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), fn)
