@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class EPLBConfig:
+    """Expert-parallel load balancing (vLLM's names): ``num_redundant_experts`` extra physical expert slots
+    hold replicas; the load of the last ``window_size`` steps is gathered and the experts rearranged every
+    ``step_interval`` steps."""
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False
+
+
+@dataclass
 class ParallelConfig:
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
+    enable_eplb: bool = False
+    eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
+    distributed_executor_backend: str | None = None  # "external_launcher": the ranks were started by torchrun
+
+    def num_physical_experts(self, num_logical: int) -> int:
+        redundant = self.eplb_config.num_redundant_experts if self.enable_eplb else 0
+        return num_logical + redundant

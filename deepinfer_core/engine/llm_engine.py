@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from deepinfer_core.config import CacheConfig, EPLBConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.processor import InputProcessor, Request
 from deepinfer_core.engine.scheduler import Scheduler
@@ -61,14 +61,25 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # shard the routed experts over the data-parallel ranks
     data_parallel_rank: int | None = None  # set in a rank's process: its engine core (no front-end)
     distributed_timeout_s: float = 600.0  # most a rank may take to answer, or a collective may wait
+    enable_eplb: bool = False  # expert-parallel load balancing: redundant experts, rearranged by measured load
+    eplb_config: dict | EPLBConfig | None = None  # window_size, step_interval, num_redundant_experts, ...
+    distributed_executor_backend: str | None = None  # "external_launcher": this process is a rank torchrun started
 
 
 def parallel_config_of(args: EngineArgs) -> ParallelConfig:
     """Expert parallel spans the data-parallel ranks (vLLM's rule, without tensor parallel)."""
+    from deepinfer_core.parallel.eplb_state import eplb_config_of
+
     dp = args.data_parallel_size
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
-    return ParallelConfig(data_parallel_size=dp, expert_parallel_size=dp if args.enable_expert_parallel else 1)
+    ep = dp if args.enable_expert_parallel else 1
+    backend = args.distributed_executor_backend
+    if backend not in (None, "mp", "external_launcher"):
+        raise ValueError(f"distributed_executor_backend must be 'mp' or 'external_launcher', got {backend!r}")
+    return ParallelConfig(data_parallel_size=dp, expert_parallel_size=ep, enable_eplb=bool(args.enable_eplb),
+                          eplb_config=eplb_config_of(args.eplb_config, bool(args.enable_eplb), ep),
+                          distributed_executor_backend=backend)
 
 
 @dataclass

@@ -43,8 +43,9 @@ class DataParallelEngine:
         path = Path(args.model) if args.model is not None else default_model_path()
         self.model_config = cfg = ModelConfig.from_pretrained(path)
         ep = pc.expert_parallel_size
-        if ep > 1 and cfg.n_routed_experts % ep:
-            raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split evenly over {ep} "
+        physical = pc.num_physical_experts(cfg.n_routed_experts)
+        if ep > 1 and physical % ep:
+            raise ValueError(f"{physical} routed experts cannot be split evenly over {ep} "
                              "expert-parallel ranks")
         if not args.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {args.distributed_timeout_s!r}")
@@ -169,6 +170,18 @@ class DataParallelEngine:
         per_rank = self.ranks.call_all(range(self.num_ranks), "expert_load")
         counts = [per_rank[r] for r in range(self.num_ranks) if per_rank[r] is not None]
         return torch.stack(counts).sum(0) if counts else None
+
+    def rearrange_experts(self, load: torch.Tensor | None = None) -> dict[str, Any]:
+        """EPLB now, between steps, on every rank (``load[layer, expert]``; None: the measured window);
+        the statistics of the rearrangement. Raises without EPLB."""
+        if not self.parallel_config.enable_eplb:
+            raise RuntimeError("EPLB is off (enable_eplb=True turns it on)")
+        return self.ranks.call_all(range(self.num_ranks), "rearrange", load)[0]
+
+    def eplb_stats(self) -> list[dict[str, Any]]:
+        """Per rank: EPLB's steps, slot layout and rearrangements so far (empty dicts without EPLB)."""
+        per_rank = self.ranks.call_all(range(self.num_ranks), "eplb_stats")
+        return [per_rank[r] for r in range(self.num_ranks)]
 
     def rank_counters(self) -> list[dict[str, int]]:
         """Per rank: steps taken, of which placeholder steps (nothing scheduled there), and forwards run."""

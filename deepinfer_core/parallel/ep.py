@@ -1,6 +1,8 @@
 """Expert-parallel dispatch and combine over ``torch.distributed.all_to_all_single`` (any backend:
-gloo, NCCL, HCCL). Routed experts are sharded contiguously: rank ``r`` owns experts
-``[r * E / world, (r + 1) * E / world)``.
+gloo, NCCL, HCCL). Physical expert slots are sharded contiguously: rank ``r`` owns slots
+``[r * P / world, (r + 1) * P / world)``; without EPLB a slot is its logical expert, with it the
+dispatcher's :class:`~deepinfer_core.parallel.expert_map.ExpertMap` turns the router's logical ids into
+slots (``layer``, the MoE layer being run, is set by the EPLB recorder just before each dispatch).
 
 Also the model side of expert parallelism: :func:`shard_experts` keeps a rank's own experts and hands the
 model its dispatcher, :func:`dummy_moe_step` joins every MoE layer's collectives with no tokens (a rank
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from deepinfer_core.comm import Communicator
 from deepinfer_core.model.weights import Experts, Linear, records
+from deepinfer_core.parallel.expert_map import ExpertMap
 
 
 @dataclass
@@ -29,6 +32,9 @@ class _Handle:
 
 class AllToAllDispatcher:
     """Each (token, k) pair travels to the rank of its expert and its weighted output comes back."""
+
+    expert_map: ExpertMap | None = None  # EPLB: logical -> physical slots (None: a slot per logical expert)
+    layer: int | None = None  # the main MoE layer being dispatched (None: an MTP layer)
 
     def __init__(self, communicator: Communicator, num_experts: int, hidden_size: int):
         world = communicator.world_size
@@ -51,9 +57,12 @@ class AllToAllDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Handle]:
-        """``(recv_x, recv_local_expert_ids, recv_weights, handle)``: the rows this rank's experts compute."""
+        """``(recv_x, recv_local_slot_ids, recv_weights, handle)``: the rows this rank's experts compute
+        (``topk_ids``: logical experts)."""
         num_tokens, top_k = topk_ids.shape
         flat = topk_ids.reshape(-1)
+        if self.expert_map is not None:
+            flat = self.expert_map.physical(self.layer, flat)
         dest = torch.div(flat, self.experts_per_rank, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=self.world)
@@ -82,25 +91,46 @@ class AllToAllDispatcher:
         return out
 
 
+def attach_expert_map(dispatcher, num_layers: int, num_logical: int) -> ExpertMap:
+    """Give ``dispatcher`` (over ``dispatcher.num_experts`` physical slots) the initial EPLB slot map."""
+    if not hasattr(dispatcher, "expert_map"):
+        raise ValueError(f"{type(dispatcher).__name__} cannot map logical experts to physical slots, which "
+                         "EPLB needs")
+    dispatcher.expert_map = ExpertMap.create(num_layers, num_logical, dispatcher.num_experts, dispatcher.world)
+    return dispatcher.expert_map
+
+
 def shard_experts(model, dispatcher) -> None:
     """Keep only ``dispatcher.local_experts`` of every routed-expert stack of ``model`` (main layers and
     MTP blocks) and let its MoE layers dispatch through ``dispatcher``.
 
     The stacks are sliced after a full load (the other experts' memory is released, the peak is the
     whole model's); loading only the local experts is the loader's part."""
-    local = dispatcher.local_experts
+    place_experts(model, list(dispatcher.local_experts), dispatcher.num_experts)
+    model.ep = dispatcher
+
+
+def place_experts(model, rows: list[int], expected: int) -> None:
+    """Re-stack every routed-expert stack of ``model`` (main layers and MTP blocks) as ``stack[rows]``:
+    a rank's physical slots out of the experts it loaded (``expected`` of them in every stack)."""
     w = model.weights
+    index = torch.tensor(rows, dtype=torch.long)
     for ex in records([*w.layers, *w.mtp], leaves=(Experts,)):
         if not isinstance(ex, Experts):
             continue
-        if ex.w13.weight.shape[0] != dispatcher.num_experts:
+        if ex.w13.weight.shape[0] != expected:
             raise ValueError(f"an expert stack holds {ex.w13.weight.shape[0]} experts, the dispatcher "
-                             f"shards {dispatcher.num_experts}")
+                             f"shards {expected}")
         for name in ("w13", "w2"):
             lin: Linear = getattr(ex, name)
-            scale = None if lin.scale is None else lin.scale[local.start:local.stop].clone()
-            setattr(ex, name, replace(lin, weight=lin.weight[local.start:local.stop].clone(), scale=scale))
-    model.ep = dispatcher
+            scale = None if lin.scale is None else take_rows(lin.scale, index)
+            setattr(ex, name, replace(lin, weight=take_rows(lin.weight, index), scale=scale))
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` along the first dim, through a byte view (FP8/FP4 dtypes have no indexing kernels)."""
+    rows = t.contiguous().view(t.shape[0], -1).view(torch.uint8)
+    return rows[index.to(t.device)].view(t.dtype).view(len(index), *t.shape[1:])
 
 
 @torch.inference_mode()

@@ -1,8 +1,8 @@
-"""Expert-parallel load balancing (EPLB), first part: the load of every logical expert, counted on the
-device during the forward (a scatter-add per MoE layer, no host sync, so it can live inside graphs).
+"""Expert-parallel load balancing (EPLB): the load of every logical expert, counted on the device during
+the forward (a scatter-add per MoE layer, no host sync, so it can live inside graphs).
 
-Still to come: redundant experts, DeepSeek's rearrangement algorithm, and moving expert weights between
-ranks between steps."""
+The rest of EPLB: the slot map (:mod:`.expert_map`), DeepSeek's policy (:mod:`.eplb_policy`), moving
+weights (:mod:`.eplb_transfer`) and the periodic rearrangement (:mod:`.eplb_state`)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,28 @@ class ExpertLoad:
         counts = self.counts.to("cpu", copy=True)
         self.counts.zero_()
         return counts
+
+
+class EplbRecorder(ExpertLoad):
+    """ExpertLoad that also keeps this step's counts for the EPLB window (``step_counts``) and tells the
+    dispatcher which main MoE layer it is about to dispatch (the model records a layer's routing just
+    before its dispatch), so the dispatcher maps the layer's logical ids through that layer's slots."""
+
+    def __init__(self, moe_records: list[Any], num_experts: int, device: torch.device | str, dispatcher: Any):
+        super().__init__(moe_records, num_experts, device)
+        self.dispatcher = dispatcher
+        self.step_counts = torch.zeros_like(self.counts)
+
+    @classmethod
+    def for_model(cls, model: Any, dispatcher: Any = None) -> EplbRecorder:
+        return cls([block.moe for block in model.weights.layers], model.cfg.n_routed_experts, model.device,
+                   dispatcher)
+
+    def record(self, moe: Any, topk_ids: torch.Tensor) -> None:
+        layer = self._layer_of.get(id(moe))
+        self.dispatcher.layer = layer
+        if layer is not None:
+            flat = topk_ids.reshape(-1)
+            ones = torch.ones_like(flat)
+            self.counts[layer].index_add_(0, flat, ones)
+            self.step_counts[layer].index_add_(0, flat, ones)

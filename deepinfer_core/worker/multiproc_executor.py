@@ -4,7 +4,8 @@ driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_paral
 
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
-``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``stop``. A rank whose step scheduled nothing runs a
+``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``rearrange``, ``eplb_stats``,
+``stop``. A rank whose step scheduled nothing runs a
 placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
 always meet in the same collectives.
 
@@ -94,7 +95,18 @@ class _RankCore:
         if self.executor.num_launched == launched:
             self.num_placeholder_steps += 1
             self.executor.execute_dummy()
+        self.executor.driver_worker.eplb_step()
         return outputs, self.engine.has_unfinished_requests(), self.engine.prefix_cache_stats()
+
+    def rearrange(self, load: torch.Tensor | None) -> dict[str, Any]:
+        state = self.executor.driver_worker.eplb_state
+        if state is None:
+            raise RuntimeError("EPLB is off (enable_eplb=True turns it on)")
+        return state.rearrange(load)
+
+    def eplb_stats(self, _: Any) -> dict[str, Any]:
+        state = self.executor.driver_worker.eplb_state
+        return {} if state is None else state.summary()
 
     def expert_load(self, _: Any) -> torch.Tensor | None:
         load = self.executor.driver_worker.model.expert_load

@@ -14,8 +14,9 @@ from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
-from deepinfer_core.parallel.ep import dummy_moe_step
-from deepinfer_core.parallel.eplb import ExpertLoad
+from deepinfer_core.parallel.ep import attach_expert_map, dummy_moe_step, place_experts
+from deepinfer_core.parallel.eplb import EplbRecorder, ExpertLoad
+from deepinfer_core.parallel.eplb_state import EplbState
 from deepinfer_core.parallel.process_group import init_process_group, world_group
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
@@ -46,23 +47,39 @@ class Worker:
                            getattr(self.args, "distributed_timeout_s", 600.0))
         self.communicator = hook.deepinfer_make_communicator(group=world_group(), device=self.device)
         self.ep_dispatcher = None
-        if self.parallel_config.expert_parallel_size > 1:
+        self.eplb_state: EplbState | None = None
+        if pc.expert_parallel_size > 1:
             cfg = self.model_config
             self.ep_dispatcher = hook.deepinfer_make_ep_dispatcher(
-                communicator=self.communicator, num_experts=cfg.n_routed_experts, hidden_size=cfg.hidden_size)
+                communicator=self.communicator, num_experts=pc.num_physical_experts(cfg.n_routed_experts),
+                hidden_size=cfg.hidden_size)
+            if pc.enable_eplb:
+                attach_expert_map(self.ep_dispatcher, cfg.num_hidden_layers, cfg.n_routed_experts)
         self.dtype = resolve_dtype(self.args.dtype, self.platform.default_dtype)
         if self.dtype == torch.float64 and self.device.type != "cpu":
             raise ValueError("float64 is for golden runs on the CPU reference backend only")
 
     def load_model(self) -> None:
-        args = self.args
-        local = self.ep_dispatcher.local_experts if self.ep_dispatcher is not None else None
+        args, disp = self.args, self.ep_dispatcher
+        emap = getattr(disp, "expert_map", None)
+        slots = None if emap is None else emap.local_logical(self.rank)
+        local = range(min(slots), max(slots) + 1) if slots else (disp.local_experts if disp is not None else None)
         self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
                                 batch_invariant=self.batch_invariant, quantization=args.quantization,
                                 numerics=getattr(args, "numerics", None), experts=local)
-        if self.ep_dispatcher is not None:  # this rank read only its own routed experts
-            self.model.ep = self.ep_dispatcher
+        if disp is None:
+            return
+        self.model.ep = disp  # this rank read only (the span of) its own routed experts
+        if emap is None:
             self.model.expert_load = ExpertLoad.for_model(self.model)  # counted on the device
+            return
+        place_experts(self.model, [e - local.start for e in slots], len(local))  # one stack row per slot
+        self.model.expert_load = EplbRecorder.for_model(self.model, disp)
+        self.eplb_state = EplbState(self.model, disp, self.parallel_config.eplb_config)
+
+    def eplb_step(self) -> dict | None:
+        """After every step of every rank: EPLB's window, and its rearrangement when one is due."""
+        return None if self.eplb_state is None else self.eplb_state.step()
 
     def initialize_cache(self) -> PoolSizes:
         """Size the pools from the platform's budget (after a profiling forward where it measures memory),
