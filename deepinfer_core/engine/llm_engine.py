@@ -98,6 +98,10 @@ class LLMEngine:
         runs an LLMEngine in every rank's process."""
         if cls is LLMEngine and args is not None and args.data_parallel_rank is None and (
                 parallel_config_of(args).data_parallel_size > 1):
+            if args.distributed_executor_backend == "external_launcher":
+                from deepinfer_core.parallel.external_launcher import ExternalLauncherEngine
+
+                return ExternalLauncherEngine(args)
             from deepinfer_core.parallel.data_parallel import DataParallelEngine
 
             return DataParallelEngine(args)

@@ -7,6 +7,7 @@ engine drives one in-process worker (:class:`UniProcExecutor`) or worker process
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,11 @@ class UniProcExecutor(Executor):
         self.parallel_config = parallel_config
         self.topology, self.plan = place_ranks(backend, parallel_config)
         rank = getattr(args, "data_parallel_rank", None) or 0
+        local_rank = self.plan.device_of_rank.get(rank, 0)
+        if parallel_config.distributed_executor_backend == "external_launcher":
+            local_rank = int(os.environ.get("LOCAL_RANK", local_rank))  # torchrun placed this rank
         self.driver_worker = Worker(args, backend, model_config, path, scheduler_config, cache_config,
-                                    parallel_config, rank=rank, local_rank=self.plan.device_of_rank.get(rank, 0),
+                                    parallel_config, rank=rank, local_rank=local_rank,
                                     batch_invariant=batch_invariant)
         worker = self.driver_worker
         worker.init_device()
