@@ -262,6 +262,7 @@ def test_fake_npu_context_picks_torch_npu_and_tilelang(monkeypatch, tmp_path):
     ctx = BuildContext(backend="ascend_950", device=NPU_DEVICE, dtype=torch.bfloat16, probe_only=True)
     want = dict(native.NATIVE_OPS, rms_norm=npu_ops.rms_norm, rotary_emb=npu_ops.rotary_emb, swiglu=npu_ops.swiglu,
                 sparse_attention=tilelang_ops.sparse_attention, hc_pre=tilelang_ops.hc_pre)
+    want.update(tilelang_ops.ALL_OPS)  # every TileLang kernel serves bf16 on an NPU
     assert chosen(registry(), ctx) == want
     labels = registration.op_labels(registry(), ctx)
     assert labels["rms_norm"] == "torch_npu.npu_rms_norm" and labels["linear"] == "native"
@@ -295,7 +296,7 @@ def test_fake_npu_context_kernel_dtypes_and_self_check(monkeypatch, tmp_path):
     build = BuildContext(backend="ascend_950", device=NPU_DEVICE, dtype=torch.bfloat16)
     got = chosen(registry(), build)
     assert got["sparse_attention"] is native.sparse_attention and got["hc_pre"] is native.hc_pre
-    assert {c[0] for c in calls} == {"sparse_attention", "hc_pre"}
+    assert {c[0] for c in calls} == {"sparse_attention", "hc_pre"} | set(tilelang_ops.ALL_OPS)
 
 
 def test_dry_run_shows_both_plans(capsys):

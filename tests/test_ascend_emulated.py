@@ -161,3 +161,10 @@ def test_emulator_drops_stores_past_the_end_and_reads_garbage_there():
     emulator.compile(hc_split_sinkhorn(hc=4, sinkhorn_iters=3, eps=1e-6, token_block=4))(
         mixes, scale, base, pre, post, comb)
     assert torch.isfinite(comb).all() and torch.isfinite(pre).all()
+
+
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_engine_build_self_check_passes_on_the_emulated_kernels(emulated, op):
+    """The one-off check an engine build runs on the device (kernel vs native body), run here."""
+    registration.self_check.cache_clear()
+    assert registration.self_check(op, "cpu", registration.TILELANG_DTYPES[op][0]) == (True, "")

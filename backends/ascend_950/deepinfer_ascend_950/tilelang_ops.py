@@ -6,9 +6,13 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
 - ``sparse_attention``: the selected rows gathered by torch on the NPU (window then extra, ``-1`` slots as
   zero rows), padded to whole blocks, attention with sinks in :mod:`.kernels.sparse_attention`; heads are
   padded to 16 and tokens processed in chunks so the gathered rows stay under :data:`GATHER_BUDGET`.
+- ``compress_windows``: all of it in :mod:`.kernels.compress_windows`.
+- ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
+  :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
 
-These paths run only on an Ascend 950; here they are covered by the lowering tests and by the CPU mirrors
-of :mod:`.reference`.
+A call the kernels do not take (a dtype or width outside theirs, no rows) goes to the native body. These
+paths run only on an Ascend 950; here the kernels run in :mod:`.emulator`
+(``DEEPINFER_ASCEND_EMULATE=1``) and are lowered to AscendC by the tests.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from typing import Any
 import torch
 
 from deepinfer_ascend_950 import npu, reference
+from deepinfer_core.ops import native
 
 BLOCK_K = 64
 HEAD_ALIGN = 16
 GATHER_BUDGET = 256 << 20  # bytes of gathered rows per kernel call
-KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # the Cube's inputs
+VECTOR_DTYPES = {**KERNEL_DTYPES, torch.float32: "float32"}
 
 
 @functools.cache
@@ -96,4 +102,40 @@ def sparse_attention(q, kv, indices, sinks, scale: float, extra_kv=None, extra_i
     return out[:, :h]
 
 
-ALL_OPS = {"hc_pre": hc_pre, "sparse_attention": sparse_attention}
+def compress_windows(kv, gate):
+    w, length, d = kv.shape
+    if w == 0 or kv.dtype not in VECTOR_DTYPES or gate.dtype not in VECTOR_DTYPES or d % min(64, d) or d % 8:
+        return native.compress_windows(kv, gate)
+    out = torch.empty(w, d, dtype=kv.dtype, device=kv.device)
+    kernel = compiled("compress_windows", window=length, dim=d, kv_dtype=VECTOR_DTYPES[kv.dtype],
+                      gate_dtype=VECTOR_DTYPES[gate.dtype])
+    kernel(kv.contiguous(), gate.contiguous(), out)
+    return out
+
+
+def indexer_topk(q, weights, keys, candidates, topk: int, scale: float):
+    t, h, d = q.shape
+    if t == 0 or q.dtype not in KERNEL_DTYPES or d % 16:
+        return native.indexer_topk(q, weights, keys, candidates, topk, scale)
+    heads = -(-h // HEAD_ALIGN) * HEAD_ALIGN
+    w = weights.to(torch.float32) * scale
+    if heads != h:  # padded heads: zero queries and zero weights add nothing
+        q = torch.cat([q, q.new_zeros(t, heads - h, d)], dim=1)
+        w = torch.cat([w, w.new_zeros(t, heads - h)], dim=1)
+    width = max(BLOCK_K, -(-candidates.shape[-1] // BLOCK_K) * BLOCK_K)
+    scores = torch.empty(t, width, dtype=torch.float32, device=q.device)
+    kernel = compiled("indexer_scores", heads=heads, dim=d, block_c=BLOCK_K,
+                      num_cores=cube_cores(q.device.index or 0), dtype=KERNEL_DTYPES[q.dtype])
+    step = max(1, GATHER_BUDGET // max(1, width * d * q.element_size()))
+    for start in range(0, t, step):
+        stop = min(t, start + step)
+        rows, sel = reference.gather_selected(keys, candidates[start:stop])
+        rows, sel = reference.pad_to_blocks(rows.to(q.dtype), sel, BLOCK_K)
+        kernel(q[start:stop].contiguous(), rows.contiguous(), sel.to(torch.int32).contiguous(),
+               w[start:stop].contiguous(), scores[start:stop])
+    scores = scores[:, : candidates.shape[-1]]
+    return native.select_topk(scores, candidates >= 0, candidates, topk)
+
+
+ALL_OPS = {"hc_pre": hc_pre, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
+           "indexer_topk": indexer_topk}

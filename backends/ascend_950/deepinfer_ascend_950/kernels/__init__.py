@@ -15,6 +15,8 @@ from typing import Any
 KERNELS = {
     "hc_split_sinkhorn": "hc_sinkhorn:hc_split_sinkhorn",
     "sparse_attention_sinks": "sparse_attention:sparse_attention_sinks",
+    "compress_windows": "compress_windows:compress_windows",
+    "indexer_scores": "indexer_scores:indexer_scores",
 }
 
 

@@ -1,0 +1,116 @@
+"""The ascend_950 backend's newer TileLang kernels lower to AscendC for ``dav-3510`` (no CANN, no NPU).
+
+Each kernel goes through TileLang's ``ascend`` pass pipeline and AscendC code generation at a tiny shape
+and at DeepSeek-V4-Flash's; the tests check the lowered program's structure (the cores it runs on, the
+copies between GM, L1, L0C and the Unified Buffer, the cross-core handshakes and pipe flags TileLang
+inserted, the Cube GEMM shapes) and its on-chip footprint against the Ascend 950 capacities of
+``deepinfer_ascend_950.limits``. Whether bisheng accepts the source and the chip computes the right
+numbers is not checkable here (the numbers are checked through the emulator, ``test_ascend_emulated``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("tilelang", reason="TileLang (with its Ascend backend) is not installed")
+
+from deepinfer_ascend_950 import lowering  # noqa: E402
+from deepinfer_ascend_950.kernels import builder  # noqa: E402
+
+#: (kernel, shape name) -> builder parameters; V4-Flash: CSA windows of 8 and HCA of 128 over head_dim
+#: 512, the indexer's own compressor at 128; the indexer 64 heads x 128
+SHAPES = {
+    ("compress_windows", "tiny"): dict(window=8, dim=32, kv_dtype="bfloat16", gate_dtype="float32"),
+    ("compress_windows", "v4_flash_csa"): dict(window=8, dim=512, kv_dtype="bfloat16", gate_dtype="float32"),
+    ("compress_windows", "v4_flash_hca"): dict(window=128, dim=512, kv_dtype="bfloat16", gate_dtype="float32"),
+    ("compress_windows", "v4_flash_index"): dict(window=8, dim=128, kv_dtype="bfloat16", gate_dtype="float32"),
+    ("indexer_scores", "tiny"): dict(heads=16, dim=16),
+    ("indexer_scores", "v4_flash"): dict(heads=64, dim=128),
+}
+#: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
+GEMMS = {
+    "compress_windows": None,
+    "indexer_scores": lambda kw: {(kw["heads"], kw["dim"], 64)},
+}
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    cache = {}
+
+    def get(kernel, shape):
+        if (kernel, shape) not in cache:
+            cache[(kernel, shape)] = lowering.lower(builder(kernel)(**SHAPES[(kernel, shape)]))
+        return cache[(kernel, shape)]
+
+    return get
+
+
+IDS = [f"{k}-{s}" for k, s in SHAPES]
+
+
+@pytest.mark.parametrize("kernel,shape", list(SHAPES), ids=IDS)
+def test_kernel_lowers_with_the_expected_structure(lowered, kernel, shape):
+    lo, kw = lowered(kernel, shape), SHAPES[(kernel, shape)]
+    src = lo.source
+    gemms = GEMMS[kernel]
+    assert re.search(rf'extern "C" __global__ (__vector__|__mix__\(1, 2\)) void {kernel}_kernel_kernel\(', src)
+    assert "asc_copy_gm2ub_align" in src and "asc_copy_ub2gm_align" in src and "asc_vf_call<" in src
+    assert "asc_sync_wait(PIPE_MTE2, PIPE_V" in src and "asc_sync_wait(PIPE_V, PIPE_MTE3" in src
+    if gemms is None:
+        assert "__vector__" in src and "ASC_IS_AIC" not in src and "ascend_gemm" not in src
+        assert set(lo.buffers) == {"UB"}
+        return
+    assert "__mix__(1, 2)" in src
+    aic, aiv = src.index("if ASC_IS_AIC"), src.index("if ASC_IS_AIV")
+    cube, vector = src[aic:aiv], src[aiv:]
+    assert {(g.m, g.k, g.n) for g in lo.gemms} == gemms(kw)
+    assert "asc_copy_gm2l1_nd2nz" in cube and "asc_copy_l0c2ub" in cube
+    assert "asc_sync_intra_arrive(PIPE_FIX" in cube and "asc_sync_intra_wait(PIPE_V" in vector
+    assert "asc_sync_wait(PIPE_M, PIPE_FIX" in cube and "asc_sync_wait(PIPE_MTE2, PIPE_MTE1" in cube
+    assert {"UB", "L1", "L0C"} <= set(lo.buffers)
+
+
+def test_compressor_reduces_over_the_window_in_one_simt_function(lowered):
+    src = lowered("compress_windows", "v4_flash_hca").source
+    simt = src[: src.index("__global__")]
+    assert simt.count("__simt_vf__") == 1  # softmax and weighted sum in one region, no UB round trips
+    assert "tl::AscendAllReduce<tl::MaxOp" in simt and simt.count("tl::AscendAllReduce<tl::SumOp") == 2
+    assert "expf(" in simt
+
+
+def test_indexer_splits_the_scores_by_candidates_between_the_vector_cores(lowered):
+    src = lowered("indexer_scores", "v4_flash").source
+    assert "static_cast<asc_dual_dst_mode>(2)" in src  # N-split: each AIV all heads, half the candidates
+    loops = re.findall(r"for \(int32_t \w+ = 0; \w+ < \(\(width \+ 63\)", src)
+    assert len(loops) == 2 and "int32_t width" in src  # the candidate blocks on both sides, width dynamic
+
+
+@pytest.mark.parametrize("kernel,shape", list(SHAPES), ids=IDS)
+def test_footprint_fits_the_ascend_950(lowered, kernel, shape):
+    lo = lowered(kernel, shape)
+    assert lo.over_limits() == {}, lo.usage()
+
+
+def test_v4_flash_footprint_figures(lowered):
+    """Pinned so that a change of tiling or of TileLang is noticed."""
+    assert lowered("compress_windows", "v4_flash_hca").usage() == {"UB": 50048}
+    assert lowered("indexer_scores", "v4_flash").usage() == {
+        "L1": 32768, "UB": 8960, "L0C": 16384, "L0A": 32768, "L0B": 32768}
+
+
+@pytest.mark.parametrize("kernel", sorted({k for k, _ in SHAPES}))
+def test_compile_hands_the_source_to_bisheng_for_dav_3510(kernel):
+    kw = SHAPES[(kernel, "tiny")]
+    code, kwargs = lowering.capture_compile(builder(kernel)(**kw))
+    assert code == lowering.lower(builder(kernel)(**kw)).source
+    assert kwargs["npu_arch"] == "dav-3510"
+
+
+def test_kernels_check_their_parameters():
+    with pytest.raises(ValueError, match="multiple of block_d"):
+        builder("compress_windows")(window=8, dim=100)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        builder("indexer_scores")(heads=8, dim=128)
