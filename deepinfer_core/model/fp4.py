@@ -42,10 +42,15 @@ def is_power_of_two(scale: torch.Tensor) -> bool:
     return bool(torch.isfinite(s).all() and (s > 0).all() and torch.equal(torch.exp2(torch.floor(torch.log2(s))), s))
 
 
+def _ieee_div(x: torch.Tensor, d: float) -> torch.Tensor:
+    """``x / d`` rounded once (CUDA multiplies by the reciprocal of a host scalar instead)."""
+    return x / x.new_full((), d)
+
+
 def pow2_scale(amax: torch.Tensor, qmax: float, eps: float) -> torch.Tensor:
     """``2**ceil(log2(max(amax, eps) / qmax))`` in float32: the smallest power of two that fits amax
     (from the float's exponent bits, exact and identical on every row and device)."""
-    mantissa, exponent = torch.frexp(amax.float().clamp(min=eps) / qmax)  # v = m * 2^e, m in [0.5, 1)
+    mantissa, exponent = torch.frexp(_ieee_div(amax.float().clamp(min=eps), qmax))  # v = m * 2^e, m in [0.5, 1)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
     return torch.ldexp(torch.ones_like(mantissa), exponent)
 

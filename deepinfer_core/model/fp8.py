@@ -47,6 +47,12 @@ def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _block_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, AMAX_EPS) / 448``, an IEEE division on every device (CUDA turns division by a host
+    scalar into multiplication by its reciprocal, one bit off)."""
+    return amax.clamp(min=AMAX_EPS) / amax.new_full((), FP8_MAX)
+
+
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, ue8m0: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight [..., N, K] -> (E4M3 [..., N, K], float32 scales [..., ceil(N/block), ceil(K/block)]);
@@ -56,7 +62,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, ue8m0: bool = Fa
     padded = torch.zeros((*lead, rows * block, cols * block), dtype=torch.float32, device=w.device)
     padded[..., :n, :k] = w
     tiles = padded.view(*lead, rows, block, cols, block)
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=AMAX_EPS) / FP8_MAX
+    scale = _block_scale(tiles.abs().amax(dim=(-3, -1)))
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = _round_e4m3(tiles / scale.unsqueeze(-1).unsqueeze(-3)).view(*lead, rows * block, cols * block)
@@ -78,7 +84,7 @@ def quantize_act_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Ten
     padded = torch.zeros((*x.shape[:-1], groups * block), dtype=torch.float32, device=x.device)
     padded[..., :k] = x
     grouped = padded.view(*x.shape[:-1], groups, block)
-    scale = grouped.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX
+    scale = _block_scale(grouped.abs().amax(dim=-1))
     q = _round_e4m3(grouped / scale.unsqueeze(-1)).view(*x.shape[:-1], groups * block)
     return q[..., :k].contiguous(), scale
 

@@ -26,8 +26,10 @@ def round_e4m3(x):
     # normal range: drop 20 of float32's 23 mantissa bits, rounding to nearest even (a carry may bump the
     # exponent, as it should)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    # below 2^-6 E4M3 is subnormal, in steps of 2^-9: adding 1.5 * 2^14 leaves exactly that step
-    subnormal = (x + 24576.0) - 24576.0
+    # below 2^-6 E4M3 is subnormal, in steps of 2^-9: adding 1.5 * 2^14 leaves exactly that step; on the
+    # magnitude, so that a negative value rounding to zero stays -0 as torch's cast keeps it
+    subnormal = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(x < 0, -subnormal, subnormal)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 

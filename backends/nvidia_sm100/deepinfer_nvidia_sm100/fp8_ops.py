@@ -29,12 +29,19 @@ def _k():
 
 
 @functools.cache
-def _fp8_dot(device: torch.device) -> bool:
+def _fp8_tensor_cores(device: torch.device) -> bool:
     """Tensor-core E4M3 dots need a compiled kernel on compute capability 8.9+ (not the interpreter)."""
     from deepinfer_nvidia_sm100.capability import device_capability, interpreting
 
     cap = device_capability(device)
     return not interpreting() and cap is not None and cap >= (8, 9)
+
+
+def _fp8_dot(x: torch.Tensor) -> bool:
+    """E4M3 tensor-core dots for bf16/fp16 models; float32 models multiply the same exact E4M3 values in
+    float32: on an H200 the E4M3 dots of 64- and 128-row tiles missed float32's tolerance (errors up to
+    4e-3 at V4-Flash shapes), as Hopper's FP8 MMA accumulates in fewer bits than float32."""
+    return x.dtype != torch.float32 and _fp8_tensor_cores(x.device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,7 +94,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     _k().linear_fp8_kernel[(_cdiv(m, block_m), _cdiv(n, block_n), split)](
         xq, xq.stride(0), xs, xs.stride(0), weight, weight.stride(0), weight_scale, weight_scale.stride(0),
         out, out.stride(0), out.stride(1), m, n, k, per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, FP8_DOT=_fp8_dot(x.device), num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, FP8_DOT=_fp8_dot(x), num_warps=warps,
     )
     result = out[0] if split == 1 else out.sum(0).to(x.dtype)
     return result.view(*x.shape[:-1], n)
@@ -114,7 +121,7 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     hs = torch.empty((rows, _cdiv(inter, GROUP)), dtype=torch.float32, device=x.device)
     out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    fp8_dot, kern = _fp8_dot(x.device), _k()
+    fp8_dot, kern = _fp8_dot(x), _k()
     kern.moe_fp8_gate_up_kernel[(rows // block_m, _cdiv(inter, GROUP))](
         xq, xq.stride(0), xs, xs.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         sorted_pairs, block_expert, hq, hq.stride(0), hs, hs.stride(0),
