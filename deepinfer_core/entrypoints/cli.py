@@ -54,6 +54,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         run="deepinfer_core.entrypoints.cli_bench:run_bench",
         add_arguments="deepinfer_core.entrypoints.cli_bench:add_bench_arguments",
     ),
+    "plan": Subcommand(
+        "predict each rank's weight and KV memory for a parallel layout, before loading anything",
+        run="deepinfer_core.entrypoints.cli_plan:run_plan",
+        add_arguments="deepinfer_core.entrypoints.cli_plan:add_plan_arguments",
+    ),
     "serve": Subcommand(
         "serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)",
         run="deepinfer_core.entrypoints.openai.api_server:run_serve",

@@ -60,6 +60,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "cache (default: 1)")
     group.add_argument("--enable-expert-parallel", action="store_true",
                        help="shard the routed experts over the data-parallel ranks")
+    group.add_argument("--enable-eplb", action="store_true",
+                       help="expert-parallel load balancing: replicate and move experts by measured load")
+    group.add_argument("--num-redundant-experts", type=int, default=None, metavar="N",
+                       help="EPLB: physical expert slots beyond the logical experts (default: 0)")
 
 
 _POSITIVE_ENGINE_INTS = (
@@ -88,6 +92,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["allow_reference_fallback"] = True
     if args.enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
+    if args.enable_eplb:
+        kwargs["enable_eplb"] = True
+    if args.num_redundant_experts is not None:
+        if args.num_redundant_experts < 0:
+            raise UsageError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
+        kwargs["eplb_config"] = {"num_redundant_experts": args.num_redundant_experts}
     return kwargs
 
 

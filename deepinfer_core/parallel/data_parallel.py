@@ -183,6 +183,11 @@ class DataParallelEngine:
         per_rank = self.ranks.call_all(range(self.num_ranks), "eplb_stats")
         return [per_rank[r] for r in range(self.num_ranks)]
 
+    def rank_memory(self) -> list[dict[str, int]]:
+        """Per rank: the bytes its weights (routed experts apart) and its cache tensors take."""
+        per_rank = self.ranks.call_all(range(self.num_ranks), "memory")
+        return [per_rank[r] for r in range(self.num_ranks)]
+
     def rank_counters(self) -> list[dict[str, int]]:
         """Per rank: steps taken, of which placeholder steps (nothing scheduled there), and forwards run."""
         per_rank = self.ranks.call_all(range(self.num_ranks), "counters")

@@ -4,7 +4,7 @@ driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_paral
 
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
-``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``rearrange``, ``eplb_stats``,
+``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``rearrange``, ``eplb_stats``, ``memory``,
 ``stop``. A rank whose step scheduled nothing runs a
 placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
 always meet in the same collectives.
@@ -103,6 +103,12 @@ class _RankCore:
         if state is None:
             raise RuntimeError("EPLB is off (enable_eplb=True turns it on)")
         return state.rearrange(load)
+
+    def memory(self, _: Any) -> dict[str, int]:
+        from deepinfer_core.parallel.memory_plan import measured_memory
+
+        worker = self.executor.driver_worker
+        return measured_memory(worker.model, worker.cache)
 
     def eplb_stats(self, _: Any) -> dict[str, Any]:
         state = self.executor.driver_worker.eplb_state

@@ -1,0 +1,52 @@
+"""Per-rank memory: what ``deepinfer plan`` predicts for a parallel layout is what every rank allocates
+(weight bytes, routed-expert bytes, KV pool bytes), for one process and for two expert-parallel ranks
+with redundant EPLB slots (each rank then holds 4 of the 8 physical slots of the 6 experts)."""
+
+from __future__ import annotations
+
+import json
+
+import engine_fixtures
+import pytest
+
+from deepinfer_core.engine.llm_engine import EngineArgs
+from deepinfer_core.entrypoints.cli import main
+from deepinfer_core.entrypoints.llm import LLM
+from deepinfer_core.parallel.memory_plan import measured_memory, plan_memory
+
+one_torch_thread = engine_fixtures.one_torch_thread
+
+KW = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, kv_cache_bytes=64 << 20)
+EP = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+          eplb_config={"num_redundant_experts": 2})
+
+
+def _predicted(ranks) -> list[dict[str, int]]:
+    return [{k: r.as_dict()[k] for k in ("weight_bytes", "expert_bytes", "kv_bytes")} for r in ranks]
+
+
+def test_one_process_allocates_what_the_plan_says():
+    engine = LLM(**KW).llm_engine
+    assert [measured_memory(engine.model, engine.cache)] == _predicted(plan_memory(EngineArgs(**KW)))
+
+
+def test_expert_parallel_ranks_allocate_what_the_plan_says(capsys):
+    plan = plan_memory(EngineArgs(**KW, **EP))
+    whole = plan_memory(EngineArgs(**KW))[0]
+    assert [r.expert_slots for r in plan] == [4, 4]
+    assert plan[0].expert_bytes * 6 == whole.expert_bytes * 4  # 4 of 6 experts' worth per rank
+    assert plan[0].weight_bytes - plan[0].expert_bytes == whole.weight_bytes - whole.expert_bytes
+    llm = LLM(**KW, **EP, distributed_timeout_s=120)
+    try:
+        assert llm.llm_engine.rank_memory() == _predicted(plan)
+    finally:
+        llm.llm_engine.shutdown()
+    assert main(["plan", "--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+                 "--kv-cache-bytes", str(64 << 20), "-dp", "2", "--enable-expert-parallel", "--enable-eplb",
+                 "--num-redundant-experts", "2", "--json"]) == 0
+    assert [r for r in json.loads(capsys.readouterr().out)] == [r.as_dict() for r in plan]
+
+
+def test_plan_refuses_what_it_cannot_predict():
+    with pytest.raises(ValueError, match="float weights"):
+        plan_memory(EngineArgs(**KW, quantization="fp8"))
