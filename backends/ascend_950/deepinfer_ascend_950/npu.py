@@ -51,7 +51,7 @@ def _tilelang_installed() -> bool:
 
 
 #: torch_npu fused operators the backend has adapters for
-FUSED_OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
+FUSED_OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_moe_gating_top_k", "npu_grouped_matmul")
 
 
 @functools.cache
