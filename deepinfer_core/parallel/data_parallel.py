@@ -3,8 +3,9 @@
 Each rank is a process of its own (:mod:`deepinfer_core.worker.multiproc_executor`) that runs a whole
 engine core: an :class:`~deepinfer_core.engine.llm_engine.LLMEngine` with its scheduler, block manager,
 KV pools and state slots, and the model (with expert parallel, only its own routed experts). The
-front-end, in the caller's process, holds no model: it tokenizes, assigns each request to the rank with
-the least outstanding tokens, and steps the ranks in lock-step (every step goes to every rank with
+front-end, in the caller's process, holds no model: it tokenizes, assigns each request to the rank that
+holds its prompt's prefix in its cache (when that rank is not overloaded) or else to the rank with the
+least outstanding tokens (:mod:`.prefix_router`), and steps the ranks in lock-step (every step goes to every rank with
 expert parallel; a rank with nothing scheduled runs a placeholder step through the MoE collectives).
 ``LLMEngine(EngineArgs(data_parallel_size=N))`` builds it, so ``LLM``, ``AsyncLLM`` and the server use
 it unchanged.
@@ -22,6 +23,7 @@ import torch
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.engine.processor import encode_prompt, prompt_ids
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.parallel.prefix_router import PrefixAffinityRouter
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.worker.multiproc_executor import RankFailure, RankProcesses
@@ -69,6 +71,9 @@ class DataParallelEngine:
         self.load = [0] * self.num_ranks  # outstanding tokens per rank
         self._busy = [False] * self.num_ranks
         self._stats: list[dict[str, float] | None] = [None] * self.num_ranks  # prefix cache, per rank
+        # without prefix caching there is no affinity to keep: a block size nobody reaches
+        block = args.block_size if args.enable_prefix_caching else 1 << 62
+        self.router = PrefixAffinityRouter(self.num_ranks, block, self.scheduler_config.max_num_batched_tokens)
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -77,13 +82,14 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> str:
-        """Queue a request on the least loaded rank; raises ValueError (and queues nothing) when invalid."""
+        """Queue a request on the rank holding its prefix, else the least loaded one; raises ValueError (and
+        queues nothing) when invalid."""
         params = params or SamplingParams()
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_ids(prompt, self.encode)
-        rank = min(range(self.num_ranks), key=lambda r: (self.load[r], r))
+        rank = self.router.choose(ids, self.load)
         self.ranks.call(rank, "add", (request_id, {"prompt": text, "prompt_token_ids": ids}, params))
         room = max(self.scheduler_config.max_model_len - len(ids), 0)
         most = room if params.max_tokens is None else min(params.max_tokens, room)
