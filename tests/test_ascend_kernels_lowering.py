@@ -28,11 +28,17 @@ SHAPES = {
     ("compress_windows", "v4_flash_index"): dict(window=8, dim=128, kv_dtype="bfloat16", gate_dtype="float32"),
     ("indexer_scores", "tiny"): dict(heads=16, dim=16),
     ("indexer_scores", "v4_flash"): dict(heads=64, dim=128),
+    ("hc_post", "tiny"): dict(hc=2, dim=64),
+    ("hc_post", "v4_flash"): dict(hc=4, dim=4096, block_d=256),
+    ("hc_head_collapse", "tiny"): dict(hc=2, dim=64, eps=1e-6),
+    ("hc_head_collapse", "v4_flash"): dict(hc=4, dim=4096, eps=1e-6, block_d=256),
 }
 #: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
 GEMMS = {
     "compress_windows": None,
     "indexer_scores": lambda kw: {(kw["heads"], kw["dim"], 64)},
+    "hc_post": None,
+    "hc_head_collapse": None,
 }
 
 
@@ -114,3 +120,12 @@ def test_kernels_check_their_parameters():
         builder("compress_windows")(window=8, dim=100)
     with pytest.raises(ValueError, match="multiples of 16"):
         builder("indexer_scores")(heads=8, dim=128)
+    with pytest.raises(ValueError, match="hc=9"):
+        builder("hc_post")(hc=9, dim=64)
+
+
+def test_hc_post_sums_the_streams_in_order_inside_one_simt_function(lowered):
+    src = lowered("hc_post", "v4_flash").source
+    simt = src[: src.index("__global__")]
+    assert simt.count("__simt_vf__") == 1
+    assert re.search(r"for \(int32_t \w+ = 0; \w+ < 4; \+\+\w+\)", simt)  # the j sum over hc_mult streams

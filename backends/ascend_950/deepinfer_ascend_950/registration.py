@@ -29,7 +29,9 @@ NATIVE, TORCH_NPU, TILELANG = 1, 2, 3
 TILELANG_DTYPES = {"sparse_attention": (torch.bfloat16, torch.float16),
                    "hc_pre": (torch.bfloat16, torch.float16, torch.float32),
                    "compress_windows": (torch.bfloat16, torch.float16, torch.float32),
-                   "indexer_topk": (torch.bfloat16, torch.float16)}
+                   "indexer_topk": (torch.bfloat16, torch.float16),
+                   "hc_post": (torch.bfloat16, torch.float16, torch.float32),
+                   "hc_head": (torch.bfloat16, torch.float16, torch.float32)}
 
 
 def npu_op_applies(operator: str) -> Callable[[BuildContext], bool]:

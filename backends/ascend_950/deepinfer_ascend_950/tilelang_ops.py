@@ -6,6 +6,8 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
 - ``sparse_attention``: the selected rows gathered by torch on the NPU (window then extra, ``-1`` slots as
   zero rows), padded to whole blocks, attention with sinks in :mod:`.kernels.sparse_attention`; heads are
   padded to 16 and tokens processed in chunks so the gathered rows stay under :data:`GATHER_BUDGET`.
+- ``hc_post``: all of it in :mod:`.kernels.hc_mix`; ``hc_head``: the mixes GEMM in torch on the NPU, the
+  sigmoid and the collapse in :mod:`.kernels.hc_mix`.
 - ``compress_windows``: all of it in :mod:`.kernels.compress_windows`.
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
@@ -137,5 +139,37 @@ def indexer_topk(q, weights, keys, candidates, topk: int, scale: float):
     return native.select_topk(scores, candidates >= 0, candidates, topk)
 
 
-ALL_OPS = {"hc_pre": hc_pre, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
+def _mix_block(d: int) -> int | None:
+    block = min(256, d)
+    return block if d % block == 0 and block % 16 == 0 else None
+
+
+def hc_post(block_out, streams, post, comb):
+    t, n, d = streams.shape
+    if t == 0 or streams.dtype not in VECTOR_DTYPES or block_out.dtype != streams.dtype or not _mix_block(d) \
+            or n > 8:
+        return native.hc_post(block_out, streams, post, comb)
+    out = torch.empty_like(streams)
+    kernel = compiled("hc_post", hc=n, dim=d, dtype=VECTOR_DTYPES[streams.dtype], block_d=_mix_block(d))
+    f32 = torch.float32
+    kernel(block_out.contiguous(), streams.contiguous(), post.to(f32).contiguous(), comb.to(f32).contiguous(), out)
+    return out
+
+
+def hc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float):
+    t, n, d = streams.shape
+    if t == 0 or streams.dtype not in VECTOR_DTYPES or not _mix_block(d) or n > 8:
+        return native.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
+    f32 = torch.float32
+    flat = streams.flatten(1).to(f32)
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    mixes = (flat @ fn.to(f32).T).contiguous()
+    out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
+    kernel = compiled("hc_head_collapse", hc=n, dim=d, eps=float(hc_eps), dtype=VECTOR_DTYPES[streams.dtype],
+                      block_d=_mix_block(d))
+    kernel(mixes, scale.to(f32).reshape(1).contiguous(), base.to(f32).contiguous(), streams.contiguous(), out)
+    return out
+
+
+ALL_OPS = {"hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
            "indexer_topk": indexer_topk}

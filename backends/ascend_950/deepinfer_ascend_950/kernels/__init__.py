@@ -17,6 +17,8 @@ KERNELS = {
     "sparse_attention_sinks": "sparse_attention:sparse_attention_sinks",
     "compress_windows": "compress_windows:compress_windows",
     "indexer_scores": "indexer_scores:indexer_scores",
+    "hc_post": "hc_mix:hc_post",
+    "hc_head_collapse": "hc_mix:hc_head_collapse",
 }
 
 
