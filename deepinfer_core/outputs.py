@@ -28,3 +28,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    spec_decode_stats: dict | None = None  # speculative decoding counters of the request's sequences

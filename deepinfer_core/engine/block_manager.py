@@ -211,6 +211,20 @@ class BlockManager:
                 self.window_blocks.release(block)
                 seq.window_block_table[logical] = -1
 
+    def release_tail(self, seq: Sequence) -> None:
+        """Release blocks past the sequence's tokens (taken for drafts that were rejected): window blocks
+        from the first one no computed token is in, compressed blocks past the last token."""
+        bs = self.block_size
+        for logical in range(-(-seq.num_computed_tokens // bs), len(seq.window_block_table)):
+            block = seq.window_block_table[logical]
+            if block >= 0:
+                self.window_blocks.release(block)
+        del seq.window_block_table[-(-seq.num_computed_tokens // bs):]
+        keep = -(-len(seq) // bs)
+        for block in seq.block_table[keep:]:
+            self.blocks.release(block)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         for block in seq.block_table:
             self.blocks.release(block)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.sampling.structured import StructuredOutputManager
+from deepinfer_core.spec_decode.drafts import DraftPlanner
 from deepinfer_core.worker.executor import Executor, UniProcExecutor
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 
@@ -61,6 +63,9 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # shard the routed experts over the data-parallel ranks
     data_parallel_rank: int | None = None  # set in a rank's process: its engine core (no front-end)
     distributed_timeout_s: float = 600.0  # most a rank may take to answer, or a collective may wait
+    # speculative decoding (vLLM's shape): {"method": "mtp", "num_speculative_tokens": k} and optionally
+    # "schedule": "fixed" (verify every draft) or "confidence" (DSpark's admission of (seq, position) pairs)
+    speculative_config: dict | None = None
     enable_eplb: bool = False  # expert-parallel load balancing: redundant experts, rearranged by measured load
     eplb_config: dict | EPLBConfig | None = None  # window_size, step_interval, num_redundant_experts, ...
     distributed_executor_backend: str | None = None  # "external_launcher": this process is a rank torchrun started
@@ -90,6 +95,8 @@ class _Step:
     sampled: list[Sequence]
     positions: list[int]
     output: AsyncModelRunnerOutput | None  # the samples on their way to the host
+    num_tokens: int = 0  # tokens the step computed
+    started: float = 0.0  # when it was launched (perf_counter)
 
 
 class LLMEngine:
@@ -130,6 +137,10 @@ class LLMEngine:
             cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching)
         self.parallel_config = parallel_config_of(args)
+        self.drafts = DraftPlanner.create(args.speculative_config, cfg, self.parallel_config)
+        self._async = bool(args.async_scheduling) and self.drafts is None
+        if args.async_scheduling and self.drafts is not None:
+            logger.warning("speculative decoding runs its steps synchronously: async_scheduling is off")
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
         check_block_size(cfg, self.cache_config.block_size)  # a plugin may have changed it
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
@@ -242,6 +253,10 @@ class LLMEngine:
         stats["hit_rate"] = stats["hit_tokens"] / stats["query_tokens"] if stats["query_tokens"] else 0.0
         return stats
 
+    def spec_decode_stats(self) -> dict | None:
+        """Engine-wide speculative decoding counters (None without speculation)."""
+        return self.drafts.stats.as_dict() if self.drafts is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -267,6 +282,8 @@ class LLMEngine:
                 if seq.finish_reason is None and self._out_of_room(seq):
                     self.scheduler.finish(seq)
         preemptions = self.scheduler.num_preemptions
+        if self.drafts is not None:
+            self.drafts.plan(self.scheduler, self.scheduler_config)
         scheduled, unfittable = self.scheduler.schedule()
         assert prev is None or (self.scheduler.num_preemptions == preemptions and not unfittable)
         for seq in unfittable:  # already finished by the scheduler, which put the reason in stop_reason
@@ -285,7 +302,7 @@ class LLMEngine:
             for seq, _ in launched.scheduled:
                 if not seq.is_finished:
                     self.block_manager.commit(seq)
-            if self.args.async_scheduling:
+            if self._async:
                 self._inflight = launched
             else:
                 self._finish_or_fail(launched, touched)
@@ -337,10 +354,16 @@ class LLMEngine:
             if seq.seq_id not in self._known:
                 self._known.add(seq.seq_id)
                 new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, base_seed(seq)))
-            sample = start + num_new == len(seq)
-            items.append(ScheduledSeq(seq.seq_id, start, seq.token_slice(start, start + num_new), seq.block_table,
-                                      seq.window_block_table, seq.state_slot, seq.write_from, seq.pending_restore,
-                                      sample))
+            num_drafts = seq.num_scheduled_drafts
+            end = start + num_new - num_drafts
+            sample = end == len(seq)
+            token_ids = seq.token_slice(start, end) + seq.draft_token_ids[:num_drafts]
+            next_token = None
+            if self.drafts is not None and not sample:  # the drafter reads the token after the chunk
+                next_token = seq.token_slice(end, end + 1)[0]
+            items.append(ScheduledSeq(seq.seq_id, start, token_ids, seq.block_table, seq.window_block_table,
+                                      seq.state_slot, seq.write_from, seq.pending_restore, sample, num_drafts,
+                                      next_token))
             seq.pending_restore = None
             if sample:
                 to_sample.append(seq)
@@ -352,15 +375,17 @@ class LLMEngine:
     def _run(self, scheduled: list[tuple[Sequence, int]], prev: _Step | None = None) -> _Step:
         """Launch a step; its sampled tokens become placeholders until ``_finish``."""
         so, to_sample = self._scheduler_output(scheduled)
+        started = time.perf_counter()
         output = self.executor.execute_model(so)
         for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - seq.num_scheduled_drafts  # drafts count once accepted
         positions = []
         for seq in to_sample:
             positions.append(len(seq.output_token_ids))
             seq.output_token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
-        return _Step(scheduled, to_sample, positions, output if to_sample else None)
+        return _Step(scheduled, to_sample, positions, output if to_sample else None,
+                     sum(n for _, n in scheduled), started)
 
     def _finish_or_fail(self, launched: _Step, touched: dict[str, Request]) -> None:
         try:
@@ -373,6 +398,8 @@ class LLMEngine:
         if launched.output is None:
             return
         out = launched.output.get_output()
+        if self.drafts is not None:
+            self.drafts.observe_step(launched.num_tokens, time.perf_counter() - launched.started)
         for i, (seq, pos) in enumerate(zip(launched.sampled, launched.positions)):
             if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
                 continue
@@ -382,7 +409,19 @@ class LLMEngine:
             if out.dead_ends is not None and seq.grammar is not None:
                 seq.grammar.dead_end = out.dead_ends[i]
             touched[seq.request_id] = self.requests[seq.request_id]
-            self._append(seq, pos, token, out.logprobs[i])
+            if out.new_token_ids is None:
+                self._append(seq, pos, token, out.logprobs[i])
+                continue
+            tokens = out.new_token_ids[i]
+            self.drafts.accept(seq, pos, tokens, self.block_manager)
+            for j, token in enumerate(tokens):
+                if j:
+                    seq.output_token_ids.append(token)
+                self._append(seq, pos + j, token, out.logprobs[i] if j == 0 else None)
+                if seq.finish_reason is not None:
+                    break
+            else:
+                self.drafts.offer(seq, out.draft_token_ids[i], out.draft_confidences[i])
 
     def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
         """End ``seqs`` with an error after an exception in their step; the other requests go on."""
@@ -457,4 +496,5 @@ class LLMEngine:
         finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)
         error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == FinishStatus.ERROR), None)
         cached = req.seqs[0].num_cached_tokens
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, error)
+        spec = self.drafts.request_stats(req.seqs) if self.drafts is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, error, spec)

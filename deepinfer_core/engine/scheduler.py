@@ -73,6 +73,7 @@ class Scheduler:
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 continue
+            num_new += self._drafts(seq, num_new, budget)
             while (fit := self._fit(seq, num_new)) == 0:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1 and not scheduled:
@@ -113,6 +114,18 @@ class Scheduler:
             budget -= fit
         return scheduled, unfittable
 
+    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """Drafts verified with a decoding sequence's token: up to its ``draft_budget``, within the token
+        budget and only when all of them fit the free memory (never preempting for a draft)."""
+        seq.num_scheduled_drafts = 0
+        if num_new != 1 or seq.num_uncomputed != 1 or not seq.draft_budget:
+            return 0
+        n = min(seq.draft_budget, len(seq.draft_token_ids), budget - 1)
+        while n > 0 and not self.block_manager.can_allocate(seq, 1 + n):
+            n -= 1
+        seq.num_scheduled_drafts = n
+        return n
+
     def running_fits(self, leaving: set[int], strict: bool) -> bool:
         """Whether the next ``schedule()`` gives every running sequence (but those in ``leaving``, seq ids
         about to finish) its chunk without preempting anything.
@@ -148,6 +161,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.pending_restore = None
+        seq.clear_drafts()
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -32,6 +32,8 @@ class ScheduledSeq:
     write_from: int
     restore_boundary: int | None  # block whose boundary record seeds the compressor state first
     sample: bool  # the step reaches the end of the sequence: sample its next token
+    num_drafts: int = 0  # speculative decoding: the last ``num_drafts`` token ids are drafts to verify
+    next_token_id: int | None = None  # the token after the span when it is known (a prefill chunk's next one)
 
 
 @dataclass

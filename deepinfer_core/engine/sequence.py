@@ -48,6 +48,13 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer()  # the decoded output, grown a few tokens at a time
         self.num_preemptions = 0
         self.grammar = None  # structured output: this sequence's GrammarState (sampling/structured.py)
+        # speculative decoding: drafts for the tokens after the last one, the drafter's confidence in
+        # each, how many the next step may verify (set before scheduling) and how many it does
+        self.draft_token_ids: list[int] = []
+        self.draft_confidences: list[float] = []
+        self.draft_budget = 0
+        self.num_scheduled_drafts = 0
+        self.spec_stats = None  # SpecDecodeStats of this sequence, when the engine speculates
 
     @property
     def text(self) -> str:
@@ -71,6 +78,10 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids, self.draft_confidences = [], []
+        self.draft_budget = self.num_scheduled_drafts = 0
 
     @property
     def num_uncomputed(self) -> int:

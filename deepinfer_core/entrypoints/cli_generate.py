@@ -64,6 +64,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="expert-parallel load balancing: replicate and move experts by measured load")
     group.add_argument("--num-redundant-experts", type=int, default=None, metavar="N",
                        help="EPLB: physical expert slots beyond the logical experts (default: 0)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding with the MTP layer, e.g. \'{"method": "mtp", '
+                            '"num_speculative_tokens": 2}\' (optional "schedule": "fixed" | "confidence")')
 
 
 _POSITIVE_ENGINE_INTS = (
@@ -98,6 +101,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if args.num_redundant_experts < 0:
             raise UsageError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
         kwargs["eplb_config"] = {"num_redundant_experts": args.num_redundant_experts}
+    if getattr(args, "speculative_config", None):
+        try:
+            kwargs["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--speculative-config is not valid JSON: {exc}") from exc
     return kwargs
 
 

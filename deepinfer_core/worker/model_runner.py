@@ -65,6 +65,14 @@ class ModelRunner:
                backend: Any, platform: Platform) -> ModelRunner:
         """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``,
         the platform cannot capture, or an op the model runs waits for the host."""
+        spec = getattr(args, "speculative_config", None)
+        if spec is not None:  # verification and drafting run eagerly (see spec_model_runner)
+            from deepinfer_core.spec_decode.config import SpeculativeConfig
+            from deepinfer_core.worker.spec_model_runner import SpecDecodeModelRunner
+
+            k = SpeculativeConfig.from_arg(spec).num_speculative_tokens
+            return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, None,
+                                         num_speculative_tokens=k)
         graphs = None
         if not args.enforce_eager and platform.supports_graphs:
             syncing = model.ops.syncs_host(model.ops_in_use())

@@ -12,6 +12,11 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # for rows that asked
     dead_ends: list[bool] | None = None  # grammar rows: no token satisfied every mask
+    # speculative decoding, per sampled sequence: every new token (accepted drafts, then the target's own),
+    # and the drafts proposed for its next step with the drafter's confidence in each
+    new_token_ids: list[list[int]] | None = None
+    draft_token_ids: list[list[int]] | None = None
+    draft_confidences: list[list[float]] | None = None
 
 
 EMPTY_OUTPUT = ModelRunnerOutput()

@@ -1,0 +1,1 @@
+"""Speculative decoding with the checkpoint's MTP layer: drafting, verification, rollback, scheduling."""

@@ -1,0 +1,125 @@
+"""Confidence scheduling of verification (DSpark's algorithm 1).
+
+Each decoding sequence offers its drafts as (sequence, position) pairs. A pair's survival is the
+probability that it and every draft before it are accepted: the product of per-position acceptance
+estimates, each the drafter's confidence in that draft calibrated online against measured acceptance
+(:class:`AcceptanceCalibrator`). A step-time curve by batch token count (:class:`StepTimeModel`, learnt
+from the steps the engine runs, or profiled) prices each extra token. Pairs are admitted by descending
+survival while the estimated accepted tokens per second still grow, so a large batch verifies fewer
+drafts and a lone sequence verifies more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class AcceptanceCalibrator:
+    """P(draft accepted | the drafts before it accepted) by confidence bin, from a prior that trusts the
+    confidence (``prior`` pseudo-observations at the bin's centre) and the verifications seen since."""
+
+    def __init__(self, num_bins: int = 10, prior: float = 4.0):
+        self.num_bins, self.prior = num_bins, prior
+        self.tested = [0] * num_bins
+        self.accepted = [0] * num_bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.num_bins - 1, max(0, int(confidence * self.num_bins)))
+
+    def estimate(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        centre = (b + 0.5) / self.num_bins
+        return (self.accepted[b] + self.prior * centre) / (self.tested[b] + self.prior)
+
+    def observe(self, confidences: list[float], num_accepted: int) -> None:
+        """One verification of drafts with ``confidences``; only drafts whose prefix passed were tested."""
+        for j, c in enumerate(confidences[: num_accepted + 1]):
+            b = self._bin(c)
+            self.tested[b] += 1
+            self.accepted[b] += j < num_accepted
+
+
+class StepTimeModel:
+    """Seconds of one step against its token count: a running mean per power-of-two bucket, linear between
+    buckets' mean points and extrapolated from the last two. Until something is measured every size
+    costs the same (verify everything)."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 1 or not seconds > 0:
+            return
+        bucket = 1 << max(0, math.ceil(math.log2(num_tokens)))
+        old = self.points.get(bucket)
+        if old is None:
+            self.points[bucket] = (float(num_tokens), seconds)
+        else:
+            d = self.decay
+            self.points[bucket] = (d * old[0] + (1 - d) * num_tokens, d * old[1] + (1 - d) * seconds)
+
+    def seconds(self, num_tokens: int) -> float:
+        pts = sorted(self.points.values())
+        if not pts:
+            return 1.0
+        if len(pts) == 1 or num_tokens <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if num_tokens <= x1:
+                return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1e-9)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
+        return y1 + slope * (num_tokens - x1)
+
+
+@dataclass
+class Candidate:
+    """A decoding sequence's offer: its drafts' confidences, at most ``room`` of them usable."""
+
+    key: int
+    confidences: list[float]
+    room: int
+
+
+class ConfidenceScheduler:
+    def __init__(self, calibrator: AcceptanceCalibrator | None = None, step_time: StepTimeModel | None = None):
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.step_time = step_time or StepTimeModel()
+
+    def survival(self, confidences: list[float]) -> list[float]:
+        out, s = [], 1.0
+        for c in confidences:
+            s *= self.calibrator.estimate(c)
+            out.append(s)
+        return out
+
+    def plan(self, candidates: list[Candidate], base_tokens: int, base_accepted: float,
+             max_tokens: int | None = None) -> dict[int, int]:
+        """Drafts to verify per candidate key. ``base_tokens``: the step's tokens without drafts;
+        ``base_accepted``: the tokens it yields for sure (one per sampled sequence)."""
+        pairs = []
+        for cand in candidates:
+            for j, s in enumerate(self.survival(cand.confidences[: cand.room])):
+                pairs.append((-s, j, cand.key))
+        pairs.sort()
+        admitted = {c.key: 0 for c in candidates}
+        tokens, expected = max(1, base_tokens), max(base_accepted, 1e-9)
+        best = expected / self.step_time.seconds(tokens)
+        for neg_s, j, key in pairs:
+            if max_tokens is not None and tokens + 1 > max_tokens:
+                break
+            if admitted[key] != j:  # a later position only after the one before it
+                continue
+            rate = (expected - neg_s) / self.step_time.seconds(tokens + 1)
+            if rate <= best:
+                break
+            admitted[key], tokens, expected, best = j + 1, tokens + 1, expected - neg_s, rate
+        return admitted
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.step_time.observe(num_tokens, seconds)
+
+    def observe_verification(self, confidences: list[float], num_accepted: int) -> None:
+        self.calibrator.observe(confidences, num_accepted)

@@ -1,0 +1,116 @@
+"""DraftPlanner: the engine's side of speculative decoding.
+
+Before scheduling it gives every decoding sequence a ``draft_budget`` (all usable drafts, or the
+confidence scheduler's choice); after a step it takes each sequence's accepted tokens (the accepted
+drafts become computed tokens, the blocks only the rejected ones needed are released, so block hashes
+and memory only ever cover accepted tokens) and keeps the drafts proposed for its next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer_core.config import ModelConfig, ParallelConfig, SchedulerConfig
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.model.cache import layer_cache_specs
+from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler
+from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
+from deepinfer_core.spec_decode.metrics import SpecDecodeStats
+
+
+class DraftPlanner:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpecDecodeStats()
+        self.confidence = ConfidenceScheduler() if config.schedule == "confidence" else None
+
+    @classmethod
+    def create(cls, value: Any, cfg: ModelConfig, parallel: ParallelConfig) -> DraftPlanner | None:
+        """The planner for ``speculative_config`` (None: no speculation); raises ValueError when the model
+        or the engine cannot speculate as asked."""
+        config = SpeculativeConfig.from_arg(value)
+        if config is None:
+            return None
+        if not getattr(cfg, "num_nextn_predict_layers", 0):
+            raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer "
+                             "(num_nextn_predict_layers >= 1)")
+        rows = [b.rows for s in layer_cache_specs(cfg) for b in (s.compressor, s.indexer) if b is not None]
+        cap = max_speculative_tokens(rows)
+        if cap is not None and config.num_speculative_tokens > cap:
+            raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} is more than this model "
+                             f"allows ({cap}: a verification must fit its smallest compressor ring of "
+                             f"{cap + 1} rows)")
+        if parallel.data_parallel_size > 1:
+            raise ValueError("speculative decoding is not available with data_parallel_size > 1 yet")
+        return cls(config)
+
+    # --- before scheduling -----------------------------------------------------------------------
+
+    @staticmethod
+    def room(seq: Sequence, max_model_len: int) -> int:
+        """Drafts a verification of ``seq`` may hold: none before ``min_tokens`` (the masks of EOS and stop
+        tokens are the plain sampler's), and never past ``max_tokens`` or ``max_model_len``."""
+        p = seq.params
+        if seq.num_uncomputed != 1 or len(seq.output_token_ids) < p.min_tokens:
+            return 0
+        room = len(seq.draft_token_ids)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - len(seq.output_token_ids) - 1)
+        return max(0, min(room, max_model_len - len(seq) - 1))
+
+    def plan(self, scheduler: Any, config: SchedulerConfig) -> None:
+        rooms = {seq.seq_id: self.room(seq, config.max_model_len) for seq in scheduler.running}
+        if self.confidence is None:
+            for seq in scheduler.running:
+                seq.draft_budget = rooms[seq.seq_id]
+            return
+        base = sum(seq.num_uncomputed for seq in scheduler.running)
+        base += sum(seq.num_uncomputed for seq in list(scheduler.waiting)[: config.max_num_seqs])
+        base = min(base, config.max_num_batched_tokens)
+        decoding = [seq for seq in scheduler.running if seq.num_uncomputed == 1]
+        candidates = [Candidate(seq.seq_id, seq.draft_confidences, rooms[seq.seq_id])
+                      for seq in decoding if rooms[seq.seq_id]]
+        budget = self.confidence.plan(candidates, base, len(decoding), config.max_num_batched_tokens)
+        for seq in scheduler.running:
+            seq.draft_budget = budget.get(seq.seq_id, 0)
+
+    # --- after a step ----------------------------------------------------------------------------
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        if self.confidence is not None:
+            self.confidence.observe_step(num_tokens, seconds)
+
+    def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager) -> None:
+        """``tokens``: the step's new tokens of ``seq``, whose first is already at output index ``pos``."""
+        verified = seq.num_scheduled_drafts
+        if seq.spec_stats is None:
+            seq.spec_stats = SpecDecodeStats()
+        if not verified:
+            return
+        accepted = len(tokens) - 1
+        for stats in (self.stats, seq.spec_stats):
+            stats.observe(verified, accepted)
+        if self.confidence is not None:
+            self.confidence.observe_verification(seq.draft_confidences[:verified], accepted)
+        seq.num_computed_tokens += accepted
+        # hash the blocks the accepted tokens completed before a stop among them may end the sequence
+        seq.output_token_ids[pos + 1:] = tokens[1:]
+        block_manager.commit(seq)
+        block_manager.release_tail(seq)
+        del seq.output_token_ids[pos + 1:]
+
+    def offer(self, seq: Sequence, drafts: list[int], confidences: list[float]) -> None:
+        """The drafts proposed for ``seq``'s next step."""
+        seq.draft_token_ids, seq.draft_confidences = list(drafts), list(confidences)
+        seq.num_scheduled_drafts = 0
+        self.stats.num_proposed_tokens += len(drafts)
+        if seq.spec_stats is not None:
+            seq.spec_stats.num_proposed_tokens += len(drafts)
+
+    def request_stats(self, seqs: list[Sequence]) -> dict:
+        total = SpecDecodeStats()
+        for seq in seqs:
+            if seq.spec_stats is not None:
+                total.add(seq.spec_stats)
+        return total.as_dict()

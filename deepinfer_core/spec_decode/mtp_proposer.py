@@ -1,0 +1,102 @@
+"""MtpProposer: drafts with the checkpoint's MTP block, applied recurrently (DeepSeek's ``mtp.0.*``).
+
+The MTP block at position ``t`` reads the main model's last hyper-connection streams at ``t`` and the
+token at ``t + 1``, and predicts the token at ``t + 2``; its sliding-window KV lives in the MTP layer's
+rows of the window pool (same block tables as the main layers). After every target forward the block
+catches up over the positions the step kept (every prefill chunk, the accepted prefix of a
+verification), which writes its KV for them and, at a sequence's last position, gives draft 1. Draft
+``j + 1`` comes from one more MTP step at the next position, fed the block's own output streams and draft
+``j``. Drafts are greedy; each one's confidence is the drafter's probability of it.
+
+Draft positions past the blocks the step holds read and write nothing (rows -1): such a draft sees less
+of its own context, which costs acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+
+
+@dataclass
+class DraftSpan:
+    """One sequence's kept positions of the step: ``start .. start + len(next_ids) - 1``."""
+
+    start: int
+    rows: list[int]  # rows of the target batch's streams at those positions
+    next_ids: list[int]  # the token after each position
+    block_table: list[int]
+    window_block_table: list[int]
+    draft: bool  # propose drafts from the last position
+
+
+@dataclass
+class Proposal:
+    draft_token_ids: list[list[int]]  # per drafting span, in order
+    confidences: list[list[float]]  # the drafter's probability of each draft
+
+
+class MtpProposer:
+    def __init__(self, model: DeepseekV4Model, cache: ModelCache, num_speculative_tokens: int):
+        if not model.has_mtp:
+            raise ValueError("speculative_config method 'mtp' needs a checkpoint with mtp.* weights; this one has "
+                             "none (num_nextn_predict_layers / the mtp.0.* tensors)")
+        self.model, self.cache, self.k = model, cache, num_speculative_tokens
+        self.window = model.cfg.sliding_window
+
+    def _batch(self, spans: list[SeqSpan], ids: list[int], rows: list[int]):
+        return build_forward_batch(ids, spans, set(), self.cache.block_size, self.window, rows,
+                                   device=self.model.device)
+
+    def _tables(self, span: DraftSpan, last: int) -> tuple[list[int], list[int]]:
+        """Block tables padded with -1 up to position ``last``, so that no position maps to another's row."""
+        need = last // self.cache.block_size + 1
+        pad = lambda t: t + [-1] * max(0, need - len(t))  # noqa: E731
+        return pad(list(span.block_table)), pad(list(span.window_block_table))
+
+    @torch.inference_mode()
+    def propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
+        """Catch the MTP block up over ``spans`` (``streams``: the target's [T, n, D]) and draft for the
+        spans that ask."""
+        if not spans:
+            return Proposal([], [])
+        seq_spans, ids, rows, out_rows = [], [], [], []
+        for span in spans:
+            n = len(span.next_ids)
+            table, window = self._tables(span, span.start + n - 1 + self.k)
+            seq_spans.append(SeqSpan(span.start, n, table, window, -1))
+            ids.extend(span.next_ids)
+            rows.extend(span.rows)
+            if span.draft:
+                out_rows.append(len(ids) - 1)
+        batch = self._batch(seq_spans, ids, out_rows)
+        index = torch.tensor(rows, dtype=torch.long).to(streams.device, non_blocking=True)
+        next_ids = torch.tensor(ids, dtype=torch.long).to(streams.device, non_blocking=True)
+        logits, out = self.model.mtp_forward(batch, self.cache, streams[index], next_ids)
+        drafting = [s for s in spans if s.draft]
+        if not drafting:
+            return Proposal([], [])
+        h = out[batch.logits_indices]
+        tokens, confs = [], []
+        positions = [s.start + len(s.next_ids) for s in drafting]  # where draft 1's input token sits
+        for j in range(self.k):
+            probs = torch.softmax(logits, dim=-1)
+            conf, token = probs.max(dim=-1)
+            tokens.append(token)
+            confs.append(conf)
+            if j + 1 == self.k:
+                break
+            step_spans = []
+            for s, p in zip(drafting, positions):
+                table, window = self._tables(s, p + j)
+                step_spans.append(SeqSpan(p + j, 1, table, window, -1))
+            batch = self._batch(step_spans, [0] * len(drafting), list(range(len(drafting))))
+            logits, h = self.model.mtp_forward(batch, self.cache, h, token)
+        draft_ids = torch.stack(tokens, dim=1).tolist()
+        confidences = torch.stack(confs, dim=1).tolist()
+        return Proposal(draft_ids, confidences)

@@ -1,0 +1,95 @@
+"""Rollback of rejected draft tokens: an undo log of every cache row a verification's draft tokens write.
+
+Before the verification forward, the rows that draft tokens are about to write are copied aside with the
+token that writes each one: window KV slots, compressed entries and indexer keys of windows they close,
+boundary records of block ends they cross, and compressor ring rows (the unfinished windows, CSA overlap
+included). Once acceptance is known, every row written by a rejected token gets its old value back, so the
+cache is exactly as if the step had only computed the accepted tokens. The restore runs on the device
+from the acceptance counts, without waiting for the host.
+
+Rows of one pool written by one step are distinct as long as a verification's tokens fall on distinct
+ring rows (``SpeculativeConfig`` caps the drafts so); -1 rows (the trash) may repeat and stay trash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.metadata import ForwardBatch
+
+
+@dataclass
+class _Saved:
+    pool: torch.Tensor
+    rows: torch.Tensor  # [R] rows of ``pool`` (device)
+    owner: torch.Tensor  # [R] batch token that writes each row (device)
+    values: torch.Tensor  # [R, D] the rows before the forward
+
+
+def _written_rows(host: ForwardBatch, draft: torch.Tensor) -> dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]:
+    """For each kind of write: (key, rows, owner token) restricted to rows draft tokens write (host)."""
+    out: dict[str, list] = {"window": [], "entries": [], "ring": [], "boundary": []}
+    tokens = torch.arange(len(host.positions))
+    keep = draft[tokens]
+    out["window"].append((None, host.window_slots[keep], tokens[keep]))
+    for key, meta in host.compressors.items():
+        rate = key[0]
+        fresh_base = len(meta.ring_read)
+        if meta.entry_slots.numel():
+            owner = meta.cur_idx[:, -1] - fresh_base  # the token that closes the window
+            sel = draft[owner]
+            out["entries"].append((key, meta.entry_slots[sel], owner[sel]))
+        sel = draft[meta.ring_write_src]
+        out["ring"].append((key, meta.ring_write[sel], meta.ring_write_src[sel]))
+        if meta.boundary_dst.numel():
+            owner = meta.boundary_src[:, -1] - fresh_base  # the token at the block's last position
+            sel = draft[owner] & (meta.boundary_dst >= 0)
+            rows = (meta.boundary_dst[sel].unsqueeze(1) * rate + torch.arange(rate)).flatten()
+            out["boundary"].append((key, rows, owner[sel].repeat_interleave(rate)))
+    return out
+
+
+class CacheUndo:
+    """The undo log of one verification step over ``cache`` (the main model's layers only)."""
+
+    def __init__(self, cache: ModelCache, host: ForwardBatch, draft: torch.Tensor, num_layers: int,
+                 device: torch.device):
+        self.saved: list[_Saved] = []
+        written = _written_rows(host, draft)
+
+        def save(pool: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor) -> None:
+            if rows.numel():
+                rows, owner = rows.to(device), owner.to(device)
+                self.saved.append(_Saved(pool, rows, owner, pool[rows].clone()))
+
+        for _, rows, owner in written["window"]:
+            for layer in range(num_layers):
+                save(cache.window_kv[layer], rows, owner)
+        for layer, spec in enumerate(cache.specs[:num_layers]):
+            for branch, pools, states, boundaries in (
+                (spec.compressor, cache.comp_kv, cache.comp_state, cache.comp_boundary),
+                (spec.indexer, cache.index_keys, cache.index_state, cache.index_boundary),
+            ):
+                if branch is None:
+                    continue
+                key = (branch.rate, branch.overlap)
+                for k, rows, owner in written["entries"]:
+                    if k == key:
+                        save(pools[layer], rows, owner)
+                for k, rows, owner in written["ring"]:
+                    if k == key:
+                        for ring in states[layer]:
+                            save(ring, rows, owner)
+                for k, rows, owner in written["boundary"]:
+                    if k == key and layer in boundaries:
+                        for record in boundaries[layer]:
+                            save(record, rows, owner)
+
+    def restore(self, rejected: torch.Tensor) -> None:
+        """Put back every saved row whose writing token is ``rejected`` (bool [T], device)."""
+        for s in self.saved:
+            back = rejected[s.owner].unsqueeze(1)
+            s.pool[s.rows] = torch.where(back, s.values, s.pool[s.rows])

@@ -1,0 +1,189 @@
+"""SpecDecodeModelRunner: a step with speculative decoding (MTP drafts, one varlen verification forward).
+
+Every sequence's span of the step is computed in one target forward: prefill chunks, plain decodes and
+verifications ([last token + drafts], every position's logits kept). Plain rows are sampled as usual;
+verification rows go through the rejection sampler. The rows rejected drafts wrote are then put back
+(``spec_decode/rollback.py``), the MTP block catches up over the kept positions and drafts for the next
+step. Steps run eagerly and synchronously: the drafter needs the target's streams and the host needs
+the accepted counts to lay out the drafting batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from deepinfer_core.engine.sequence import PLACEHOLDER
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
+from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
+from deepinfer_core.spec_decode.rollback import CacheUndo
+from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
+from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput, ReadyOutput
+
+
+def can_speculate(params) -> bool:
+    """Whether a request's tokens may come from verified drafts: what the rejection sampler applies is
+    temperature, top-k, top-p and min-p; penalties, grammars and logprobs take the plain path."""
+    return not (params.has_penalties or params.structured_outputs is not None or params.logprobs is not None)
+
+
+@dataclass
+class _Verify:
+    """A verification in the batch: which scheduled span, its first logits row, its drafts."""
+
+    index: int
+    first_row: int
+    state: CachedRequestState
+    drafts: list[int]
+
+
+class SpecDecodeModelRunner(ModelRunner):
+    def __init__(self, *args, num_speculative_tokens: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.k = num_speculative_tokens
+        self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens)
+        self.num_layers = self.model.cfg.num_hidden_layers
+
+    def execute_model(self, so: SchedulerOutput) -> ReadyOutput:
+        self._update_states(so)
+        spans, ids, rows, plain, verifies, starts = [], [], [], [], [], []
+        draft = []
+        for i, s in enumerate(so.scheduled):
+            if PLACEHOLDER in s.token_ids:
+                raise RuntimeError("speculative decoding runs synchronously: a scheduled token is still a placeholder")
+            if s.restore_boundary is not None:
+                self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
+            spans.append(SeqSpan(s.start, len(s.token_ids), s.block_table, s.window_block_table, s.state_slot,
+                                 s.write_from))
+            starts.append(len(ids))
+            ids.extend(s.token_ids)
+            n_plain = len(s.token_ids) - s.num_drafts
+            draft += [False] * n_plain + [True] * s.num_drafts
+            if s.sample and s.num_drafts:
+                verifies.append(_Verify(i, len(rows), self.requests[s.seq_id], s.token_ids[n_plain:]))
+                rows.extend(range(len(ids) - s.num_drafts - 1, len(ids)))
+            elif s.sample:
+                plain.append((i, len(rows)))
+                rows.append(len(ids) - 1)
+        host = build_forward_batch(ids, spans, self.model.compressor_specs(), self.block_size,
+                                   self.model.cfg.sliding_window, rows)
+        draft_mask = torch.tensor(draft, dtype=torch.bool)
+        undo = CacheUndo(self.cache, host, draft_mask, self.num_layers, self.model.device) if verifies else None
+        batch = host.with_storage(self.platform.upload(host.packed()))
+        logits, streams = self.model.forward(batch, self.cache)
+
+        new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
+        plain_out = None
+        if plain:
+            states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
+            sampled = [i for i, s in enumerate(so.scheduled) if s.sample]
+            bitmask = so.grammar_bitmask
+            if bitmask is not None:
+                keep = [sampled.index(i) for i, _ in plain]
+                bitmask = bitmask[keep]
+            index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
+            plain_out = self.sampler(logits.index_select(0, index), states, bitmask)
+        if verifies:
+            accepted = self._verify(logits, verifies, undo, draft_mask, starts, so.scheduled)
+            for v, tokens in zip(verifies, accepted):
+                new_tokens[v.index] = tokens
+        logprobs, dead_ends = {}, {}
+        if plain_out is not None:
+            states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
+            tokens, lps = plain_out.to_host(self.platform).tolists(states)
+            for (i, _), token, lp, j in zip(plain, tokens, lps, range(len(plain))):
+                new_tokens[i], logprobs[i] = [token], lp
+                if plain_out.dead_ends is not None:
+                    dead_ends[i] = plain_out.dead_ends[j]
+        return ReadyOutput(self._draft(so, streams, starts, new_tokens, logprobs, dead_ends))
+
+    def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
+                starts: list[int], scheduled: list[ScheduledSeq]) -> list[list[int]]:
+        """New tokens of every verification; rows written by rejected drafts are put back."""
+        device, vocab = logits.device, logits.shape[-1]
+        k = max(len(v.drafts) for v in verifies)
+        s = len(verifies)
+        gather = torch.full((s, k + 1), -1, dtype=torch.long)
+        drafts = torch.zeros((s, k), dtype=torch.long)
+        for i, v in enumerate(verifies):
+            n = len(v.drafts)
+            gather[i, : n + 1] = torch.arange(v.first_row, v.first_row + n + 1)
+            gather[i, n + 1:] = v.first_row + n
+            drafts[i, :n] = torch.tensor(v.drafts)
+        num_drafts = torch.tensor([len(v.drafts) for v in verifies], dtype=torch.long)
+        greedy = torch.tensor([v.state.params.greedy for v in verifies], dtype=torch.bool)
+        rows = logits[gather.to(device).flatten()]  # [S * (K + 1), V]
+        params = [v.state.params for v in verifies for _ in range(k + 1)]
+        probs = self._target_probs(rows, params).view(s, k + 1, vocab)
+        from deepinfer_core.sampling.sampler import base_seed
+
+        uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
+                                       [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
+        out = rejection_sample(probs, drafts.to(device), num_drafts.to(device), uniforms, noise,
+                               greedy=greedy.to(device))
+        # rejected: a draft token whose offset in its verification is past the accepted ones
+        owner = torch.full((len(draft_mask),), -1, dtype=torch.long)
+        offset = torch.zeros(len(draft_mask), dtype=torch.long)
+        for i, v in enumerate(verifies):
+            first = starts[v.index] + len(scheduled[v.index].token_ids) - len(v.drafts)
+            owner[first:first + len(v.drafts)] = i
+            offset[first:first + len(v.drafts)] = torch.arange(1, len(v.drafts) + 1)
+        owner, offset = owner.to(device), offset.to(device)
+        rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
+        undo.restore(rejected)
+        tokens, counts = out.output_token_ids.tolist(), out.num_accepted.tolist()
+        return [row[: n + 1] for row, n in zip(tokens, counts)]
+
+    def _target_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """The target's sampling distribution of each row (temperature, top-k, top-p, min-p); greedy rows
+        keep their argmax (temperature 1)."""
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float64)
+        scaled = logits / temperature.to(logits.device, logits.dtype).unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+            scaled = self.sampler.ops.top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        return torch.softmax(scaled, dim=-1)
+
+    def _draft(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], new_tokens: dict[int, list[int]],
+               logprobs: dict, dead_ends: dict) -> ModelRunnerOutput:
+        """Record the new tokens, catch the MTP block up and draft; the step's output."""
+        spans, drafting = [], []
+        for i, s in enumerate(so.scheduled):
+            n_plain = len(s.token_ids) - s.num_drafts
+            if s.sample:
+                kept = new_tokens[i]
+                nxt = s.token_ids[1:n_plain] + kept
+            elif s.next_token_id is not None:
+                nxt = s.token_ids[1:] + [s.next_token_id]
+            else:
+                continue
+            state = self.requests[s.seq_id]
+            wants = s.sample and can_speculate(state.params)
+            spans.append(DraftSpan(s.start, list(range(starts[i], starts[i] + len(nxt))), nxt, s.block_table,
+                                   s.window_block_table, wants))
+            if wants:
+                drafting.append(i)
+        proposal = self.proposer.propose(spans, streams)
+        drafts = dict(zip(drafting, zip(proposal.draft_token_ids, proposal.confidences)))
+        out = ModelRunnerOutput(new_token_ids=[], draft_token_ids=[], draft_confidences=[])
+        any_dead = bool(dead_ends)
+        for i, s in enumerate(so.scheduled):
+            if not s.sample:
+                continue
+            state = self.requests[s.seq_id]
+            state.output_token_ids.extend(new_tokens[i])
+            out.seq_ids.append(s.seq_id)
+            out.sampled_token_ids.append(new_tokens[i][0])
+            out.logprobs.append(logprobs.get(i))
+            out.new_token_ids.append(new_tokens[i])
+            d, c = drafts.get(i, ([], []))
+            out.draft_token_ids.append(d)
+            out.draft_confidences.append(c)
+            if any_dead:
+                out.dead_ends = (out.dead_ends or []) + [dead_ends.get(i, False)]
+        return out if out.seq_ids else EMPTY_OUTPUT
