@@ -62,7 +62,8 @@ def plan_memory(args: Any) -> list[RankMemory]:
     backend = load_backend(args.backend)
     hook = backend.hook
     pc = parallel_config_of(args)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, num_window_blocks=args.num_window_blocks,
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                        num_window_blocks=args.num_window_blocks,
                         cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching)
     hook.deepinfer_configure(model_config=cfg, cache_config=cache)

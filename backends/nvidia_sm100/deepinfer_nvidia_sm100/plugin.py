@@ -187,9 +187,19 @@ def deepinfer_make_communicator(group, device):
 
 @hookimpl
 def deepinfer_make_ep_dispatcher(communicator, num_experts, hidden_size):
-    """all_to_all over the communicator's group (DeepEP comes with the expert-parallel work)."""
-    from deepinfer_core.parallel.ep import AllToAllDispatcher
+    """DeepEP's Buffer over an NCCL group when ``deep_ep`` is importable (``DEEPINFER_DEEPEP_MODE``:
+    ``normal``, the default, or ``low_latency``; ``off`` keeps all_to_all), else all_to_all."""
+    import os
 
+    from deepinfer_core.parallel.ep import AllToAllDispatcher
+    from deepinfer_nvidia_sm100.deepep import DeepEPDispatcher, deep_ep_available
+
+    mode = os.environ.get("DEEPINFER_DEEPEP_MODE", "normal")
+    group = getattr(communicator, "group", None)
+    torch, _ = _torch()
+    on_cuda = torch is not None and torch.cuda.is_available() and group is not None
+    if mode != "off" and on_cuda and deep_ep_available():
+        return DeepEPDispatcher(communicator, num_experts, hidden_size, low_latency=mode == "low_latency")
     return AllToAllDispatcher(communicator, num_experts, hidden_size)
 
 

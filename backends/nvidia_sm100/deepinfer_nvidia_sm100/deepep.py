@@ -1,0 +1,142 @@
+"""Expert-parallel dispatch and combine through DeepEP's ``deep_ep.Buffer`` (intranode, NVLink).
+
+The same protocol as :class:`deepinfer_core.parallel.ep.AllToAllDispatcher` (one row per (token, expert)
+pair comes back from ``dispatch``; the model multiplies each row by its weight; ``combine`` sums a token's
+rows home), so the model's MoE runs unchanged:
+
+* normal mode (prefill, any batch): ``get_dispatch_layout`` + ``Buffer.dispatch`` send each token once
+  to every rank holding one of its experts; the rank expands its received tokens into pairs (local expert
+  ids, -1 for experts elsewhere, are DeepEP's); ``combine`` sums a received token's pairs, then
+  ``Buffer.combine`` (unweighted) sums the ranks' partial outputs home. DeepEP's intranode kernels exist
+  for 2, 4 and 8 ranks: with one rank the pairs stay local (no kernel runs).
+* low-latency mode (decode; no host sync, the layout CUDA graphs need): ``low_latency_dispatch`` gives
+  ``[local experts, max tokens * ranks, hidden]`` with per-expert counts; every row is computed (rows past
+  the counts are never read back) and ``low_latency_combine`` reduces with the top-k weights, so the rows
+  go out with weight one. DeepEP supports a few hidden sizes here (2048, 4096, 7168, ...).
+
+Activations must be bfloat16 (DeepEP's format); EPLB's slot map is applied as in the all-to-all
+dispatcher. ``deep_ep`` is imported only when a dispatcher is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer_core.parallel.expert_map import ExpertMap
+
+
+def deep_ep_available() -> bool:
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class _NormalHandle:
+    deep_ep_handle: Any
+    token_of_pair: torch.Tensor  # received token of each dispatched pair
+    num_recv_tokens: int
+
+
+@dataclass
+class _LowLatencyHandle:
+    deep_ep_handle: Any
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    shape: tuple[int, int, int]  # local experts, rows per expert, hidden
+
+
+class DeepEPDispatcher:
+    """``deep_ep.Buffer`` over the communicator's (NCCL) group; ``low_latency`` picks the mode for the
+    engine's lifetime (every rank must run the same kernels in a layer)."""
+
+    expert_map: ExpertMap | None = None
+    layer: int | None = None
+
+    def __init__(self, communicator: Any, num_experts: int, hidden_size: int, low_latency: bool = False,
+                 max_dispatch_tokens_per_rank: int = 128):
+        import deep_ep
+
+        group = communicator.group
+        if group is None:
+            raise ValueError("DeepEP needs a torch.distributed process group")
+        world = communicator.world_size
+        if num_experts % world:
+            raise ValueError(f"{num_experts} routed experts cannot be split evenly over {world} ranks")
+        self.comm, self.num_experts, self.hidden_size = communicator, num_experts, hidden_size
+        self.world, self.rank = world, communicator.rank
+        self.experts_per_rank = num_experts // world
+        self.low_latency, self.max_tokens = low_latency, max_dispatch_tokens_per_rank
+        self.topk_idx_t = deep_ep.topk_idx_t
+        if low_latency:
+            rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_dispatch_tokens_per_rank, hidden_size, world,
+                                                                 num_experts)
+            self.buffer = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True,
+                                         num_qps_per_rank=self.experts_per_rank)
+            return
+        configs_of = 2 if world == 1 else world  # DeepEP tunes configs for 2+ ranks
+        self.dispatch_config = deep_ep.Buffer.get_dispatch_config(configs_of)
+        self.combine_config = deep_ep.Buffer.get_combine_config(configs_of)
+        hidden_bytes = hidden_size * 2  # bfloat16
+        nvl = rdma = 0
+        for config in (self.dispatch_config, self.combine_config):
+            nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, world), nvl)
+            rdma = max(config.get_rdma_buffer_size_hint(hidden_bytes, world), rdma)
+        self.buffer = deep_ep.Buffer(group, nvl, rdma)
+
+    @property
+    def local_experts(self) -> range:
+        return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
+
+    def _slots(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.expert_map is None:
+            return topk_ids.to(self.topk_idx_t)
+        return self.expert_map.physical(self.layer, topk_ids).view(topk_ids.shape).to(self.topk_idx_t)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """``(rows, local slot of each row, weight of each row, handle)`` (``topk_ids``: logical experts)."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"DeepEP dispatches bfloat16 activations, got {x.dtype}")
+        idx, weights = self._slots(topk_ids), topk_weights.float()
+        if self.low_latency:
+            return self._dispatch_low_latency(x, idx, weights)
+        if self.world == 1:  # no intranode kernel for one rank: the pairs are this rank's already
+            recv_x, recv_idx, recv_w, handle = x, idx, weights, None
+        else:
+            per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(idx, self.num_experts)
+            recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
+                x, topk_idx=idx, topk_weights=weights, num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                config=self.dispatch_config)
+        token, k = torch.nonzero(recv_idx >= 0, as_tuple=True)
+        rows = recv_x[token]
+        return rows, recv_idx[token, k].long(), recv_w[token, k], _NormalHandle(handle, token, recv_x.shape[0])
+
+    def _dispatch_low_latency(self, x, idx, weights):
+        recv_x, _, handle, _, _ = self.buffer.low_latency_dispatch(
+            x, idx, self.max_tokens, self.num_experts, use_fp8=False, async_finish=False, return_recv_hook=False)
+        local, per_expert, hidden = recv_x.shape
+        ids = torch.arange(local, device=x.device).repeat_interleave(per_expert)
+        ones = torch.ones(local * per_expert, dtype=torch.float32, device=x.device)  # combine weighs
+        return (recv_x.view(local * per_expert, hidden), ids, ones,
+                _LowLatencyHandle(handle, idx, weights, (local, per_expert, hidden)))
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Weighted rows ``y`` (as dispatched) summed back per home token: [T, hidden]."""
+        if isinstance(handle, _LowLatencyHandle):
+            out, _, _ = self.buffer.low_latency_combine(y.view(handle.shape).contiguous(), handle.topk_idx,
+                                                        handle.topk_weights, handle.deep_ep_handle,
+                                                        async_finish=False, return_recv_hook=False)
+            return out
+        per_token = y.new_zeros((handle.num_recv_tokens, y.shape[-1]))
+        per_token.index_add_(0, handle.token_of_pair, y)
+        if handle.deep_ep_handle is None:
+            return per_token
+        out, _, _ = self.buffer.combine(per_token, handle.deep_ep_handle, config=self.combine_config)
+        return out
