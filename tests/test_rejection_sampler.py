@@ -1,0 +1,122 @@
+"""Lossless rejection sampling: the tokens that verification emits follow the target's distribution.
+
+Chi-square goodness-of-fit tests with fixed seeds at significance 0.001 (critical values of the chi-square
+distribution: 16.27 for 3 degrees of freedom, 20.52 for 5): the rejection sampler alone on a 6-token
+vocabulary with general and one-hot (greedy) drafts, at the first and the second output position; and
+the engine end to end on a tiny model whose sampling is restricted to 4 tokens (top_k=4). Seeded requests
+reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import engine_fixtures
+import pytest
+import torch
+from engine_fixtures import make_prompt, token_prompts
+from spec_fixtures import spec
+
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
+
+make_llm = engine_fixtures.make_llm
+one_torch_thread = engine_fixtures.one_torch_thread
+tiny_path = engine_fixtures.tiny_path
+
+CRITICAL = {3: 16.27, 5: 20.52}  # chi-square quantiles at 1 - 0.001
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=len(probs)).double()
+    expected = probs.double() * len(samples)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+P0 = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05], dtype=torch.float64)
+P1 = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10], dtype=torch.float64)
+Q0 = torch.tensor([0.10, 0.40, 0.10, 0.20, 0.10, 0.10], dtype=torch.float64)
+Q1 = torch.tensor([0.30, 0.10, 0.10, 0.30, 0.10, 0.10], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("drafts_kind", ["sampled_from_q", "greedy_one_hot"])
+def test_rejection_sampler_is_lossless(drafts_kind):
+    n, v = 40000, 6
+    gen = torch.Generator().manual_seed(11)
+    target = torch.stack([P0, P1, P0]).expand(n, 3, v)
+    uniforms, noise = verify_noise(list(range(n)), [0] * n, 3, v, torch.device("cpu"))
+    if drafts_kind == "sampled_from_q":
+        q = torch.stack([Q0, Q1]).expand(n, 2, v)
+        drafts = torch.stack([torch.multinomial(Q0, n, True, generator=gen),
+                              torch.multinomial(Q1, n, True, generator=gen)], dim=1)
+    else:
+        q, drafts = None, torch.tensor([[1, 3]]).expand(n, 2)  # deliberately unlikely drafts
+    out = rejection_sample(target, drafts, torch.full((n,), 2), uniforms, noise, q)
+    assert chi_square(out.output_token_ids[:, 0], P0) < CRITICAL[5]
+    second = out.num_accepted >= 1  # position 1 exists: draft 1 passed
+    assert 0.05 * n < int(second.sum()) < 0.95 * n
+    assert chi_square(out.output_token_ids[second, 1], P1) < CRITICAL[5]
+    third = out.num_accepted >= 2
+    assert chi_square(out.output_token_ids[third, 2], P0) < CRITICAL[5] or int(third.sum()) < 50
+    # a wrong sampler fails the same test: drafts always accepted would follow q, not p
+    if q is not None:
+        assert chi_square(drafts[:, 0], P0) > CRITICAL[5]
+
+
+def test_greedy_rows_are_exact_match():
+    logits = torch.tensor([[[0.1, 2.0, 0.3], [1.0, 0.0, 0.2], [0.0, 0.0, 5.0]]], dtype=torch.float64)
+    uniforms, noise = verify_noise([0], [0], 3, 3, torch.device("cpu"))
+    out = rejection_sample(logits, torch.tensor([[1, 2]]), torch.tensor([2]), uniforms, noise,
+                           greedy=torch.tensor([True]))
+    assert out.num_accepted.tolist() == [1]  # draft 1 = argmax of row 0; draft 2 != argmax of row 1 (0)
+    assert out.output_token_ids.tolist() == [[1, 0, -1]]
+
+
+def _top4(llm, prompt):
+    """The engine's top-4 tokens after ``prompt`` and their probabilities renormalised (top_k=4, T=1)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=4, ignore_eos=True)
+    lp = llm.generate(token_prompts([prompt]), params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    top = sorted(lp.items(), key=lambda kv: -kv[1])[:4]
+    probs = torch.tensor([x for _, x in top], dtype=torch.float64).exp()
+    return [t for t, _ in top], probs / probs.sum()
+
+
+def test_engine_sampling_with_speculation_matches_the_target(tiny_path, make_llm):
+    """Token 2 of 2000 seeded requests of 3 tokens (temperature 1, top_k 4), verified against a draft the target
+    gives about a quarter of its mass, among the requests whose token 1 was the likeliest: distributed
+    as the target's conditional distribution."""
+    path = tiny_path("tiny")
+    prompt = make_prompt(6, seed=77)
+    plain = make_llm(path, dtype="float64")
+    tokens0, _ = _top4(plain, prompt)
+    first = tokens0[0]
+    tokens1, p1 = _top4(plain, prompt + [first])
+    draft = tokens1[1]
+    llm = make_llm(path, dtype="float64", max_num_seqs=256, max_num_batched_tokens=4096, **spec(1))
+    planner = llm.llm_engine.drafts
+    offer = planner.offer
+    planner.offer = lambda seq, drafts, confs: offer(seq, [draft], [0.5])
+    n = 2000
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    outs = llm.generate(token_prompts([prompt] * n), params, use_tqdm=False)
+    pairs = [o.outputs[0].token_ids for o in outs]
+    seconds = torch.tensor([tokens1.index(t[1]) for t in pairs if t[0] == first])
+    assert len(seconds) > 300
+    stats = llm.llm_engine.spec_decode_stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert chi_square(seconds, p1) < CRITICAL[3], (torch.bincount(seconds, minlength=4), p1 * len(seconds))
+
+
+def test_seeded_requests_reproduce(make_llm):
+    """Same seed: the same tokens, alone or in a batch, in a fresh engine; another seed: other tokens."""
+    text = open("data/heldout_slice.txt").read()
+    llm = make_llm(None, dtype="float64", block_size=32, **spec(2))
+    prompt = llm.llm_engine.encode(text)[:40]
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, ignore_eos=True, seed=7)
+    alone = llm.generate(token_prompts([prompt]), params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=s) for s in (1, 2)]
+    batch = llm.generate(token_prompts([prompt, prompt[:30], prompt]), [others[0], others[1], params],
+                         use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    assert batch[0].outputs[0].token_ids != alone
+    fresh = make_llm(None, dtype="float64", block_size=32, **spec(2))
+    assert fresh.generate(token_prompts([prompt]), params, use_tqdm=False)[0].outputs[0].token_ids == alone
+    assert llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] > 0
