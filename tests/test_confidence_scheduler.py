@@ -1,0 +1,100 @@
+"""Confidence scheduling (DSpark's algorithm 1) and the speculative decoding counters."""
+
+from __future__ import annotations
+
+import engine_fixtures
+import pytest
+from engine_fixtures import token_prompts
+from spec_fixtures import spec
+
+from deepinfer_core.spec_decode.confidence import (
+    AcceptanceCalibrator,
+    Candidate,
+    ConfidenceScheduler,
+    StepTimeModel,
+)
+from deepinfer_core.spec_decode.metrics import SpecDecodeStats
+
+make_llm = engine_fixtures.make_llm
+one_torch_thread = engine_fixtures.one_torch_thread
+
+
+def linear_time(fixed: float, per_token: float, sizes=(1, 4, 16, 64, 256, 1024)) -> StepTimeModel:
+    model = StepTimeModel()
+    for n in sizes:
+        model.observe(n, fixed + per_token * n)
+    return model
+
+
+def test_step_time_model_interpolates_and_extrapolates():
+    model = linear_time(0.01, 0.001)
+    assert model.seconds(10) == pytest.approx(0.02)
+    assert model.seconds(2048) == pytest.approx(0.01 + 0.001 * 2048)
+    assert StepTimeModel().seconds(100) == StepTimeModel().seconds(1)  # nothing measured: flat
+
+
+def test_calibration_follows_measured_acceptance():
+    cal = AcceptanceCalibrator()
+    assert cal.estimate(0.95) == pytest.approx(0.95)  # the prior trusts the confidence
+    for _ in range(200):  # confident drafts that are accepted only half the time
+        cal.observe([0.95, 0.95], 1)
+    assert cal.estimate(0.95) == pytest.approx(0.5, abs=0.05)
+    assert cal.tested[9] == 400  # both drafts were tested: the first passed
+
+
+def admitted(scheduler: ConfidenceScheduler, num_seqs: int, confidences: list[float]) -> int:
+    cands = [Candidate(i, confidences, len(confidences)) for i in range(num_seqs)]
+    return sum(scheduler.plan(cands, num_seqs, num_seqs).values())
+
+
+def test_large_batches_verify_fewer_drafts_per_sequence():
+    """A fixed cost per step and a cost per token: one user verifies all its drafts, a batch of 256
+    only its likeliest ones."""
+    scheduler = ConfidenceScheduler(step_time=linear_time(0.02, 0.0002))
+    confs = [0.9, 0.8, 0.7, 0.6]
+    per_seq = [admitted(scheduler, n, confs) / n for n in (1, 8, 64, 256)]
+    assert per_seq[0] == 4
+    assert per_seq == sorted(per_seq, reverse=True) and per_seq[-1] < 2, per_seq
+
+
+def test_pairs_are_admitted_by_survival():
+    scheduler = ConfidenceScheduler(step_time=linear_time(0.01, 0.001))
+    cands = [Candidate(0, [0.95, 0.95, 0.95], 3), Candidate(1, [0.3, 0.9, 0.9], 3), Candidate(2, [0.9], 0)]
+    plan = scheduler.plan(cands, 3, 3)
+    assert plan[0] >= plan[1] and plan[2] == 0  # no room: nothing, whatever the confidence
+    assert plan[0] == 3 and plan[1] <= 1
+
+
+def test_stats_count_positions():
+    s = SpecDecodeStats()
+    s.observe(3, 1)
+    s.observe(2, 2)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 5, 3)
+    assert s.accepted_per_position == [2, 1, 0] and s.verified_per_position == [2, 2, 1]
+    assert s.mean_acceptance_length == pytest.approx(2.5)
+
+
+def test_confidence_scheduled_engine_is_greedy_equal_and_counts(make_llm):
+    text = open("data/heldout_slice.txt").read()
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(text)
+    prompts = [ids[i * 120: i * 120 + 50] for i in range(6)]
+    params = engine_fixtures.greedy(20)
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    llm = make_llm(None, dtype="float64", block_size=32, **spec(3, "confidence"))
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    engine = llm.llm_engine.spec_decode_stats()
+    assert engine["num_accepted_tokens"] > 0
+    assert engine["num_draft_tokens"] <= engine["num_proposed_tokens"]
+    total = SpecDecodeStats()
+    for o in outs:
+        r = o.spec_decode_stats
+        total.num_drafts += r["num_drafts"]
+        total.num_draft_tokens += r["num_draft_tokens"]
+        total.num_accepted_tokens += r["num_accepted_tokens"]
+        assert len(o.outputs[0].token_ids) == 20
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens) == (
+        engine["num_drafts"], engine["num_draft_tokens"], engine["num_accepted_tokens"])
+    cal = llm.llm_engine.drafts.confidence.calibrator
+    assert sum(cal.tested) > 0  # calibrated online from the verifications
