@@ -1,0 +1,171 @@
+"""Speculative decoding benchmark: MTP acceptance and per-user speed, speculation off vs on.
+
+``--mode acceptance`` (default): the trained default model continues prompts cut from held-out text
+(``data/heldout_slice.txt``) greedily with k = 1, 2, 3 drafts; reports the mean acceptance length (tokens
+per verification step), the acceptance rate and the acceptance per draft position, and checks that every
+run produced the tokens of the run without speculation.
+
+``--mode speed``: per-user and total tokens/s at each batch size, speculation off vs a fixed k vs
+confidence-scheduled, in one run (any backend: ``--backend nvidia_sm100 --dtype bfloat16`` on a GPU).
+``--force-acceptance P`` replaces verification by accepting each draft with probability P (the output is
+then not the model's; it shows what the scheduler chooses at a given acceptance, e.g. with random weights).
+
+Prints a table and writes JSON (``--json-out``). Example (CPU):
+``python benchmarks/bench_spec_decode.py --mode acceptance --max-tokens 64``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.entrypoints import LLM, SamplingParams
+
+HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout_slice.txt"
+
+
+def _spec(k: int, schedule: str = "fixed") -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, "schedule": schedule}
+
+
+def _prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
+    ids = llm.llm_engine.encode(HELDOUT.read_text())
+    stride = max(1, (len(ids) - length) // max(1, n))
+    return [ids[i * stride: i * stride + length] for i in range(n)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], time.perf_counter() - start
+
+
+def acceptance(args, engine_kw: dict) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    plain = LLM(args.model, **engine_kw)
+    prompts = _prompts(plain, args.num_prompts, args.prompt_len)
+    ref, t_plain = _generate(plain, prompts, params)
+    rows = [{"k": 0, "seconds": t_plain, "mean_acceptance_length": 1.0}]
+    for k in args.ks:
+        llm = LLM(args.model, speculative_config=_spec(k), **engine_kw)
+        got, seconds = _generate(llm, prompts, params)
+        stats = llm.llm_engine.spec_decode_stats()
+        per_pos = [a / v if v else 0.0 for a, v in zip(stats["accepted_per_position"], stats["verified_per_position"])]
+        rows.append({"k": k, "seconds": seconds, "greedy_equal": got == ref,
+                     "mean_acceptance_length": stats["mean_acceptance_length"],
+                     "acceptance_rate": stats["acceptance_rate"], "acceptance_per_position": per_pos, **stats})
+    print(f"{'k':>3} {'accept len':>10} {'accept rate':>11} {'per position':>24} {'equal':>6} {'seconds':>8}")
+    for r in rows:
+        pos = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
+        print(f"{r['k']:>3} {r['mean_acceptance_length']:>10.3f} {r.get('acceptance_rate', 0):>11.3f} {pos:>24} "
+              f"{str(r.get('greedy_equal', '-')):>6} {r['seconds']:>8.2f}")
+    return {"prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rows": rows}
+
+
+def force_acceptance(rate: float, seed: int = 0) -> None:
+    """Make verification accept each draft with probability ``rate`` (benchmark only: not lossless)."""
+    from deepinfer_core.spec_decode import rejection_sampler
+    from deepinfer_core.worker import spec_model_runner
+
+    gen = torch.Generator().manual_seed(seed)
+    exact = rejection_sampler.rejection_sample
+
+    def forced(target_probs, draft_token_ids, num_drafts, uniforms, noise, draft_probs=None, greedy=None):
+        out = exact(target_probs, draft_token_ids, num_drafts, uniforms, noise, draft_probs, greedy)
+        s, k = draft_token_ids.shape
+        passed = (torch.rand(s, k, generator=gen) < rate).to(num_drafts.device)
+        passed &= torch.arange(k, device=num_drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+        n = passed.long().cumprod(dim=1).sum(dim=1)
+        rows = torch.arange(k + 1, device=n.device).unsqueeze(0)
+        tokens = torch.cat([draft_token_ids, out.output_token_ids[:, :1]], dim=1)
+        last = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1))
+        tokens = torch.where(rows == n.unsqueeze(1), last.expand_as(tokens), tokens)
+        tokens = torch.where(rows > n.unsqueeze(1), torch.full_like(tokens, -1), tokens)
+        return rejection_sampler.VerifyOutput(tokens, n)
+
+    spec_model_runner.rejection_sample = forced
+
+
+def speed(args, engine_kw: dict) -> dict:
+    if args.force_acceptance is not None:
+        force_acceptance(args.force_acceptance)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    modes = [("off", None)] + [(f"k={k}", _spec(k)) for k in args.ks] + [
+        (f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"))]
+    rows = []
+    for name, spec in modes:
+        llm = LLM(args.model, speculative_config=spec, max_num_seqs=max(args.batch_sizes), **engine_kw)
+        for batch in args.batch_sizes:
+            prompts = _prompts(llm, batch, args.prompt_len)
+            if not args.no_warmup:
+                _generate(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            before = llm.llm_engine.spec_decode_stats()
+            _, seconds = _generate(llm, prompts, params)
+            stats = llm.llm_engine.spec_decode_stats()
+            tokens = batch * args.max_tokens
+            row = {"mode": name, "batch": batch, "seconds": seconds, "total_tok_s": tokens / seconds,
+                   "per_user_tok_s": args.max_tokens / seconds}
+            if stats is not None:
+                steps = stats["num_drafts"] - before["num_drafts"]
+                acc = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+                verified = stats["num_draft_tokens"] - before["num_draft_tokens"]
+                row.update(mean_acceptance_length=1 + acc / steps if steps else 1.0,
+                           drafts_verified_per_step=verified / steps if steps else 0.0)
+            rows.append(row)
+    base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
+    print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
+          f"{'accept len':>10} {'verified/step':>13}")
+    for r in rows:
+        r["speedup"] = r["per_user_tok_s"] / base[r["batch"]]
+        print(f"{r['mode']:>16} {r['batch']:>5} {r['per_user_tok_s']:>14.2f} {r['total_tok_s']:>11.2f} "
+              f"{r['speedup']:>8.2f} {r.get('mean_acceptance_length', 1.0):>10.2f} "
+              f"{r.get('drafts_verified_per_step', 0.0):>13.2f}")
+    return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
+            "force_acceptance": args.force_acceptance, "rows": rows}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("acceptance", "speed"), default="acceptance")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded trained model)")
+    ap.add_argument("--backend", default="cpu_ref")
+    ap.add_argument("--dtype", default=None, help="default: float64 for acceptance, the backend's for speed")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--ks", type=_ints, default=[1, 2, 3], metavar="K,K,...")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], metavar="B,B,...")
+    ap.add_argument("--force-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json-out", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("float64" if args.mode == "acceptance" else None)
+    engine_kw = {"backend": args.backend, "dtype": dtype}
+    for name in ("device", "block_size"):
+        if getattr(args, name) is not None:
+            engine_kw[name] = getattr(args, name)
+    result = acceptance(args, engine_kw) if args.mode == "acceptance" else speed(args, engine_kw)
+    report = {"benchmark": "spec_decode", "mode": args.mode, "backend": args.backend, "dtype": dtype,
+              "model": args.model or "default", "torch": torch.__version__,
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
