@@ -32,6 +32,11 @@ SHAPES = {
     ("hc_post", "v4_flash"): dict(hc=4, dim=4096, block_d=256),
     ("hc_head_collapse", "tiny"): dict(hc=2, dim=64, eps=1e-6),
     ("hc_head_collapse", "v4_flash"): dict(hc=4, dim=4096, eps=1e-6, block_d=256),
+    ("act_quant_fp8", "tiny"): dict(dim=128),
+    ("act_quant_fp8", "v4_flash"): dict(dim=4096),
+    ("fp8_gemm", "tiny"): dict(n=128, k=128),
+    ("fp8_gemm", "v4_flash"): dict(n=4096, k=4096),
+    ("fp8_gemm", "v4_flash_expert_f32"): dict(n=4096, k=2048, out_dtype="float32"),
 }
 #: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
 GEMMS = {
@@ -39,6 +44,8 @@ GEMMS = {
     "indexer_scores": lambda kw: {(kw["heads"], kw["dim"], 64)},
     "hc_post": None,
     "hc_head_collapse": None,
+    "act_quant_fp8": None,
+    "fp8_gemm": lambda kw: {(64, 128, 128)},
 }
 
 
@@ -98,6 +105,14 @@ def test_indexer_splits_the_scores_by_candidates_between_the_vector_cores(lowere
 def test_footprint_fits_the_ascend_950(lowered, kernel, shape):
     lo = lowered(kernel, shape)
     assert lo.over_limits() == {}, lo.usage()
+
+
+def test_fp8_gemm_runs_e4m3_tiles_on_the_cube_and_rescales_per_k_group(lowered):
+    lo = lowered("fp8_gemm", "v4_flash")
+    assert [g.elem_bytes for g in lo.gemms] == [1]  # E4M3 operands, one byte each
+    assert re.search(r"ascend_gemm_l1<\s*64,\s*128,\s*128,\s*128,\s*true,\s*float8_e4m3_t", lo.source)
+    assert "static_cast<asc_dual_dst_mode>(1)" in lo.source  # M-split: each AIV half the rows
+    assert re.search(r"for \(int32_t \w+ = 0; \w+ < 32; \+\+\w+\)", lo.source)  # 4096 / 128 K groups
 
 
 def test_v4_flash_footprint_figures(lowered):

@@ -319,9 +319,7 @@ class _Machine:
                 finally:
                     self.sid_var, self.lanes = None, [None]
                 return
-            for i in range(lo, lo + ext):
-                self.env[s.loop_var] = i
-                self.run(s.body)
+            self._serial(s, lo, ext)
             return
         if kind in (1, 2):  # PARALLEL, VECTORIZED
             if isinstance(lo, torch.Tensor) or isinstance(ext, torch.Tensor):
@@ -330,9 +328,15 @@ class _Machine:
             return
         if isinstance(ext, torch.Tensor):
             raise EmulationError("a serial loop whose extent depends on a parallel variable")
-        for i in range(lo, lo + ext):
-            self.env[s.loop_var] = i
-            self.run(s.body)
+        self._serial(s, lo, ext)
+
+    def _serial(self, s, lo: int, ext: int) -> None:
+        try:
+            for i in range(lo, lo + ext):
+                self.env[s.loop_var] = i
+                self.run(s.body)
+        finally:  # out of scope: a later Bind must not see the last value
+            self.env.pop(s.loop_var, None)
 
     def _bind_parallel(self) -> None:
         depth = len(self.parallel)

@@ -31,7 +31,9 @@ TILELANG_DTYPES = {"sparse_attention": (torch.bfloat16, torch.float16),
                    "compress_windows": (torch.bfloat16, torch.float16, torch.float32),
                    "indexer_topk": (torch.bfloat16, torch.float16),
                    "hc_post": (torch.bfloat16, torch.float16, torch.float32),
-                   "hc_head": (torch.bfloat16, torch.float16, torch.float32)}
+                   "hc_head": (torch.bfloat16, torch.float16, torch.float32),
+                   "linear_fp8": (torch.bfloat16, torch.float16, torch.float32),
+                   "moe_experts_fp8": (torch.bfloat16, torch.float16, torch.float32)}
 
 
 def npu_op_applies(operator: str) -> Callable[[BuildContext], bool]:
@@ -110,7 +112,8 @@ def register_all(registry: OpRegistry) -> None:
     for op, (fn, operator) in npu_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TORCH_NPU, predicate=npu_op_applies(operator))
     for op, fn in tilelang_ops.ALL_OPS.items():
-        registry.register(op, fn, priority=TILELANG, predicate=tilelang_applies(op))
+        registry.register(op, fn, priority=TILELANG, predicate=tilelang_applies(op),
+                          syncs_host=op in tilelang_ops.SYNCS_HOST)
 
 
 def _names() -> dict[Callable, str]:

@@ -8,6 +8,9 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
   padded to 16 and tokens processed in chunks so the gathered rows stay under :data:`GATHER_BUDGET`.
 - ``hc_post``: all of it in :mod:`.kernels.hc_mix`; ``hc_head``: the mixes GEMM in torch on the NPU, the
   sigmoid and the collapse in :mod:`.kernels.hc_mix`.
+- ``linear_fp8``: activations quantised by :func:`.kernels.fp8_gemm.act_quant_fp8`, the scaled E4M3 GEMM
+  by :func:`.kernels.fp8_gemm.fp8_gemm`; ``moe_experts_fp8``: the native body's expert loop over the same
+  two kernels (it reads the expert counts back, so it is registered ``syncs_host``).
 - ``compress_windows``: all of it in :mod:`.kernels.compress_windows`.
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
@@ -171,5 +174,66 @@ def hc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float):
     return out
 
 
-ALL_OPS = {"hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = 128
+
+
+def _pad_k(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., K]`` with zero columns up to a multiple of 128 (the kernels take whole K groups)."""
+    pad = -t.shape[-1] % FP8_BLOCK
+    if not pad:
+        return t.contiguous()
+    return torch.cat([t, torch.zeros((*t.shape[:-1], pad), dtype=t.dtype, device=t.device)], dim=-1)
+
+
+def _act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (K a multiple of 128) -> (E4M3 [M, K], float32 scales [K / 128, M])."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scales = torch.empty(k // FP8_BLOCK, m, dtype=torch.float32, device=x.device)
+    if m:
+        compiled("act_quant_fp8", dim=k, dtype=VECTOR_DTYPES[x.dtype])(x.contiguous(), q, scales)
+    return q, scales
+
+
+def _fp8_mm(q, scales, weight, weight_scale, out_dtype: torch.dtype) -> torch.Tensor:
+    m, k = q.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=q.device)
+    if m:
+        kernel = compiled("fp8_gemm", n=n, k=k, out_dtype=VECTOR_DTYPES[out_dtype],
+                          num_cores=cube_cores(q.device.index or 0))
+        kernel(q, scales.contiguous(), _pad_k(weight), weight_scale.to(torch.float32).contiguous(), out)
+    return out
+
+
+def linear_fp8(x, weight, weight_scale):
+    if x.dtype not in VECTOR_DTYPES or weight.dtype != FP8:
+        return native.linear_fp8(x, weight, weight_scale)
+    lead = x.shape[:-1]
+    q, scales = _act_quant(_pad_k(x.reshape(-1, x.shape[-1])))
+    return _fp8_mm(q, scales, weight, weight_scale, x.dtype).view(*lead, weight.shape[0])
+
+
+def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float):
+    """Experts in ascending id order (the native body's loop, so it reads the counts back), each
+    projection as the FP8 kernels; gate/up, SwiGLU and the sum in float32."""
+    if x.dtype not in VECTOR_DTYPES or w13.dtype != FP8 or w2.dtype != FP8:
+        return native.moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+    f32, k = torch.float32, topk_ids.shape[-1]
+    xq, xs = _act_quant(_pad_k(x))
+    out = torch.zeros(x.shape, dtype=f32, device=x.device)
+    for expert, pairs in native.expert_pairs(topk_ids, w13.shape[0]):
+        tokens = pairs // k
+        gate_up = _fp8_mm(xq[tokens], xs[:, tokens], w13[expert], w13_scale[expert], f32)
+        hq, hs = _act_quant(_pad_k(native.swiglu(gate_up, swiglu_limit)))
+        y = _fp8_mm(hq, hs, w2[expert], w2_scale[expert], f32)
+        out.index_add_(0, tokens, y * topk_weights.reshape(-1)[pairs, None].to(f32))
+    return out.to(x.dtype)
+
+
+#: ops whose wrapper reads values back to the host (no graph around them)
+SYNCS_HOST = frozenset({"moe_experts_fp8"})
+
+ALL_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8, "hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
            "indexer_topk": indexer_topk}

@@ -18,6 +18,8 @@ KERNELS = {
     "compress_windows": "compress_windows:compress_windows",
     "indexer_scores": "indexer_scores:indexer_scores",
     "hc_post": "hc_mix:hc_post",
+    "act_quant_fp8": "fp8_gemm:act_quant_fp8",
+    "fp8_gemm": "fp8_gemm:fp8_gemm",
     "hc_head_collapse": "hc_mix:hc_head_collapse",
 }
 
