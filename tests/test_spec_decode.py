@@ -209,3 +209,31 @@ def test_cli_speculative_config_flag(capsys):
     assert json.loads(capsys.readouterr().out)["results"][0]["outputs"][0]["token_ids"] == plain
     assert cli.main(args + ["--speculative-config", "{not json"]) == 2
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_async_scheduling_falls_back_to_synchronous_steps(tiny_path, make_llm, caplog):
+    path = tiny_path("tiny")
+    ref = reference(make_llm, path, PROMPTS)
+    with caplog.at_level("WARNING"):
+        llm = make_llm(path, dtype="float64", async_scheduling=True, **spec(2))
+    assert "async_scheduling is off" in caplog.text
+    oracle_drafts(llm, ref, mixed)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == [ref[tuple(p)][:MAX_TOKENS] for p in PROMPTS]
+
+
+def test_penalties_and_logprobs_take_the_plain_path(tiny_path, make_llm):
+    """Requests the rejection sampler does not serve (penalties, logprobs) decode without drafts and get
+    the tokens and logprobs (to float64 rounding) of an engine without speculation, next to speculated ones."""
+    path = tiny_path("tiny")
+    prompts = PROMPTS[8:12]
+    params = [greedy(MAX_TOKENS, repetition_penalty=1.3), greedy(MAX_TOKENS, logprobs=2), greedy(MAX_TOKENS),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=MAX_TOKENS, presence_penalty=0.5)]
+    plain = make_llm(path, dtype="float64").generate(token_prompts(prompts), params, use_tqdm=False)
+    llm = make_llm(path, dtype="float64", **spec(2))
+    got = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    for a, b in zip(plain, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-9 for t in x)  # other rows, other sums
+    assert [o.spec_decode_stats["num_drafts"] for o in got][:2] == [0, 0]
+    assert got[2].spec_decode_stats["num_drafts"] > 0

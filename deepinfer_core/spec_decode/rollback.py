@@ -29,7 +29,10 @@ class _Saved:
     values: torch.Tensor  # [R, D] the rows before the forward
 
 
-def _written_rows(host: ForwardBatch, draft: torch.Tensor) -> dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]:
+_Rows = list[tuple[object, torch.Tensor, torch.Tensor]]
+
+
+def _written_rows(host: ForwardBatch, draft: torch.Tensor) -> dict[str, _Rows]:
     """For each kind of write: (key, rows, owner token) restricted to rows draft tokens write (host)."""
     out: dict[str, list] = {"window": [], "entries": [], "ring": [], "boundary": []}
     tokens = torch.arange(len(host.positions))

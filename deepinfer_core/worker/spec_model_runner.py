@@ -17,6 +17,7 @@ import torch
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
 from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
 from deepinfer_core.spec_decode.rollback import CacheUndo
@@ -118,8 +119,6 @@ class SpecDecodeModelRunner(ModelRunner):
         rows = logits[gather.to(device).flatten()]  # [S * (K + 1), V]
         params = [v.state.params for v in verifies for _ in range(k + 1)]
         probs = self._target_probs(rows, params).view(s, k + 1, vocab)
-        from deepinfer_core.sampling.sampler import base_seed
-
         uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
                                        [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
         out = rejection_sample(probs, drafts.to(device), num_drafts.to(device), uniforms, noise,
