@@ -27,9 +27,10 @@ def round_e4m3(x):
     # exponent, as it should)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     # below 2^-6 E4M3 is subnormal, in steps of 2^-9: adding 1.5 * 2^14 leaves exactly that step; on the
-    # magnitude, so that a negative value rounding to zero stays -0 as torch's cast keeps it
-    subnormal = (tl.abs(x) + 24576.0) - 24576.0
-    subnormal = tl.where(x < 0, -subnormal, subnormal)
+    # magnitude, with x's sign bit put back so that a negative value rounding to zero stays -0 as torch's
+    # cast keeps it (a float negation compiles to 0 - x, which gives +0)
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
