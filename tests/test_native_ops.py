@@ -196,6 +196,7 @@ def test_adapter_predicate_runs_its_self_check_once_and_follows_it(fake_hopper, 
     from deepinfer_nvidia_sm100 import external
 
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
+    monkeypatch.setenv(external.DEEPGEMM_MOE_ENV, "1")
     calls = []
     verdict = {"ok": False}
 
@@ -225,6 +226,7 @@ def test_adapter_declines_widths_it_cannot_take_or_cannot_know(fake_hopper, monk
 
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
     monkeypatch.setattr(external, "_self_check", lambda check, device: (True, ""))
+    monkeypatch.setenv(external.DEEPGEMM_MOE_ENV, "1")
     registry = _nvidia_registry()
     assert resolve_ops(registry, _ctx()).chosen["linear_fp8"].fn is external.deep_gemm_linear_fp8
     tiny = SimpleNamespace(**{**vars(V4_FLASH), "hidden_size": 64, "num_attention_heads": 8})
@@ -237,6 +239,22 @@ def test_adapter_declines_widths_it_cannot_take_or_cannot_know(fake_hopper, monk
     labels = op_labels(registry, _ctx(model_config=None, probe_only=True))
     assert labels["sparse_attention"] == "flash_mla (if its self-check passes, else torch)"
     assert labels["moe_experts"] == "deep_gemm (if its self-check passes, else torch)"
+
+
+def test_bf16_deep_gemm_moe_is_opt_in(fake_hopper, monkeypatch):
+    """Slower than the Triton grouped MoE on an H200 (every expert padded to 128 rows): declined, saying so."""
+    from deepinfer_nvidia_sm100 import external, triton_ops
+
+    monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
+    monkeypatch.setattr(external, "_self_check", lambda check, device: (True, ""))
+    monkeypatch.delenv(external.DEEPGEMM_MOE_ENV, raising=False)
+    table = resolve_ops(_nvidia_registry(), _ctx())
+    assert table.chosen["moe_experts"].fn is not external.deep_gemm_moe_experts
+    assert table.chosen["linear_fp8"].fn is external.deep_gemm_linear_fp8
+    adapter = next(a for a in external.ADAPTERS if a.fn is external.deep_gemm_moe_experts)
+    ok, reason = adapter.usable(torch.device("cpu"), torch.bfloat16, V4_FLASH, True)
+    assert not ok and external.DEEPGEMM_MOE_ENV in reason
+    assert triton_ops.ALL_OPS["moe_experts"] is not None
 
 
 def test_self_check_is_cached_per_device():
