@@ -79,9 +79,11 @@ class DeepEPDispatcher:
             self.buffer = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True,
                                          num_qps_per_rank=self.experts_per_rank)
             return
-        configs_of = 2 if world == 1 else world  # DeepEP tunes configs for 2+ ranks
-        self.dispatch_config = deep_ep.Buffer.get_dispatch_config(configs_of)
-        self.combine_config = deep_ep.Buffer.get_combine_config(configs_of)
+        if world == 1:  # a normal-mode Buffer of one rank aborts the process (measured on an H200)
+            self.buffer = None
+            return
+        self.dispatch_config = deep_ep.Buffer.get_dispatch_config(world)
+        self.combine_config = deep_ep.Buffer.get_combine_config(world)
         hidden_bytes = hidden_size * 2  # bfloat16
         nvl = rdma = 0
         for config in (self.dispatch_config, self.combine_config):
