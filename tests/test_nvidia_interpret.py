@@ -297,12 +297,21 @@ def _registry_for(name: str) -> OpRegistry:
 
 def test_ops_are_registered_only_for_this_backend():
     assert _registry_for("cpu_ref").impls == {}
+    from deepinfer_nvidia_sm100 import invariant_ops
+    from deepinfer_nvidia_sm100.registration import INVARIANT
+
     registry = _registry_for(BACKEND)
     assert set(registry.impls) == set(CATALOGUE)
-    for op, impls in registry.impls.items():
+    # batch-invariant mode's implementations apart, at INVARIANT, declared invariant
+    invariant = {op: [i for i in impls if i.priority == INVARIANT] for op, impls in registry.impls.items()}
+    assert {op for op, impls in invariant.items() if impls} == set(invariant_ops.ALL_OPS)
+    assert all(i.batch_invariant and i.fn is invariant_ops.ALL_OPS[i.op] for impls in invariant.values() for i in impls)
+    default = {op: [i for i in impls if i.priority != INVARIANT] for op, impls in registry.impls.items()}
+    for op, impls in default.items():
         priorities = sorted(i.priority for i in impls)
         assert priorities[0] == 1 and max(priorities) <= 3, op  # a kernel pack at 10 overrides them
-    assert {op for op, impls in registry.impls.items() if len(impls) > 1} == set(TRITON_OPS) | set(FP8_OPS)
+    assert INVARIANT < 10
+    assert {op for op, impls in default.items() if len(impls) > 1} == set(TRITON_OPS) | set(FP8_OPS)
 
 
 def test_cpu_switch_controls_availability_and_device(monkeypatch):

@@ -24,10 +24,14 @@ def _kernels():
     return hc_kernels
 
 
-def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
+def _matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return a @ weight.T
+
+
+def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, mm=_matmul):
     tokens, n, d = streams.shape
     streams = streams.contiguous()
-    mixes = (streams.reshape(tokens, n * d).float() @ fn.float().T).contiguous()
+    mixes = mm(streams.reshape(tokens, n * d).float(), fn.float()).contiguous()
     post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
     out = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
@@ -41,12 +45,13 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
     return post, comb, out
 
 
-def hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
-    return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+def hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, *, mm=_matmul):
+    """``mm(a, weight)``: the mixing GEMM a . weight^T in float32 (batch-invariant mode passes its own)."""
+    return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False, mm=mm)
 
 
-def hc_head(streams, fn, base, scale, hc_eps, norm_eps):
-    return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, head=True)[2]
+def hc_head(streams, fn, base, scale, hc_eps, norm_eps, *, mm=_matmul):
+    return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, head=True, mm=mm)[2]
 
 
 def hc_post(block_out, streams, post, comb):

@@ -7,6 +7,11 @@ kernels take; where an official DeepSeek library is importable and passes a self
 an adapter to it (:data:`LIBRARY`, :mod:`.external`). Every predicate decides once, when the engine is
 built; the core's resolution picks the highest priority that applies. Kernel packs override any of
 them with a priority above :data:`LIBRARY` (e.g. 10).
+
+Batch-invariant mode (``BuildContext.batch_invariant``) resolves the ops the catalogue does not mark
+invariant only to implementations declared invariant: :mod:`.invariant_ops` registers them at
+:data:`INVARIANT` (above the libraries, whose kernels make no such promise), and the default Triton
+kernels that are invariant as they are keep serving, declared so.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import CHOSEN, SHADOWED, BuildContext, OpImpl, OpRegistry
 from deepinfer_nvidia_sm100 import capability
 
-TORCH, TRITON, LIBRARY = 1, 2, 3
+TORCH, TRITON, LIBRARY, INVARIANT = 1, 2, 3, 4
 FP8_TRITON_ENV = "DEEPINFER_NVIDIA_FP8_TRITON"
 
 
@@ -43,6 +48,11 @@ def triton_fp8_applies(ctx: BuildContext) -> bool:
     return os.environ.get(FP8_TRITON_ENV, "") == "1" and triton_applies(ctx)
 
 
+def invariant_applies(ctx: BuildContext) -> bool:
+    """Batch-invariant mode, with the Triton kernels serving."""
+    return bool(ctx.batch_invariant) and triton_applies(ctx)
+
+
 def _adapter_applies(adapter: Any) -> Callable[[BuildContext], bool]:
     def applies(ctx: BuildContext) -> bool:
         return adapter.usable(ctx.device, ctx.dtype, ctx.model_config, not ctx.probe_only)[0]
@@ -52,24 +62,29 @@ def _adapter_applies(adapter: Any) -> Callable[[BuildContext], bool]:
 
 
 def register_all(registry: OpRegistry) -> None:
-    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, triton_ops
+    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, invariant_ops, triton_ops
 
     native.register(registry, priority=TORCH)
     for op, fn in {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}.items():
-        registry.register(op, fn, priority=TRITON, predicate=triton_applies)
+        registry.register(op, fn, priority=TRITON, predicate=triton_applies,
+                          batch_invariant=op in invariant_ops.INVARIANT_BY_CONSTRUCTION)
     for op, fn in fp8_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TRITON, predicate=triton_fp8_applies)
     for adapter in external.ADAPTERS:
         registry.register(adapter.op, adapter.fn, priority=LIBRARY, predicate=_adapter_applies(adapter))
+    for op, fn in invariant_ops.ALL_OPS.items():
+        registry.register(op, fn, priority=INVARIANT, predicate=invariant_applies, batch_invariant=True,
+                          syncs_host=op in invariant_ops.SYNCS_HOST)
 
 
 @functools.cache
 def _names() -> dict[Callable, str]:
-    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, triton_ops
+    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, invariant_ops, triton_ops
 
     names = {fn: "torch" for fn in native.NATIVE_OPS.values()}
     names.update({fn: "triton" for fn in (*triton_ops.ALL_OPS.values(), *hc_ops.ALL_OPS.values(),
                                           *fp8_ops.ALL_OPS.values())})
+    names.update({fn: "triton (batch-invariant)" for fn in invariant_ops.ALL_OPS.values()})
     names.update({a.fn: a.library for a in external.ADAPTERS})
     return names
 

@@ -36,7 +36,10 @@ def _patch_interpreter() -> None:
       1-element 1-d array, so every ``range(0, n, BLOCK)`` over a runtime ``n`` fails
       (triton-lang/triton#9171, fixed upstream in #9172);
     * ``tl.dot`` multiplies the raw uint16 storage of bfloat16 operands; here they are widened to
-      float32 first (exact), as the tensor cores do before accumulating in float32.
+      float32 first (exact), as the tensor cores do before accumulating in float32;
+    * ``tl.dot`` of float32 operands is numpy's matmul, whose result for one row of the block depends
+      on the row's position in it (as no tensor core's does); it runs through torch's matmul instead,
+      which computes every row of a block alike (batch-invariant mode's kernels rely on that).
     """
     import numpy as np
     from triton.runtime import interpreter
@@ -63,7 +66,11 @@ def _patch_interpreter() -> None:
             return handle
 
         def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+            a, b = widen(a), widen(b)
+            if a.dtype.scalar == b.dtype.scalar == d.dtype.scalar == tl.float32:
+                prod = torch.from_numpy(np.ascontiguousarray(a.data)) @ torch.from_numpy(np.ascontiguousarray(b.data))
+                return interpreter.TensorHandle(prod.numpy() + d.data, d.dtype.scalar)
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
         create_dot.deepinfer_fix = True
         builder.create_dot = create_dot
@@ -132,8 +139,12 @@ def sparse_attention(
     scale: float,
     extra_kv: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
+    *,
+    keep_extra: bool = False,
 ) -> torch.Tensor:
-    has_extra = extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0
+    """``keep_extra``: take the extra pool's branch whenever one is given, even with no index column
+    (batch-invariant mode: the kernel a query runs then does not depend on its batch's widest list)."""
+    has_extra = extra_kv is not None and extra_indices is not None and (keep_extra or extra_indices.shape[-1] > 0)
     tokens, heads, d = q.shape
     out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -185,14 +196,17 @@ def indexer_topk(
     candidates: torch.Tensor,
     topk: int,
     scale: float,
+    *,
+    block_c: int | None = None,
 ) -> torch.Tensor:
-    """Scores in Triton; the selection is a stable sort (ties towards the earlier candidate)."""
+    """Scores in Triton; the selection is a stable sort (ties towards the earlier candidate).
+    ``block_c``: candidates per program (default: by the candidate count)."""
     tokens, heads, d = q.shape
     n_cand = candidates.shape[-1]
     q, weights, keys, candidates = _rows(q), _rows(weights), _rows(keys), _rows(candidates)
     scores = torch.empty((tokens, n_cand), dtype=torch.float32, device=q.device)
     if tokens and n_cand:
-        block_c = 64 if n_cand > 32 else 32
+        block_c = block_c or (64 if n_cand > 32 else 32)
         block_h = min(max(_pow2(heads), 16), 64)
         block_d = min(max(_pow2(d), 16), 128)
         _k().indexer_scores_kernel[(tokens, _cdiv(n_cand, block_c))](

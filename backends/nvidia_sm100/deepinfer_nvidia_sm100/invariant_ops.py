@@ -1,0 +1,221 @@
+"""Batch-invariant implementations of the ops the catalogue does not mark batch-invariant.
+
+Registered with ``batch_invariant=True`` and chosen only in batch-invariant mode. What makes a row's
+result independent of its batch, op by op:
+
+* ``linear``, ``grouped_linear``, the mixing GEMMs of ``hc_pre`` / ``hc_head``: one Triton GEMM whose
+  tiles (:data:`GEMM_TILES`) depend on the dtype alone, never on M, with the whole K loop in one
+  program (no split-K) in ascending order. cuBLAS, which the default mode uses, picks its kernel (and
+  split-K) by M.
+* ``moe_experts``: the default Triton grouped GEMMs with their M-block fixed at :data:`MOE_BLOCK_M`
+  (the default picks 16 or 64 by the number of pairs), and a token's k slot outputs summed in slot
+  order by one program (the default's torch ``sum`` picks its reduction layout by the tensor's shape).
+* ``swiglu``, ``moe_route``: one program per row; the top-k picks one expert at a time (ties towards
+  the lower id), where torch's sort picks its algorithm by the shape.
+* ``sparse_attention``: the default kernel is one program per query with tiles set by the head count
+  and width; its online softmax walks the index lists in fixed chunks of 32, and a chunk of -1 only
+  multiplies by exp(0) = 1 and adds exact zeros, so padding a list further changes nothing. The one
+  batch-dependent choice left, skipping the extra pool when no query of the batch has an extra index,
+  is turned off (``keep_extra``).
+* ``indexer_topk`` (which the catalogue marks invariant): its candidate tile fixed at
+  :data:`INDEXER_BLOCK_C` instead of chosen by the batch's widest candidate list.
+* ``linear_fp8``, ``moe_experts_fp8``, ``moe_experts_fp4``: the core's native bodies (per-row
+  activation quantisation, weights dequantised exactly, experts in ascending id order) with the GEMM
+  and SwiGLU above; correct but slow (float32 GEMMs on dequantised weights). They read expert counts
+  back to the host, so steps with the MoE ones are not graph-captured.
+
+``rms_norm``, ``rotary_emb``, ``compress_windows`` and ``hc_post`` keep the default kernels, which
+are invariant by construction (see :data:`INVARIANT_BY_CONSTRUCTION`).
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import torch
+
+from deepinfer_core.ops import native
+from deepinfer_nvidia_sm100 import hc_ops, triton_ops
+from deepinfer_nvidia_sm100.triton_ops import _cdiv, _k, _pow2, _prec, _rows, expert_layout
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of every invariant GEMM, by operand dtype
+GEMM_TILES = {torch.float32: (32, 64, 32, 4), torch.bfloat16: (64, 128, 64, 4), torch.float16: (64, 128, 64, 4)}
+#: rows per block of the grouped MoE GEMMs
+MOE_BLOCK_M = 64
+#: candidates per program of the indexer scores
+INDEXER_BLOCK_C = 64
+
+#: default Triton kernels that are batch-invariant as they are: one program per row (token, window),
+#: reductions only along that row with blocks set by the feature width, no cross-row work
+INVARIANT_BY_CONSTRUCTION = frozenset({"rms_norm", "rotary_emb", "compress_windows", "hc_post"})
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    _k()  # the interpreter patches, when interpreting
+    from deepinfer_nvidia_sm100 import invariant_kernels
+
+    return invariant_kernels
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """x: [M, G, K] (last dim contiguous), weight: [G, N, K] -> [M, G, N] in x.dtype."""
+    m, _, k = x.shape
+    n = weight.shape[1]
+    out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m, block_n, block_k, warps = GEMM_TILES[x.dtype]
+    weight = _rows(weight)
+    _kernels().matmul_kernel[(_cdiv(m, block_m), _cdiv(n, block_n), groups)](
+        x, x.stride(0), x.stride(1), weight, weight.stride(0), weight.stride(1),
+        bias.contiguous() if bias is not None else weight, out, out.stride(0), out.stride(1), m, n, k,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=_prec(x.dtype),
+        num_warps=warps,
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    flat = _rows(x.reshape(-1, x.shape[-1]))
+    out = _gemm(flat.unsqueeze(1), weight.unsqueeze(0), bias, 1)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    tokens, groups, k = x.shape
+    return _gemm(_rows(x), weight.view(groups, -1, k), None, groups)
+
+
+def _mixing_mm(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear(a, weight)
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    x = _rows(gate_up.reshape(-1, 2 * inter))
+    out = torch.empty((x.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        block = min(_pow2(inter), 1024)
+        _kernels().swiglu_kernel[(x.shape[0], _cdiv(inter, block))](
+            x, x.stride(0), out, out.stride(0), inter, float(limit), BLOCK=block, num_warps=4,
+        )
+    return out.view(*gate_up.shape[:-1], inter)
+
+
+def moe_route(
+    logits: torch.Tensor,
+    scoring_func: str,
+    top_k: int,
+    correction_bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kern = _kernels()
+    funcs = {"sqrtsoftplus": kern.SQRTSOFTPLUS, "sigmoid": kern.SIGMOID, "softmax": kern.SOFTMAX}
+    if scoring_func not in funcs:
+        raise ValueError(f"unknown scoring_func {scoring_func!r}; expected one of {sorted(funcs)}")
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.long, device=logits.device)
+    if tokens == 0 or top_k == 0:
+        return weights, ids
+    logits = _rows(logits)
+    fixed = _rows(fixed_ids.long()) if fixed_ids is not None else ids
+    bias = correction_bias.contiguous() if correction_bias is not None else logits
+    kern.moe_route_kernel[(tokens,)](
+        logits, logits.stride(0), bias, fixed, fixed.stride(0), weights, ids, experts, top_k,
+        float(routed_scaling_factor), FUNC=funcs[scoring_func], HAS_BIAS=correction_bias is not None,
+        FIXED=fixed_ids is not None, BLOCK_E=max(_pow2(experts), 2), BLOCK_K=max(_pow2(top_k), 2), num_warps=4,
+    )
+    return weights, ids
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    tokens, d = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[-1]
+    pairs = tokens * k
+    block_m = MOE_BLOCK_M
+    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
+    rows = sorted_pairs.shape[0]
+    x, w13, w2 = _rows(x), _rows(w13), _rows(w2)
+    h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    slots = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    block_k = 32 if x.dtype == torch.float32 else 64
+    kern, prec = _k(), _prec(x.dtype)
+    kern.moe_gate_up_kernel[(rows // block_m, _cdiv(inter, 64))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), sorted_pairs, block_expert, h, h.stride(0),
+        pairs, k, d, inter, float(swiglu_limit),
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    )
+    kern.moe_down_kernel[(rows // block_m, _cdiv(d, 64))](
+        h, h.stride(0), w2, w2.stride(0), w2.stride(1), sorted_pairs, block_expert, weights,
+        slots, slots.stride(0), pairs, d, inter,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    )
+    out = torch.empty_like(x)
+    block_d = min(_pow2(d), 1024)
+    _kernels().sum_slots_kernel[(tokens, _cdiv(d, block_d))](slots, out, k, d, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return triton_ops.sparse_attention(q, kv, indices, sinks, scale, extra_kv, extra_indices, keep_extra=True)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    return triton_ops.indexer_topk(q, weights, keys, candidates, topk, scale, block_c=INDEXER_BLOCK_C)
+
+
+hc_pre = partial(hc_ops.hc_pre, mm=_mixing_mm)
+hc_head = partial(hc_ops.hc_head, mm=_mixing_mm)
+linear_fp8 = partial(native.linear_fp8, linear=linear)
+moe_experts_fp8 = partial(native.moe_experts_fp8, linear=linear, swiglu=swiglu)
+moe_experts_fp4 = partial(native.moe_experts_fp4, linear=linear, swiglu=swiglu)
+
+ALL_OPS = {
+    "linear": linear,
+    "grouped_linear": grouped_linear,
+    "swiglu": swiglu,
+    "moe_route": moe_route,
+    "moe_experts": moe_experts,
+    "sparse_attention": sparse_attention,
+    "indexer_topk": indexer_topk,
+    "hc_pre": hc_pre,
+    "hc_head": hc_head,
+    "linear_fp8": linear_fp8,
+    "moe_experts_fp8": moe_experts_fp8,
+    "moe_experts_fp4": moe_experts_fp4,
+}
+if "sparse_attention_fp8" in native.NATIVE_OPS:  # FP8 KV entries: rows decoded exactly, then the attention above
+    ALL_OPS["sparse_attention_fp8"] = partial(native.NATIVE_OPS["sparse_attention_fp8"], attention=sparse_attention)
+#: the native loops over experts, which read the counts back to the host
+SYNCS_HOST = frozenset({"moe_experts_fp8", "moe_experts_fp4"})
