@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model import load_model
 from deepinfer_core.model.deepseek_v4 import RotaryTables
+from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint, dequantised
 
 #: the tiny layout at widths of whole groups: 128 for activations, 64 for KV, 32 for FP4
@@ -364,3 +365,19 @@ def test_deepseek_numerics_with_fp8_kept_weights_is_refused(checkpoint):
     with pytest.raises(ValueError, match="numerics='deepseek' with quantization='fp8'"):
         with no_kernel_packs():
             load_model(checkpoint, quantization="fp8", numerics="deepseek")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_the_fp8_kv_entries_hold_what_the_port_caches(checkpoint, dtype):
+    """Under deepseek numerics the cache stores DeepSeek's FP8 entries (uint8 rows: E4M3 values with
+    ue8m0 scales per 64, RoPE values in the model's dtype), where the port keeps act_quant'ed values:
+    with the same RoPE rounding every position's logits agree to 1e-12 (float64; measured 5e-16) and
+    1e-6 (float32, the port's own summation order; measured 3.2e-7), the greedy tokens all equal."""
+    model = engine(checkpoint, "deepseek", dtype)
+    runner = SimpleRunner(model, 1, SEQ, block_size=16)
+    assert runner.cache.kv_spec.layout == "fp8_ds"
+    assert {p.dtype for p in [*runner.cache.window_kv, *runner.cache.comp_kv.values()]} == {torch.uint8}
+    ours = runner.step({0: IDS}, all_logits=True)[0]
+    theirs = oracle_logits(checkpoint, IDS, dtype, quant=True, engine_rope=True)
+    assert rel(ours, theirs).max() <= (1e-12 if dtype == torch.float64 else 1e-6)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

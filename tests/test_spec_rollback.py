@@ -82,3 +82,35 @@ def test_rejected_drafts_leave_no_trace(config, prompt_len, accepted, tiny_path,
     assert not differ, f"cache tensors differ from plain decoding after {accepted} accepted drafts: {differ}"
     for e in (engine, plain_engine):
         e.abort_request("r")
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    from deepinfer_core.testing.published_checkpoint import build_published_checkpoint
+
+    return build_published_checkpoint(tmp_path_factory.mktemp("rollback") / "tiny", "tiny", seed=0)
+
+
+@pytest.mark.parametrize("prompt_len", [13, 15])
+@pytest.mark.parametrize("accepted", range(K + 1))
+def test_rejected_drafts_leave_no_trace_in_fp8_entries(published, prompt_len, accepted, make_llm):
+    """numerics="deepseek": window and compressed pools hold uint8 FP8 entries; rows are saved and put
+    back as bytes."""
+    kw = dict(dtype="float64", batch_invariant=True, numerics="deepseek")
+    prompt = make_prompt(prompt_len, seed=prompt_len)
+    ref = make_llm(published, **kw).generate([{"prompt_token_ids": prompt}], greedy(MAX_TOKENS),
+                                             use_tqdm=False)[0].outputs[0].token_ids
+    plain_engine = make_llm(published, **kw).llm_engine
+    plain_seq = run_steps(plain_engine, prompt, 1 + accepted + 1)
+    llm = make_llm(published, **kw, **spec(K))
+    oracle_drafts(llm, {tuple(prompt): ref}, lambda seq, m, j: j >= accepted)
+    engine = llm.llm_engine
+    assert engine.cache.window_kv[0].dtype == torch.uint8 and engine.cache.kv_spec.layout == "fp8_ds"
+    seq = run_steps(engine, prompt, 2)
+    assert engine.spec_decode_stats()["num_accepted_tokens"] == accepted
+    assert seq.output_token_ids == plain_seq.output_token_ids == ref[: accepted + 2]
+    mine, theirs = main_cache(engine), main_cache(plain_engine)
+    differ = [name for name in mine if not torch.equal(mine[name], theirs[name])]
+    assert not differ, f"cache tensors differ from plain decoding after {accepted} accepted drafts: {differ}"
+    for e in (engine, plain_engine):
+        e.abort_request("r")

@@ -53,6 +53,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fraction of accelerator memory to use (default: 0.9)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    group.add_argument("--numerics", default=None, choices=("deepseek", "transformers"),
+                       help="DeepSeek's inference arithmetic (quantised activations, FP8 KV entries) or "
+                            "transformers' (default: deepseek where config.json has quantization_config)")
     group.add_argument("--allow-reference-fallback", action="store_true",
                        help="let ops the backend lacks fall back to the reference implementations")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
@@ -91,6 +94,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         kwargs["enable_chunked_prefill"] = False
+    if getattr(args, "numerics", None):
+        kwargs["numerics"] = args.numerics
     if args.allow_reference_fallback:
         kwargs["allow_reference_fallback"] = True
     if args.enable_expert_parallel:

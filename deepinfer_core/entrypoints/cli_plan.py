@@ -36,4 +36,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"{r.rank:>4} {r.device:>6} {r.expert_slots:>7} {r.weight_bytes / mib:>12.2f} "
               f"{r.expert_bytes / mib:>12.2f} {r.kv_bytes / mib:>9.2f} {r.num_blocks:>7} "
               f"{r.num_window_blocks:>7} {r.num_state_slots:>6}")
+    r = ranks[0]
+    print(f"KV bytes per token: {r.compressed_bytes_per_token:.1f} compressed (whole sequence) + "
+          f"{r.window_bytes_per_token:.1f} window (sliding window), {r.kv_layout} entries of {r.entry_bytes} B; "
+          f"dense entries: {r.dense_compressed_bytes_per_token:.1f} + {r.dense_window_bytes_per_token:.1f}")
     return 0

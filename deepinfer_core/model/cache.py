@@ -17,7 +17,9 @@ before a request's ``write_from``, the padding rows of a captured graph), so no 
 data-dependent mask; reads treat -1 as "no row".
 
 Entry dtypes, widths and the block size come from a :class:`~deepinfer_core.model.kv_cache_spec.KVCacheSpec`
-(by default the model's dtype: :meth:`KVCacheSpec.default`).
+(by default the model's dtype: :meth:`KVCacheSpec.default`). In its ``fp8_ds`` layout the window and
+compressed pools are uint8 ``[rows, entry_bytes]``, one DeepSeek FP8 entry a row
+(:mod:`deepinfer_core.model.kv_fp8`); a NaN ``fill`` then fills them with 0xFF bytes, which read as NaN.
 """
 
 from __future__ import annotations
@@ -138,7 +140,13 @@ class ModelCache:
         def pool(rows: int, dim: int, dt: torch.dtype = spec.dtype) -> torch.Tensor:
             return torch.full((rows, dim), fill, dtype=dt, device=device)
 
-        self.window_kv = [pool(num_window_blocks * block_size, spec.head_dim) for _ in self.specs]
+        def kv_pool(rows: int) -> torch.Tensor:
+            if not spec.is_fp8:
+                return pool(rows, spec.head_dim)
+            byte = 0xFF if fill != fill else int(fill)  # 0xFF: NaN codes, scales and RoPE values
+            return torch.full((rows, spec.entry_bytes), byte, dtype=torch.uint8, device=device)
+
+        self.window_kv = [kv_pool(num_window_blocks * block_size) for _ in self.specs]
         self.comp_kv: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         self.comp_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -152,7 +160,8 @@ class ModelCache:
             ):
                 if branch is None:
                     continue
-                pools[layer] = pool(num_blocks * block_size // branch.rate, branch.dim)
+                rows = num_blocks * block_size // branch.rate
+                pools[layer] = pool(rows, branch.dim) if branch is branches.indexer else kv_pool(rows)
                 shape = (num_state_slots * branch.rows, branch.source_dim)
                 states[layer] = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
                 if branch.overlap:

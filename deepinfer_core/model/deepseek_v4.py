@@ -87,13 +87,18 @@ class DeepseekV4Model:
     def compressor_specs(self) -> set[CompressorSpec]:
         return {b for s in self.cache_specs for b in (s.compressor, s.indexer) if b is not None}
 
-    def ops_in_use(self, mtp: bool = True) -> set[str]:
+    def ops_in_use(self, mtp: bool = True, kv_fp8: bool | None = None) -> set[str]:
         """Names of the ops :meth:`forward` calls with these weights (with ``mtp``, :meth:`mtp_forward`'s
-        too): the ``*_fp8`` ops only where weights are FP8, compression and indexing only where layers
-        have them. The sampler's ops are not the model's."""
+        too) over a cache whose entries are FP8 (``kv_fp8``; None: the default layout of these
+        numerics): the ``*_fp8`` ops only where weights are FP8, compression and indexing only where
+        layers have them. The sampler's ops are not the model's."""
         w = self.weights
         roots = [w.head, w.output, *w.layers, *(w.mtp if mtp else [])]
         used = set(_ALWAYS_USED) | ({"act_quant_sim"} if self.numerics == "deepseek" else set())
+        if kv_fp8 is None:
+            kv_fp8 = self.numerics == "deepseek"
+        if kv_fp8:
+            used = used - {"sparse_attention"} | {"kv_fp8_pack", "sparse_attention_fp8"}
         for r in records(roots, leaves=(Experts,)):
             if isinstance(r, Linear):
                 used.add("linear_fp8" if r.is_fp8 else "linear")
@@ -210,9 +215,9 @@ class DeepseekV4Model:
         q = self.qlinear(q_res, a.wq_b).view(n_tok, cfg.num_attention_heads, cfg.head_dim)
         q = ops.rotary_emb(ops.rms_norm(q, None, eps), cos, sin, False)
         kv = ops.rms_norm(self.qlinear(h, a.wkv), a.kv_norm, eps)
-        kv = self.kv_sim(ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1))
+        kv = ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1)
         window_pool = cache.window_kv[layer]
-        window_pool[batch.window_slots] = kv.to(window_pool.dtype)
+        window_pool[batch.window_slots] = self.kv_entries(kv, cache, window_pool)
 
         extra_pool = extra_idx = None
         if spec.compressor is not None:
@@ -220,7 +225,7 @@ class DeepseekV4Model:
             meta = batch.compressors[rate, spec.compressor.overlap]
             extra_pool = cache.comp_kv[layer]
             self.compress(a.compressor, h, spec.compressor, meta, extra_pool, cache.comp_state[layer],
-                          cache.comp_boundary.get(layer))
+                          cache.comp_boundary.get(layer), cache=cache)
             if rate not in candidates:
                 candidates[rate] = compressed_candidates(batch, rate, cache.block_size)
             if spec.indexer is None:
@@ -229,16 +234,27 @@ class DeepseekV4Model:
                 extra_idx = self.indexer(a.indexer, h, q_res, spec.indexer, batch, cache, layer, rope,
                                          candidates[rate])
 
-        out = ops.sparse_attention(
-            q, window_pool, batch.window_indices, a.sinks, cfg.head_dim**-0.5, extra_pool, extra_idx
-        )
+        scale = cfg.head_dim**-0.5
+        if cache.kv_spec.is_fp8:
+            out = ops.sparse_attention_fp8(q, window_pool, batch.window_indices, a.sinks, scale, cfg.rope_dim,
+                                           cache.kv_spec.dtype, extra_pool, extra_idx)
+        else:
+            out = ops.sparse_attention(q, window_pool, batch.window_indices, a.sinks, scale, extra_pool, extra_idx)
         out = ops.rotary_emb(out, cos, sin, True)
         groups = cfg.o_groups
         out = ops.grouped_linear(out.reshape(n_tok, groups, -1), a.wo_a)
         return self.qlinear(out.reshape(n_tok, -1), a.wo_b)
 
+    def kv_entries(self, kv: torch.Tensor, cache: ModelCache, pool: torch.Tensor) -> torch.Tensor:
+        """The rows a window or compressed pool stores for ``kv`` [N, head_dim]: DeepSeek's FP8 entries
+        where the cache has that layout (:mod:`~deepinfer_core.model.kv_fp8`), else the values
+        (:meth:`kv_sim`'d) in the pool's dtype."""
+        if pool.dtype == torch.uint8:
+            return self.ops.kv_fp8_pack(kv.to(cache.kv_spec.dtype), self.cfg.rope_dim)
+        return self.kv_sim(kv).to(pool.dtype)
+
     def compress(self, c: Compressor, h, spec: CompressorSpec, meta, pool, state, boundary,
-                 rotate: bool = False) -> None:
+                 rotate: bool = False, cache: ModelCache | None = None) -> None:
         """Project this step's tokens, emit the entries of every window that closed, update the ring
         (``rotate``: the indexer's keys, see :meth:`kv_sim`).
 
@@ -268,8 +284,12 @@ class DeepseekV4Model:
             entries = ops.compress_windows(win_kv.to(self.dtype), win_gate)
             entries = ops.rms_norm(entries, c.norm, self.cfg.rms_norm_eps)
             cos, sin = self.rope("compress", meta.entry_positions, self.dtype)
-            entries = self.kv_sim(ops.rotary_emb(entries.unsqueeze(1), cos, sin, False).squeeze(1), rotate)
-            pool[meta.entry_slots] = entries.to(pool.dtype)  # slot -1: the trash block
+            entries = ops.rotary_emb(entries.unsqueeze(1), cos, sin, False).squeeze(1)
+            if rotate:
+                entries = self.kv_sim(entries, rotate).to(pool.dtype)
+            else:
+                entries = self.kv_entries(entries, cache, pool)
+            pool[meta.entry_slots] = entries  # slot -1: the trash block
         ring_kv[meta.ring_write] = kv[meta.ring_write_src]
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
 

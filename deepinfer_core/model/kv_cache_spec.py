@@ -3,9 +3,13 @@
 Every layer stores rows of ``head_dim`` values: one per source token in its window pool and, in CSA/HCA
 layers, one per compressed window in its compressed pool; the last ``rope_dim`` values of a row carry
 RoPE. CSA layers also keep indexer keys of ``index_head_dim`` values. The compressor rings and boundary
-records are kept in ``state_dtype``. Layout ``"dense"`` stores each value as one ``dtype`` element; it is
-the only layout :class:`~deepinfer_core.model.cache.ModelCache` allocates (DeepSeek's 584-byte FP8 entry
-is another layout, still to come).
+records are kept in ``state_dtype``. Layouts :class:`~deepinfer_core.model.cache.ModelCache` allocates:
+
+* ``"dense"``: each value one ``dtype`` element.
+* ``"fp8_ds"`` (vLLM's ``fp8_ds_mla`` for V4): window and compressed entries as DeepSeek's FP8 entry,
+  uint8 rows of :func:`~deepinfer_core.model.kv_fp8.kv_fp8_entry_bytes` (E4M3 values with ue8m0 scales
+  per 64, the RoPE values in ``dtype``: 584 bytes for DeepSeek-V4-Flash in bf16); indexer keys dense.
+  The default under ``numerics="deepseek"``, whose model.py stores exactly these values.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 from deepinfer_core.config import CacheConfig, ModelConfig
 
 #: entry layouts ModelCache can allocate
-SUPPORTED_LAYOUTS = ("dense",)
+DENSE_LAYOUTS = ("dense",)
+FP8_LAYOUT = "fp8_ds"
+SUPPORTED_LAYOUTS = (*DENSE_LAYOUTS, FP8_LAYOUT)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,7 +34,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class KVCacheSpec:
     block_size: int  # source tokens one block id covers, in every layer
-    dtype: torch.dtype  # one value of a window entry, compressed entry or indexer key
+    dtype: torch.dtype  # one value of a dense entry or indexer key (fp8_ds: also of a RoPE value)
     head_dim: int  # values per window or compressed entry, RoPE included
     rope_dim: int  # the last values of an entry, rotated
     index_head_dim: int  # values per indexer key
@@ -36,9 +42,16 @@ class KVCacheSpec:
     layout: str = "dense"
 
     @classmethod
-    def default(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """``dtype`` entries, as the model computes them."""
-        return cls(block_size, dtype, cfg.head_dim, cfg.rope_dim, cfg.index_head_dim, state_dtype(dtype))
+    def default(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                numerics: str = "transformers") -> KVCacheSpec:
+        """``dtype`` entries, as the model computes them; under ``numerics="deepseek"`` window and
+        compressed entries in DeepSeek's FP8 entry (RoPE values in ``dtype``)."""
+        layout = FP8_LAYOUT if numerics == "deepseek" else "dense"
+        return cls(block_size, dtype, cfg.head_dim, cfg.rope_dim, cfg.index_head_dim, state_dtype(dtype), layout)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.layout == FP8_LAYOUT
 
     @property
     def nope_dim(self) -> int:
@@ -47,6 +60,10 @@ class KVCacheSpec:
     @property
     def entry_bytes(self) -> int:
         """Bytes of one window or compressed entry."""
+        if self.is_fp8:
+            from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes
+
+            return kv_fp8_entry_bytes(self.head_dim, self.rope_dim, self.dtype)
         return self.head_dim * self.dtype.itemsize
 
     @property
@@ -70,7 +87,8 @@ def check_kv_cache_spec(spec: Any, cfg: ModelConfig, block_size: int) -> None:
         raise TypeError(f"deepinfer_kv_cache_spec returned {type(spec).__name__}, expected a KVCacheSpec or None")
     wrong = []
     if spec.layout not in SUPPORTED_LAYOUTS:
-        wrong.append(f"layout {spec.layout!r}: ModelCache allocates only {SUPPORTED_LAYOUTS}")
+        wrong.append(f"layout {spec.layout!r}: ModelCache allocates only {DENSE_LAYOUTS} entries or "
+                     f"{FP8_LAYOUT!r} (DeepSeek's FP8 entry)")
     if spec.block_size != block_size:
         wrong.append(f"block_size {spec.block_size}: the cache is planned with {block_size} blocks (a backend "
                      "changes cache_config.block_size in deepinfer_configure)")
@@ -88,13 +106,13 @@ def check_kv_cache_spec(spec: Any, cfg: ModelConfig, block_size: int) -> None:
 
 
 def resolve_kv_cache_spec(hook: Any, model_config: ModelConfig, cache_config: CacheConfig,
-                          dtype: torch.dtype) -> KVCacheSpec:
+                          dtype: torch.dtype, numerics: str = "transformers") -> KVCacheSpec:
     """The backend's ``deepinfer_kv_cache_spec`` answer (``hook``: a plugin manager's hook relay, or
-    ``None``), checked; the default (``dtype`` entries) when no plugin answers."""
+    ``None``), checked; the default for ``numerics`` (:meth:`KVCacheSpec.default`) when no plugin answers."""
     spec = None
     if hook is not None:
         spec = hook.deepinfer_kv_cache_spec(model_config=model_config, cache_config=cache_config, dtype=dtype)
     if spec is None:
-        return KVCacheSpec.default(model_config, cache_config.block_size, dtype)
+        return KVCacheSpec.default(model_config, cache_config.block_size, dtype, numerics)
     check_kv_cache_spec(spec, model_config, cache_config.block_size)
     return spec

@@ -204,3 +204,25 @@ CATALOGUE["act_quant_sim"] = OpSpec(
     "qmax 6, eps 6 * 2^-126, x/s rounded to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (ties to even, "
     "signed); out = q * s. Computed in at least float32, returned in x.dtype.",
 )
+
+# --- DeepSeek's FP8 KV entry (:mod:`deepinfer_core.model.kv_fp8`) -------------------------------------
+
+CATALOGUE["kv_fp8_pack"] = OpSpec(
+    "kv_fp8_pack",
+    "(kv: [N, D], rope_dim: int) -> U8 [N, B]",
+    "DeepSeek's FP8 KV entry of each row: the first D - rope_dim values quantised per 64 (the last group "
+    "may be partial) with s = 2^ceil(log2(max(amax, 1e-4) / 448)) (from float32; float64 stays float64), "
+    "e4m3(x / s) round to nearest even; bytes [0, D-R) the E4M3 codes, then the rope_dim RoPE values in "
+    "kv.dtype, then one byte per group, log2(s) + 127, then zeros to a multiple of 8 "
+    "(D 512, R 64, bf16: 448 + 128 + 7 + 1 = 584 bytes).",
+)
+
+CATALOGUE["sparse_attention_fp8"] = OpSpec(
+    "sparse_attention_fp8",
+    "(q: [T, H, D], kv: U8 [N, B], indices: Long[T, K], sinks: [H], scale: float, rope_dim: int, "
+    "rope_dtype: dtype, extra_kv: U8 [M, B] | None, extra_indices: Long[T, K2] | None) -> [T, H, D]",
+    "sparse_attention over FP8 KV entries (kv_fp8_pack's layout, RoPE values in rope_dtype): each read "
+    "row is first decoded to its values, E4M3 code * 2^(byte - 127) and the RoPE values, exactly, in "
+    "q.dtype; -1 slots are never read.",
+    batch_invariant=False,
+)

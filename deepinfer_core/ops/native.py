@@ -494,3 +494,53 @@ def act_quant_sim(x: torch.Tensor, block: int, fmt: str, rotate: bool) -> torch.
 
 
 NATIVE_OPS["act_quant_sim"] = act_quant_sim
+
+
+# --- DeepSeek's FP8 KV entry ---------------------------------------------------------------------------
+
+
+def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    from deepinfer_core.model.kv_fp8 import pack_kv_fp8
+
+    return pack_kv_fp8(kv, rope_dim)
+
+
+def _decoded_rows(pool: torch.Tensor, indices: torch.Tensor, head_dim: int, rope_dim: int,
+                  rope_dtype: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a dense pool, indices into it) holding the values of every row ``indices`` reads: the whole pool
+    decoded when that is less work, else the read rows gathered and decoded one per slot."""
+    from deepinfer_core.model.kv_fp8 import unpack_kv_fp8
+
+    if indices.numel() >= pool.shape[0]:
+        return unpack_kv_fp8(pool, head_dim, rope_dim, rope_dtype, dtype), indices
+    flat = indices.reshape(-1)
+    rows = unpack_kv_fp8(pool[flat.clamp(min=0)], head_dim, rope_dim, rope_dtype, dtype)
+    slots = torch.arange(flat.numel(), device=flat.device)
+    return rows, torch.where(flat >= 0, slots, torch.full_like(slots, -1)).view_as(indices)
+
+
+def sparse_attention_fp8(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    rope_dim: int,
+    rope_dtype: torch.dtype,
+    extra_kv: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    *,
+    attention: Callable = sparse_attention,
+) -> torch.Tensor:
+    """``attention`` (a ``sparse_attention`` body) over the decoded rows: the same arithmetic as on a
+    dense pool holding those values."""
+    head_dim = q.shape[-1]
+    rows, idx = _decoded_rows(kv, indices, head_dim, rope_dim, rope_dtype, q.dtype)
+    extra_rows = extra_idx = None
+    if extra_kv is not None and extra_indices is not None:
+        extra_rows, extra_idx = _decoded_rows(extra_kv, extra_indices, head_dim, rope_dim, rope_dtype, q.dtype)
+    return attention(q, rows, idx, sinks, scale, extra_rows, extra_idx)
+
+
+NATIVE_OPS["kv_fp8_pack"] = kv_fp8_pack
+NATIVE_OPS["sparse_attention_fp8"] = sparse_attention_fp8

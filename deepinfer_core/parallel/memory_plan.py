@@ -14,7 +14,8 @@ import torch
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.memory import plan_pools
 from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
-from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
+from deepinfer_core.model import default_numerics
+from deepinfer_core.model.kv_cache_spec import KVCacheSpec, resolve_kv_cache_spec
 from deepinfer_core.model.loader import _IGNORED, expected_shapes, parameter_dtype, read_headers
 
 
@@ -29,8 +30,17 @@ class RankMemory:
     num_blocks: int
     num_window_blocks: int
     num_state_slots: int
+    kv_layout: str = "dense"
+    entry_bytes: int = 0  # one window or compressed entry
+    #: per source token, across all layers: compressed pools (entries, indexer keys, boundary records),
+    #: kept for the whole sequence, and window pools, kept for the sliding window; dense_*: the same in
+    #: dense entries of the model's dtype
+    compressed_bytes_per_token: float = 0.0
+    window_bytes_per_token: float = 0.0
+    dense_compressed_bytes_per_token: float = 0.0
+    dense_window_bytes_per_token: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float | str]:
         return asdict(self)
 
 
@@ -76,7 +86,8 @@ def plan_memory(args: Any) -> list[RankMemory]:
     if platform.measures_memory:
         raise ValueError(f"{device.type} sizes its KV pools from the memory left after a profiling forward; "
                          "the plan covers budget-sized pools (CPU)")
-    spec = resolve_kv_cache_spec(hook, cfg, cache, dtype)
+    numerics = args.numerics or default_numerics(cfg)
+    spec = resolve_kv_cache_spec(hook, cfg, cache, dtype, numerics)
     with_mtp = any(n.startswith("mtp.") and not _IGNORED.search(n) for n in read_headers(path))
     world = pc.data_parallel_size
     slots = pc.num_physical_experts(cfg.n_routed_experts) // pc.expert_parallel_size
@@ -86,9 +97,15 @@ def plan_memory(args: Any) -> list[RankMemory]:
     # the cache allocates one row more of each pool than the plan hands out (see ModelCache)
     kv = ((sizes.num_blocks + 1) * comp + (sizes.num_window_blocks + 1) * window
           + (sizes.num_state_slots + 1) * bytes_per_state_slot(cfg, dtype, spec))
+    dense_comp, dense_window = bytes_per_block(cfg, cache.block_size, dtype, KVCacheSpec.default(cfg, cache.block_size,
+                                                                                                 dtype))
+    bs = cache.block_size
+    per_token = dict(kv_layout=spec.layout, entry_bytes=spec.entry_bytes, compressed_bytes_per_token=comp / bs,
+                     window_bytes_per_token=window / bs, dense_compressed_bytes_per_token=dense_comp / bs,
+                     dense_window_bytes_per_token=dense_window / bs)
     _, plan = place_ranks(backend, pc)
     return [RankMemory(r, plan.device_of_rank.get(r, 0), slots, weights, experts, kv, sizes.num_blocks,
-                       sizes.num_window_blocks, sizes.num_state_slots) for r in range(world)]
+                       sizes.num_window_blocks, sizes.num_state_slots, **per_token) for r in range(world)]
 
 
 def measured_memory(model: Any, cache: Any) -> dict[str, int]:

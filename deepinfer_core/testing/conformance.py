@@ -1055,3 +1055,70 @@ def _check_act_quant_sim(
         assert_close(actual, expected.to(actual.dtype), dtype=dtype, name=label, exact=True)
         return
     _check_with_requant_flips(case, actual, expected, dtype, label, max_fraction=0.05, min_cosine=0.998)
+
+
+# --- DeepSeek's FP8 KV entry: write (kv_fp8_pack) and read (sparse_attention_fp8) --------------------
+
+
+def _kv_rows(g: torch.Generator, rows: int, p: Preset) -> torch.Tensor:
+    """KV rows of very different ranges: an all-zero row, a row whose amax is a power of two times 448
+    (its own scale), signed zeros and values that tie between E4M3 neighbours."""
+    kv = _randn(g, rows, p.head_dim) * torch.logspace(-4, 3, rows).unsqueeze(1)
+    kv[0] = 0.0
+    if rows > 2:
+        kv[1, 0], kv[1, 1], kv[1, 2] = 448.0 * 2.0**-3, -0.0, 1.0625 * 2.0**-3  # 1.0625: halfway, to even
+    return kv
+
+
+@_gen("kv_fp8_pack")
+def _kv_fp8_pack(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Bytes compare exactly: the quantisation runs from the same dtype values on every backend (the
+    reference is not upcast: the entry stores its RoPE values in the input's dtype)."""
+    kv = _kv_rows(g, 4 * p.tokens, p).to(dtype)
+    return [Case("kv_fp8_pack", "entries", (kv, p.rope_dim), out_dtypes=(torch.uint8,), upcast_reference=False)]
+
+
+@_check("kv_fp8_pack")
+def _check_kv_fp8_pack(case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str):
+    _check_dtype(case, 0, actual, label)
+    if tuple(actual.shape) != tuple(expected.shape) or not torch.equal(actual, expected):
+        bad = "shape" if tuple(actual.shape) != tuple(expected.shape) else \
+            f"{int((actual != expected).sum())} bytes"
+        raise AssertionError(f"{label}: entries differ from the reference ({bad})")
+
+
+def _fp8_pool(g: torch.Generator, rows: int, used: torch.Tensor, p: Preset, dtype: torch.dtype) -> torch.Tensor:
+    """Packed entries: the ``used`` rows real KV, every other row 0xFF bytes (NaN values and scales)."""
+    from deepinfer_core.model.kv_fp8 import pack_kv_fp8
+
+    packed = pack_kv_fp8(_randn(g, used.numel(), p.head_dim).to(dtype), p.rope_dim)
+    pool = torch.full((rows, packed.shape[-1]), 0xFF, dtype=torch.uint8)
+    pool[used] = packed
+    return pool
+
+
+@_gen("sparse_attention_fp8")
+def _sparse_attention_fp8(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    from deepinfer_core.model.kv_fp8 import unpack_kv_fp8
+
+    T, H, D = p.tokens, p.heads, p.head_dim
+    empty = (1,)
+    used = _used_rows(g, p.kv_pool, p.kv_pool * 3 // 4)
+    kv = _fp8_pool(g, p.kv_pool, used, p, dtype)
+    indices = _index_rows(g, T, p.index_topk, used, empty)
+    wused = _used_rows(g, p.window_pool, p.window_pool // 2)
+    wkv = _fp8_pool(g, p.window_pool, wused, p, dtype)
+    windices = _index_rows(g, T, p.window, wused, empty)
+    q = _randn(g, T, H, D)
+    for t in range(T):
+        valid = indices[t][indices[t] >= 0]
+        if valid.numel():
+            pick = valid[_randint(g, 0, valid.numel(), H)]
+            q[t] += 0.15 * unpack_kv_fp8(kv[pick], D, p.rope_dim, dtype, torch.float32)
+    q = q.to(dtype)
+    sinks = _randn(g, H).to(_param_dtype(dtype))
+    args = (q, kv, indices, sinks, D**-0.5, p.rope_dim, dtype)
+    return [
+        Case("sparse_attention_fp8", "compressed+window", (*args, wkv, windices), out_dtypes=(dtype,)),
+        Case("sparse_attention_fp8", "compressed_only", (*args, None, None), out_dtypes=(dtype,)),
+    ]

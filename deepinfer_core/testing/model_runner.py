@@ -6,6 +6,7 @@ import torch
 
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 
 
@@ -16,9 +17,10 @@ class SimpleRunner:
                  fill: float = float("nan")):
         self.model, self.block_size = model, block_size
         self.max_blocks = -(-max_len // block_size)
+        spec = KVCacheSpec.default(model.cfg, block_size, model.dtype, model.numerics)
         self.cache = ModelCache(
             model.cfg, num_seqs * self.max_blocks, num_seqs * self.max_blocks, num_seqs, block_size,
-            model.dtype, model.device, fill=fill,
+            model.dtype, model.device, fill=fill, spec=spec,
         )
         self.lens = [0] * num_seqs
 

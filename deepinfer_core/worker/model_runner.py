@@ -75,7 +75,7 @@ class ModelRunner:
                                          num_speculative_tokens=k)
         graphs = None
         if not args.enforce_eager and platform.supports_graphs:
-            syncing = model.ops.syncs_host(model.ops_in_use())
+            syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_fp8))
             if syncing:
                 logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
             else:

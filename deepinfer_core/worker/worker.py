@@ -85,7 +85,7 @@ class Worker:
         """Size the pools from the platform's budget (after a profiling forward where it measures memory),
         allocate them and build the runner (capturing graphs where the backend has them)."""
         cfg, args, block_size = self.model_config, self.args, self.cache_config.block_size
-        spec = resolve_kv_cache_spec(self.backend.hook, cfg, self.cache_config, self.dtype)
+        spec = resolve_kv_cache_spec(self.backend.hook, cfg, self.cache_config, self.dtype, self.model.numerics)
         activation = 0
         if self.platform.measures_memory:
             activation = profile_activation_bytes(self.model, self.scheduler_config, block_size, self.platform, spec)

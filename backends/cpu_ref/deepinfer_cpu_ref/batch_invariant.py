@@ -177,3 +177,7 @@ ALL_OPS = {
 # FP4: the same loop, its GEMMs and SwiGLU the invariant ones (activation quantisation is per row)
 moe_experts_fp4 = partial(ref.moe_experts_fp4, linear=linear, swiglu=swiglu)
 ALL_OPS["moe_experts_fp4"] = moe_experts_fp4
+
+# FP8 KV entries: decoded rows, then the invariant attention (decoding is per row)
+sparse_attention_fp8 = partial(ref.sparse_attention_fp8, attention=sparse_attention)
+ALL_OPS["sparse_attention_fp8"] = sparse_attention_fp8
