@@ -32,7 +32,8 @@ WIDE = dict(tokens=3, hidden=4096, heads=64, head_dim=512, rope_dim=64, kv_pool=
 
 
 #: the FP8 GEMMs at 4096 x 4096 (8 heads keep q_b's N at 4096: the emulator runs each 64 x 128 tile)
-WIDE_OPS = {"linear_fp8": dict(WIDE, heads=8), "moe_experts_fp8": dict(WIDE, heads=8)}
+WIDE_OPS = {"linear_fp8": dict(WIDE, heads=8), "moe_experts_fp8": dict(WIDE, heads=8),
+            "moe_experts_fp4": dict(WIDE, tokens=1, moe_inter=2048)}
 
 
 def _dtype_id(dtype: torch.dtype) -> str:
@@ -65,7 +66,7 @@ def reference():
 KERNELS = {"hc_pre": {"hc_split_sinkhorn"}, "sparse_attention": {"sparse_attention_sinks"},
            "compress_windows": {"compress_windows"}, "indexer_topk": {"indexer_scores"}, "hc_post": {"hc_post"},
            "hc_head": {"hc_head_collapse"}, "linear_fp8": {"act_quant_fp8", "fp8_gemm"},
-           "moe_experts_fp8": {"act_quant_fp8", "fp8_gemm"}}
+           "moe_experts_fp8": {"act_quant_fp8", "fp8_gemm"}, "moe_experts_fp4": {"fp4_expert_gemm"}}
 
 
 def _conform(op, table, reference, preset, dtype):

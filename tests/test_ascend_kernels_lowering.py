@@ -37,6 +37,10 @@ SHAPES = {
     ("fp8_gemm", "tiny"): dict(n=128, k=128),
     ("fp8_gemm", "v4_flash"): dict(n=4096, k=4096),
     ("fp8_gemm", "v4_flash_expert_f32"): dict(n=4096, k=2048, out_dtype="float32"),
+    ("fp4_expert_gemm", "tiny"): dict(n=64, k=64),
+    ("fp4_expert_gemm", "tiny_f16"): dict(n=64, k=32, dtype="float16", out_dtype="float16"),
+    ("fp4_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
+    ("fp4_expert_gemm", "v4_flash_w2"): dict(n=4096, k=2048),
 }
 #: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
 GEMMS = {
@@ -46,6 +50,7 @@ GEMMS = {
     "hc_head_collapse": None,
     "act_quant_fp8": None,
     "fp8_gemm": lambda kw: {(64, 128, 128)},
+    "fp4_expert_gemm": lambda kw: {(64, min(128, kw["k"]), min(128, kw["n"]))},
 }
 
 
@@ -115,11 +120,31 @@ def test_fp8_gemm_runs_e4m3_tiles_on_the_cube_and_rescales_per_k_group(lowered):
     assert re.search(r"for \(int32_t \w+ = 0; \w+ < 32; \+\+\w+\)", lo.source)  # 4096 / 128 K groups
 
 
+def test_fp4_experts_dequantise_on_the_vector_cores_and_multiply_on_the_cube(lowered):
+    src = lowered("fp4_expert_gemm", "v4_flash_w13").source
+    aic, aiv = src.index("if ASC_IS_AIC"), src.index("if ASC_IS_AIV")
+    cube, vector = src[aic:aiv], src[aiv:]
+    simt = src[: src.index("__global__")]
+    assert re.search(r"ascend_gemm_l1<\s*64,\s*128,\s*128,\s*128,\s*true,\s*bfloat16_t>\(.*\(kb == 0\)", cube)
+    assert re.search(r"for \(int32_t kb = 0; kb < 32; \+\+kb\)", cube)  # 4096 / 128, one L0C accumulator
+    assert "= tile_expert[" in cube and "= tile_expert[" in vector  # each side reads the tile's expert
+    assert "if (0 <= e)" in cube and "if (0 <= e_1)" in vector  # unused tiles skipped on both
+    assert "asc_copy_ub2l1(" in vector and "asc_sync_intra_arrive(PIPE_MTE3" in vector  # dequantised tile
+    assert "asc_sync_intra_wait(PIPE_MTE1" in cube  # the Cube waits for it
+    assert "(uint8_t)15" in simt and ">> (uint8_t)4" in simt  # low nibble, then high
+    assert "<< (uint32_t)23" in simt  # e8m0 byte into a float32's exponent
+    assert "uint8_t" in src and "float8" not in src
+
+
 def test_v4_flash_footprint_figures(lowered):
     """Pinned so that a change of tiling or of TileLang is noticed."""
     assert lowered("compress_windows", "v4_flash_hca").usage() == {"UB": 50048}
     assert lowered("indexer_scores", "v4_flash").usage() == {
         "L1": 32768, "UB": 8960, "L0C": 16384, "L0A": 32768, "L0B": 32768}
+    assert lowered("fp4_expert_gemm", "v4_flash_w13").usage() == {
+        "L1": 49152, "UB": 69888, "L0C": 32768, "L0A": 32768, "L0B": 65536}
+    assert lowered("fp4_expert_gemm", "v4_flash_w2").usage() == {
+        "L1": 49152, "UB": 65792, "L0C": 32768, "L0A": 32768, "L0B": 65536}
 
 
 @pytest.mark.parametrize("kernel", sorted({k for k, _ in SHAPES}))
@@ -135,6 +160,8 @@ def test_kernels_check_their_parameters():
         builder("compress_windows")(window=8, dim=100)
     with pytest.raises(ValueError, match="multiples of 16"):
         builder("indexer_scores")(heads=8, dim=128)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        builder("fp4_expert_gemm")(n=64, k=48)
     with pytest.raises(ValueError, match="hc=9"):
         builder("hc_post")(hc=9, dim=64)
 

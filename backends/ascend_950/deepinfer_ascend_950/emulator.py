@@ -30,6 +30,7 @@ GM_SCOPE = "global"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
            "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+           "uint16": torch.int64, "uint32": torch.int64,  # held widened: torch lacks their shifts
            "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
            "float8_e5m2": torch.float8_e5m2}
 
@@ -38,6 +39,10 @@ _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "fabs": torch.abs, "abs": torch.abs, "tanh": torch.tanh,
     "floor": torch.floor, "ceil": torch.ceil, "round": torch.round, "nearbyint": torch.round,
     "isnan": torch.isnan, "trunc": torch.trunc,
+}
+_BITWISE: dict[str, Callable[[Any, Any], Any]] = {
+    "bitwise_and": lambda a, b: a & b, "bitwise_or": lambda a, b: a | b, "bitwise_xor": lambda a, b: a ^ b,
+    "shift_left": lambda a, b: a << b, "shift_right": lambda a, b: a >> b,
 }
 _REDUCE = {"max": lambda x, d: x.amax(d), "min": lambda x, d: x.amin(d), "sum": lambda x, d: x.sum(d),
            "abssum": lambda x, d: x.abs().sum(d), "absmax": lambda x, d: x.abs().amax(d)}
@@ -233,7 +238,10 @@ class _Machine:
     def _e_BufferLoad(self, e):
         data = self.data(e.buffer)
         idx = tuple(_ints(self.ev(i)) for i in e.indices)
-        return data[idx]
+        value = data[idx]
+        if value.dim() == 0 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+            return int(value)  # a scalar read (a tile's expert id): Python control flow, not a mask
+        return value
 
     def _e_Call(self, e):
         name = str(e.op.name).split(".")[-1]
@@ -247,6 +255,11 @@ class _Machine:
         if name in _UNARY:
             v = torch.as_tensor(self.ev(e.args[0]))
             return _UNARY[name](v.to(torch_dtype(e.args[0].dtype)))
+        if name in _BITWISE:
+            a, b = (_ints(self.ev(x)) for x in e.args)
+            return _BITWISE[name](a, b)
+        if name == "reinterpret":
+            return _reinterpret(self.ev(e.args[0]), e.args[0].dtype, e.dtype)
         if name == "pow":
             return torch.pow(*(torch.as_tensor(self.ev(a)).to(torch_dtype(e.dtype)) for a in e.args))
         if name == "launch_thread_idx":
@@ -453,6 +466,14 @@ class _Machine:
         if self.scopes.get(buf.data, GM_SCOPE) != GM_SCOPE and value[src].shape != value.shape:
             raise EmulationError(f"copy past the end of on-chip buffer {buf.name}")
         data[dst] = value[src].to(data.dtype)
+
+
+def _reinterpret(value: Any, src: Any, dst: Any) -> torch.Tensor:
+    """The bits of 32-bit ``value`` (a ``src`` integer, held widened) read as ``dst`` (float32)."""
+    if str(src) not in ("uint32", "int32") or str(dst) != "float32":
+        raise EmulationError(f"reinterpret {src} -> {dst} is not emulated")
+    bits = torch.as_tensor(value).long() & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -235,5 +235,10 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
 #: ops whose wrapper reads values back to the host (no graph around them)
 SYNCS_HOST = frozenset({"moe_experts_fp8"})
 
-ALL_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8, "hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
+ALL_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
+           "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
            "indexer_topk": indexer_topk}
+
+from deepinfer_ascend_950 import tilelang_moe  # noqa: E402  (its wrappers call compiled() above)
+
+ALL_OPS.update(tilelang_moe.ALL_OPS)

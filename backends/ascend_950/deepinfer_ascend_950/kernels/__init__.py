@@ -21,6 +21,7 @@ KERNELS = {
     "act_quant_fp8": "fp8_gemm:act_quant_fp8",
     "fp8_gemm": "fp8_gemm:fp8_gemm",
     "hc_head_collapse": "hc_mix:hc_head_collapse",
+    "fp4_expert_gemm": "fp4_experts:fp4_expert_gemm",
 }
 
 
