@@ -64,10 +64,10 @@ def test_rows_gathered_and_combined_back_to_their_tokens():
     torch.testing.assert_close(got, want)
 
 
-def _fp4_case(dtype: torch.dtype, quant_act: bool):
+def _case(op: str, name: str):
     from deepinfer_core.testing.conformance import make_cases
 
-    return next(c for c in make_cases("moe_experts_fp4", "tiny", dtype) if c.args[-1] == quant_act)
+    return next(c for c in make_cases(op, "tiny", torch.bfloat16) if c.name == name)
 
 
 def _stub_kernel(name, **params):
@@ -77,17 +77,18 @@ def _stub_kernel(name, **params):
     return run
 
 
-@pytest.mark.parametrize("quant_act", [False, True])
-def test_fp4_experts_never_read_back_to_the_host(monkeypatch, quant_act):
-    from deepinfer_ascend_950 import tilelang_moe, tilelang_ops
+@pytest.mark.parametrize("op,name", [("moe_experts_fp4", "w4a16"), ("moe_experts_fp4", "w4a8_deepseek"),
+                                     ("moe_experts_fp8", "ep_local"), ("moe_experts_fp8", "ragged")])
+def test_grouped_experts_never_read_back_to_the_host(monkeypatch, op, name):
+    from deepinfer_ascend_950 import tilelang_ops
 
     from deepinfer_core.ops import native
 
-    case = _fp4_case(torch.bfloat16, quant_act)
+    case = _case(op, name)
     monkeypatch.setattr(tilelang_ops, "compiled", _stub_kernel)
     with _Recorder() as rec:
-        tilelang_moe.moe_experts_fp4(*case.args)
+        tilelang_ops.ALL_OPS[op](*case.args)
     assert rec.ops and not rec.ops & READ_BACKS, sorted(rec.ops & READ_BACKS)
     with _Recorder() as rec:
-        native.moe_experts_fp4(*case.args)
+        native.NATIVE_OPS[op](*case.args)
     assert "bincount" in rec.ops  # the detector sees the per-expert loop's counts

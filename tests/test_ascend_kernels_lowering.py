@@ -38,9 +38,10 @@ SHAPES = {
     ("fp8_gemm", "v4_flash"): dict(n=4096, k=4096),
     ("fp8_gemm", "v4_flash_expert_f32"): dict(n=4096, k=2048, out_dtype="float32"),
     ("fp4_expert_gemm", "tiny"): dict(n=64, k=64),
-    ("fp4_expert_gemm", "tiny_f16"): dict(n=64, k=32, dtype="float16", out_dtype="float16"),
     ("fp4_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
     ("fp4_expert_gemm", "v4_flash_w2"): dict(n=4096, k=2048),
+    ("fp8_expert_gemm", "tiny"): dict(n=64, k=128),
+    ("fp8_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
 }
 #: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
 GEMMS = {
@@ -51,6 +52,7 @@ GEMMS = {
     "act_quant_fp8": None,
     "fp8_gemm": lambda kw: {(64, 128, 128)},
     "fp4_expert_gemm": lambda kw: {(64, min(128, kw["k"]), min(128, kw["n"]))},
+    "fp8_expert_gemm": lambda kw: {(64, 128, 128)},
 }
 
 
@@ -136,6 +138,18 @@ def test_fp4_experts_dequantise_on_the_vector_cores_and_multiply_on_the_cube(low
     assert "uint8_t" in src and "float8" not in src
 
 
+def test_fp8_experts_pick_each_tiles_expert_on_both_cores(lowered):
+    lo = lowered("fp8_expert_gemm", "v4_flash_w13")
+    src = lo.source
+    aic, aiv = src.index("if ASC_IS_AIC"), src.index("if ASC_IS_AIV")
+    cube, vector = src[aic:aiv], src[aiv:]
+    assert [g.elem_bytes for g in lo.gemms] == [1]  # E4M3 operands
+    assert "= tile_expert[" in cube and "= tile_expert[" in vector
+    assert "if (0 <= e)" in cube and "if (0 <= e_1)" in vector
+    assert re.search(r"for \(int32_t \w+ = 0; \w+ < 32; \+\+\w+\)", cube)  # 4096 / 128 K groups
+    assert "static_cast<asc_dual_dst_mode>(1)" in src  # M-split: each AIV half the rows
+
+
 def test_v4_flash_footprint_figures(lowered):
     """Pinned so that a change of tiling or of TileLang is noticed."""
     assert lowered("compress_windows", "v4_flash_hca").usage() == {"UB": 50048}
@@ -145,6 +159,8 @@ def test_v4_flash_footprint_figures(lowered):
         "L1": 49152, "UB": 69888, "L0C": 32768, "L0A": 32768, "L0B": 65536}
     assert lowered("fp4_expert_gemm", "v4_flash_w2").usage() == {
         "L1": 49152, "UB": 65792, "L0C": 32768, "L0A": 32768, "L0B": 65536}
+    assert lowered("fp8_expert_gemm", "v4_flash_w13").usage() == {
+        "L1": 24576, "UB": 49408, "L0C": 32768, "L0A": 16384, "L0B": 32768}
 
 
 @pytest.mark.parametrize("kernel", sorted({k for k, _ in SHAPES}))

@@ -8,6 +8,9 @@ host, so these wrappers are graph-capturable (not ``syncs_host``).
   operands in ``x.dtype`` (bf16/fp16). ``quant_act=True`` (DeepSeek's W4A8): ``x`` and ``h``
   fake-quantised to E4M3 with power-of-two scales, operands in bfloat16, which holds those values
   exactly; the steps and roundings are the native body's.
+- ``moe_experts_fp8``: ``x`` quantised once by :func:`.kernels.fp8_gemm.act_quant_fp8` and its rows
+  gathered into the tiles, both projections as :func:`.kernels.fp8_experts.fp8_expert_gemm` into
+  float32, SwiGLU in float32, ``h`` quantised by ``act_quant_fp8`` again, the sum in float32.
 """
 
 from __future__ import annotations
@@ -79,4 +82,35 @@ def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     return grouping.combine(_fp4_mm(hq, p, w2, s2, x.dtype), p, x.dtype)
 
 
-ALL_OPS = {"moe_experts_fp4": moe_experts_fp4}
+def _fp8_mm(q: torch.Tensor, scales: torch.Tensor, p: grouping.TilePlan, w: torch.Tensor,
+            w_scale: torch.Tensor) -> torch.Tensor:
+    from deepinfer_ascend_950 import tilelang_ops
+
+    k = q.shape[1]
+    out = torch.empty(p.rows, w.shape[1], dtype=torch.float32, device=q.device)
+    kernel = tilelang_ops.compiled("fp8_expert_gemm", n=w.shape[1], k=k, out_dtype="float32", block_m=BLOCK_M,
+                                   num_cores=tilelang_ops.cube_cores(q.device.index or 0))
+    kernel(q, scales.contiguous(), p.tile_expert, tilelang_ops._pad_k(w),
+           w_scale.to(torch.float32).contiguous(), out)
+    return out
+
+
+def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float):
+    from deepinfer_ascend_950 import tilelang_ops
+
+    fp8 = tilelang_ops.FP8
+    if x.dtype not in tilelang_ops.VECTOR_DTYPES or w13.dtype != fp8 or w2.dtype != fp8 or x.shape[0] == 0 \
+            or w13.shape[0] == 0:
+        return native.moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+    p = grouping.plan(topk_ids, w13.shape[0], BLOCK_M)
+    xq, xs = tilelang_ops._act_quant(tilelang_ops._pad_k(x))
+    rows = p.row_token  # padding rows: the appended zero row, whose scale column is zero too
+    q = torch.cat([xq, xq.new_zeros(1, xq.shape[1])])[rows].contiguous()
+    scales = torch.cat([xs, xs.new_zeros(xs.shape[0], 1)], dim=1)[:, rows]
+    gate_up = _fp8_mm(q, scales, p, w13, w13_scale)
+    hq, hs = tilelang_ops._act_quant(tilelang_ops._pad_k(native.swiglu(gate_up, swiglu_limit)))
+    y = _fp8_mm(hq, hs, p, w2, w2_scale)
+    return grouping.combine(y * grouping.row_weights(topk_weights, p).to(torch.float32)[:, None], p, x.dtype)
+
+
+ALL_OPS = {"moe_experts_fp4": moe_experts_fp4, "moe_experts_fp8": moe_experts_fp8}

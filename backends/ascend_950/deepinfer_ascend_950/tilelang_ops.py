@@ -9,8 +9,8 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
 - ``hc_post``: all of it in :mod:`.kernels.hc_mix`; ``hc_head``: the mixes GEMM in torch on the NPU, the
   sigmoid and the collapse in :mod:`.kernels.hc_mix`.
 - ``linear_fp8``: activations quantised by :func:`.kernels.fp8_gemm.act_quant_fp8`, the scaled E4M3 GEMM
-  by :func:`.kernels.fp8_gemm.fp8_gemm`; ``moe_experts_fp8``: the native body's expert loop over the same
-  two kernels (it reads the expert counts back, so it is registered ``syncs_host``).
+  by :func:`.kernels.fp8_gemm.fp8_gemm`; ``moe_experts_fp8`` and ``moe_experts_fp4``: grouped expert GEMMs
+  over device-side expert tiles, in :mod:`.tilelang_moe` (no read-back).
 - ``compress_windows``: all of it in :mod:`.kernels.compress_windows`.
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
@@ -215,27 +215,10 @@ def linear_fp8(x, weight, weight_scale):
     return _fp8_mm(q, scales, weight, weight_scale, x.dtype).view(*lead, weight.shape[0])
 
 
-def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float):
-    """Experts in ascending id order (the native body's loop, so it reads the counts back), each
-    projection as the FP8 kernels; gate/up, SwiGLU and the sum in float32."""
-    if x.dtype not in VECTOR_DTYPES or w13.dtype != FP8 or w2.dtype != FP8:
-        return native.moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
-    f32, k = torch.float32, topk_ids.shape[-1]
-    xq, xs = _act_quant(_pad_k(x))
-    out = torch.zeros(x.shape, dtype=f32, device=x.device)
-    for expert, pairs in native.expert_pairs(topk_ids, w13.shape[0]):
-        tokens = pairs // k
-        gate_up = _fp8_mm(xq[tokens], xs[:, tokens], w13[expert], w13_scale[expert], f32)
-        hq, hs = _act_quant(_pad_k(native.swiglu(gate_up, swiglu_limit)))
-        y = _fp8_mm(hq, hs, w2[expert], w2_scale[expert], f32)
-        out.index_add_(0, tokens, y * topk_weights.reshape(-1)[pairs, None].to(f32))
-    return out.to(x.dtype)
-
-
 #: ops whose wrapper reads values back to the host (no graph around them)
-SYNCS_HOST = frozenset({"moe_experts_fp8"})
+SYNCS_HOST: frozenset[str] = frozenset()  # the expert ops are grouped on the device (tilelang_moe)
 
-ALL_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
+ALL_OPS = {"linear_fp8": linear_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
            "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
            "indexer_topk": indexer_topk}
 

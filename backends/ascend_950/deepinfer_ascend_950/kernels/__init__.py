@@ -22,6 +22,7 @@ KERNELS = {
     "fp8_gemm": "fp8_gemm:fp8_gemm",
     "hc_head_collapse": "hc_mix:hc_head_collapse",
     "fp4_expert_gemm": "fp4_experts:fp4_expert_gemm",
+    "fp8_expert_gemm": "fp8_experts:fp8_expert_gemm",
 }
 
 
