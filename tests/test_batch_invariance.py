@@ -26,6 +26,7 @@ from deepinfer_core.engine.llm_engine import BATCH_INVARIANT_ENV
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.model.fp4 import quantize_fp4_block
 from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.model.kv_fp8 import pack_kv_fp8
 from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import BuildContext, MissingOpError, OpRegistry, resolve_ops
 from deepinfer_core.plugins import build_op_table, collect_registry, load_backend
@@ -50,9 +51,10 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "hc_pre": (0,), "hc_post": (0, 1, 2, 3), "hc_head": (0,), "moe_route": (0, 4), "moe_experts": (0, 3, 4),
     "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6), "moe_experts_fp4": (0, 5, 6), "act_quant_sim": (0,),
     "apply_penalties": (0, 1, 2, 3, 4, 5), "top_k_top_p_min_p": (0, 1, 2, 3), "random_sample": (0, 1),
-    "apply_token_bitmask": (0, 1),
+    "apply_token_bitmask": (0, 1), "kv_fp8_pack": (0,), "sparse_attention_fp8": (0, 2, 8),
+    "linear_fp8_ue8m0": (0,), "moe_experts_act_quant": (0, 3, 4),
 }
-TRIMMED = {"sparse_attention": 6, "indexer_topk": 3}
+TRIMMED = {"sparse_attention": 6, "indexer_topk": 3, "sparse_attention_fp8": 8}
 assert set(ROW_ARGS) == set(CATALOGUE)
 
 
@@ -108,6 +110,13 @@ def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
                             *quantize_fp4_block(rn(E, D, 64, std=64**-0.5)), ids,
                             torch.rand(T, k, generator=g).to(dtype), 7.0, True),
         "act_quant_sim": (rn(T, H, 32, std=3.0), 32, "e2m1", True),
+        "kv_fp8_pack": (rn(T, hd, std=3.0), 8),
+        "sparse_attention_fp8": (rn(T, H, hd), pack_kv_fp8(rn(pool, hd), 8), window, rn(H), hd**-0.5, 8, dtype,
+                                 pack_kv_fp8(rn(pool, hd), 8),
+                                 _prefix_lists(g, T, pool, extra_pad=int(torch.randint(0, 40, (1,), generator=g)))),
+        "linear_fp8_ue8m0": (rn(T, D), *quantize_fp8_block(rn(48, D, std=D**-0.5), ue8m0=True)),
+        "moe_experts_act_quant": (rn(T, D), rn(E, 2 * 32, D, std=D**-0.5), rn(E, D, 32, std=32**-0.5), ids,
+                                  torch.rand(T, k, generator=g).to(dtype), 7.0),
         "apply_penalties": (logits, torch.rand(T, V, generator=g) < 0.1, torch.randint(0, 3, (T, V), generator=g),
                             1 + torch.rand(T, generator=g).to(dtype), torch.rand(T, generator=g).to(dtype),
                             torch.rand(T, generator=g).to(dtype)),

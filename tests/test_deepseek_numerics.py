@@ -361,10 +361,20 @@ def test_deepseek_numerics_decode_equals_prefill(checkpoint):
     assert rel(stepped, whole).max() <= 1e-9
 
 
-def test_deepseek_numerics_with_fp8_kept_weights_is_refused(checkpoint):
-    with pytest.raises(ValueError, match="numerics='deepseek' with quantization='fp8'"):
-        with no_kernel_packs():
-            load_model(checkpoint, quantization="fp8", numerics="deepseek")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_deepseek_numerics_with_fp8_kept_weights_equal_the_port(checkpoint, dtype):
+    """quantization="fp8": the published E4M3 weights stay E4M3 and go through linear_fp8_ue8m0, which
+    quantises activations as model.py's act_quant does; the same logits as with dequantised weights
+    (bit for bit: both multiply the same values in the same accumulation dtype) and so the port's."""
+    with no_kernel_packs():
+        model = load_model(checkpoint, dtype=dtype, quantization="fp8", numerics="deepseek")
+    attn = model.weights.layers[1].attn
+    assert attn.wq_a.is_fp8 and not attn.compressor.wkv.is_fp8 and model.weights.layers[1].moe.experts.is_fp4
+    assert "linear_fp8_ue8m0" in model.ops_in_use() and "linear_fp8" not in model.ops_in_use()
+    ours = engine_logits(model, IDS)
+    assert torch.equal(ours, engine_logits(engine(checkpoint, "deepseek", dtype), IDS))
+    theirs = oracle_logits(checkpoint, IDS, dtype, quant=True, engine_rope=True)
+    assert rel(ours, theirs).max() <= (1e-12 if dtype == torch.float64 else 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)

@@ -100,7 +100,8 @@ def test_native_register_skips_and_flags():
     native.register(registry, priority=-3, skip=["embedding"])
     assert set(registry.impls) == set(CATALOGUE) - {"embedding"}
     flagged = {op for op, impls in registry.impls.items() if impls[0].syncs_host}
-    assert flagged == set(native.SYNCS_HOST) == {"moe_experts", "moe_experts_fp8", "moe_experts_fp4"}
+    assert flagged == set(native.SYNCS_HOST) == {"moe_experts", "moe_experts_fp8", "moe_experts_fp4",
+                                                 "moe_experts_act_quant"}
     assert {impls[0].priority for impls in registry.impls.values()} == {-3}
 
 
@@ -114,8 +115,8 @@ def test_syncs_host_is_a_registration_field_reported_by_the_table():
     table = resolve_ops(registry, BuildContext(backend="t"))
     assert table.syncs_host(["rms_norm", "moe_experts", "linear", "swiglu"]) == ["moe_experts", "linear"]
     assert table.syncs_host(["embedding", "not_an_op"]) == []
-    assert table.syncs_host(reversed(list(CATALOGUE))) == ["moe_experts_fp4", "moe_experts_fp8", "moe_experts",
-                                                          "linear"]
+    assert table.syncs_host(reversed(list(CATALOGUE))) == ["moe_experts_act_quant", "moe_experts_fp4",
+                                                          "moe_experts_fp8", "moe_experts", "linear"]
 
 
 def test_no_function_carries_a_syncs_host_attribute(nvidia_on_cpu):
@@ -126,12 +127,15 @@ def test_no_function_carries_a_syncs_host_attribute(nvidia_on_cpu):
                 assert not hasattr(impl.fn, "syncs_host"), (impl.op, impl.fn)
 
 
+LOOPS = ["moe_experts", "moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant"]
+
+
 def test_the_tables_of_both_backends_flag_the_moe_loops(nvidia_on_cpu, no_packs):
     for backend in ("cpu_ref", NVIDIA):
         table = plugins.build_op_table(backend, dtype=torch.bfloat16, device=torch.device("cpu"))
-        assert table.syncs_host(CATALOGUE) == ["moe_experts", "moe_experts_fp8", "moe_experts_fp4"], backend
+        assert table.syncs_host(CATALOGUE) == LOOPS, backend
     bi = plugins.build_op_table("cpu_ref", dtype=torch.float32, batch_invariant=True)
-    assert bi.syncs_host(CATALOGUE) == ["moe_experts", "moe_experts_fp8", "moe_experts_fp4"]
+    assert bi.syncs_host(CATALOGUE) == LOOPS
 
 
 def test_deepinfer_ops_reports_the_fields(no_packs):

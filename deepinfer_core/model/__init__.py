@@ -28,7 +28,9 @@ def load_model(
     """Read the config and weights in ``path`` and build the model on ``backend``'s ops (their
     batch-invariant implementations with ``batch_invariant``). ``quantization="fp8"`` keeps (or makes)
     the linear and expert weights E4M3 with 128x128 block scales and keeps packed FP4 experts packed;
-    None dequantises everything on the device (but packed FP4 experts under deepseek numerics). ``numerics``: ``"transformers"`` or ``"deepseek"``
+    None dequantises everything on the device (but packed FP4 experts under deepseek numerics); under
+    deepseek numerics FP8 mode keeps only the projections DeepSeek's model.py runs in FP8, through
+    ``linear_fp8_ue8m0`` (power-of-two activation scales). ``numerics``: ``"transformers"`` or ``"deepseek"``
     (:data:`~deepinfer_core.model.deepseek_v4.NUMERICS`); by default ``"deepseek"`` for a checkpoint
     whose config.json carries ``quantization_config``, ``"transformers"`` otherwise. ``experts``: load only
     these routed experts (a contiguous range of ids; expert parallelism)."""
@@ -42,16 +44,11 @@ def load_model(
         numerics = default_numerics(cfg)
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics {numerics!r}; expected one of {NUMERICS}")
-    if numerics == "deepseek" and quantization == "fp8":
-        raise ValueError("numerics='deepseek' with quantization='fp8' needs an FP8 GEMM that takes power-of-two "
-                         "activation scales, which the op catalogue does not have yet; load with "
-                         "quantization=None (FP4 experts stay packed under deepseek numerics) or "
-                         "numerics='transformers'")
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
     weights = load_weights(cfg, path, dtype, device, keep_fp8=quantization == "fp8", show_progress=show_progress,
                            hook=load_backend(backend).hook, experts=experts,
-                           keep_fp4=quantization == "fp8" or numerics == "deepseek")
+                           keep_fp4=quantization == "fp8" or numerics == "deepseek", numerics=numerics)
     return DeepseekV4Model(cfg, weights, ops, dtype, numerics=numerics)
 
 

@@ -101,9 +101,11 @@ class DeepseekV4Model:
             used = used - {"sparse_attention"} | {"kv_fp8_pack", "sparse_attention_fp8"}
         for r in records(roots, leaves=(Experts,)):
             if isinstance(r, Linear):
-                used.add("linear_fp8" if r.is_fp8 else "linear")
+                fp8 = "linear_fp8_ue8m0" if self.numerics == "deepseek" else "linear_fp8"
+                used.add(fp8 if r.is_fp8 else "linear")
             elif isinstance(r, Experts):
-                used.add({"fp8": "moe_experts_fp8", "fp4": "moe_experts_fp4"}.get(r.w13.format, "moe_experts"))
+                plain = "moe_experts_act_quant" if self.numerics == "deepseek" else "moe_experts"
+                used.add({"fp8": "moe_experts_fp8", "fp4": "moe_experts_fp4"}.get(r.w13.format, plain))
             elif isinstance(r, Compressor):
                 used.add("compress_windows")
             elif isinstance(r, Indexer):
@@ -168,10 +170,13 @@ class DeepseekV4Model:
 
     def qlinear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         """A projection that is FP8 in DeepSeek's model: under ``numerics="deepseek"`` its input is first
-        quantised as DeepSeek's ``act_quant`` does (E4M3, power-of-two scales per 128 values)."""
-        if self.numerics == "deepseek":
-            x = self.ops.act_quant_sim(x, 128, "e4m3", False)
-        return self.linear(x, lin)
+        quantised as DeepSeek's ``act_quant`` does (E4M3, power-of-two scales per 128 values), by
+        ``linear_fp8_ue8m0`` itself where the weight was kept in FP8."""
+        if self.numerics != "deepseek":
+            return self.linear(x, lin)
+        if lin.scale is not None:
+            return self.ops.linear_fp8_ue8m0(x, lin.weight, lin.scale)
+        return self.linear(self.ops.act_quant_sim(x, 128, "e4m3", False), lin)
 
     def kv_sim(self, kv: torch.Tensor, rotate: bool = False) -> torch.Tensor:
         """``numerics="deepseek"``: a KV entry as DeepSeek stores it, its non-RoPE values FP8-simulated per
@@ -332,6 +337,8 @@ class DeepseekV4Model:
         elif ex.is_fp4:
             routed = ops.moe_experts_fp4(x, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids, weights,
                                          cfg.swiglu_limit, self.numerics == "deepseek")
+        elif self.numerics == "deepseek":  # every routed expert is a quantised linear in DeepSeek's model
+            routed = ops.moe_experts_act_quant(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
         else:
             routed = ops.moe_experts(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
         if self.ep is not None:

@@ -102,35 +102,48 @@ def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
     return bool(_IF_WHOLE_TILES.search(name)) and shape[-2] % FP8_BLOCK == 0 and shape[-1] % FP8_BLOCK == 0
 
 
-def fp8_weight_names(cfg: ModelConfig) -> set[str]:
+#: what DeepSeek's inference/model.py keeps in high precision and the engine's FP8 mode would quantise:
+#: the compressors' float32 projections, the bf16 indexer ``weights_proj``, and the routed experts
+#: when they are not packed FP4 (their FP8 op quantises activations with float scales, not ue8m0)
+_NOT_FP8_IN_DEEPSEEK = re.compile(r"(\.compressor\.(wkv|wgate)\.weight|\.indexer\.weights_proj\.weight|"
+                                  r"\.ffn\.experts\.w(13|2))$")
+
+
+def fp8_weight_names(cfg: ModelConfig, numerics: str = "transformers") -> set[str]:
     """Every parameter name (after expert stacking, MTP included) that FP8 mode keeps in E4M3.
 
     Not: embedding, head, router gate, norms, ``hc_*``, ``ape``, sinks, ``tid2eid``, ``wo_a`` (its
-    grouped projection has no FP8 op) and the MTP ``e_proj`` / ``h_proj``.
+    grouped projection has no FP8 op) and the MTP ``e_proj`` / ``h_proj``; under ``numerics="deepseek"``
+    only the projections DeepSeek's model.py runs through its FP8 GEMM (:data:`_NOT_FP8_IN_DEEPSEEK`).
     """
     from deepinfer_core.model.loader import expected_shapes
 
     names = {n for n, shape in expected_shapes(cfg, with_mtp=True).items() if is_fp8_weight(n, shape)}
     # shared experts' w1 and w3 are stacked on load into one [2I, D] projection
     names |= {n.removesuffix("w1.weight") + "w13" for n in names if n.endswith("shared_experts.w1.weight")}
+    if numerics == "deepseek":
+        names = {n for n in names if not _NOT_FP8_IN_DEEPSEEK.search(n)}
     return names
 
 
-def quantize_params_fp8(params: dict[str, torch.Tensor], cfg: ModelConfig) -> list[str]:
-    """Quantise in place every FP8-eligible parameter that is not E4M3 yet, adding ``name + "_scale"``.
+def quantize_params_fp8(params: dict[str, torch.Tensor], cfg: ModelConfig, numerics: str = "transformers"
+                        ) -> list[str]:
+    """Quantise in place every FP8-eligible parameter that is not E4M3 yet, adding ``name + "_scale"``
+    (power-of-two scales under ``numerics="deepseek"``, as DeepSeek publishes them).
 
     Stacked experts [E, N, K] get scales [E, ceil(N/128), ceil(K/128)]. Returns the names converted.
     """
+    ue8m0 = numerics == "deepseek"
     done = []
-    for name in sorted(fp8_weight_names(cfg)):
+    for name in sorted(fp8_weight_names(cfg, numerics)):
         w = params.get(name)
         if w is None or w.dtype == FP8_DTYPE or name + "_scale" in params:  # absent, or quantised already (FP4)
             continue
         if w.dim() == 3:  # one expert at a time keeps the float32 working copy small
-            parts = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
+            parts = [quantize_fp8_block(w[e], ue8m0=ue8m0) for e in range(w.shape[0])]
             q, scale = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
         else:
-            q, scale = quantize_fp8_block(w)
+            q, scale = quantize_fp8_block(w, ue8m0=ue8m0)
         params[name], params[name + "_scale"] = q, scale
         done.append(name)
     return done

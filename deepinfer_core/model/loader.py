@@ -532,16 +532,18 @@ def load_weights(
     hook: Any = None,
     experts: range | None = None,
     keep_fp4: bool | None = None,
+    numerics: str = "transformers",
 ) -> ModelWeights:
     """The checkpoint in ``path`` as typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3,
     packed FP4 routed experts stay packed FP4, and the FP8-eligible weights the checkpoint did not ship
     quantised are quantised. ``keep_fp4`` (default: ``keep_fp8``): packed FP4 experts stay packed
     whatever ``keep_fp8`` says. ``experts``: the routed experts to load (a contiguous range of ids, all by
     default); the stacks then hold only those, in order. ``hook`` (a plugin manager's hook relay): its
-    ``deepinfer_process_weights`` is called once on the records."""
-    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts, keep_fp4)
+    ``deepinfer_process_weights`` is called once on the records. ``numerics``: which weights FP8 mode
+    keeps in E4M3 (:func:`~deepinfer_core.model.fp8.fp8_weight_names`)."""
+    params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts, keep_fp4, numerics)
     if keep_fp8:
-        quantize_params_fp8(params, cfg)
+        quantize_params_fp8(params, cfg, numerics)
     return build_weights(cfg, params, hook, num_experts=None if experts is None else len(experts))
 
 
@@ -566,6 +568,7 @@ def read_checkpoint(
     show_progress: bool = False,
     experts: range | None = None,
     keep_fp4: bool | None = None,
+    numerics: str = "transformers",
 ) -> dict[str, torch.Tensor]:
     """Check every tensor's name, shape and dtype against the config (before reading any), then read them
     file by file straight onto ``device``, dequantising there (or keeping them quantised with
@@ -582,7 +585,7 @@ def read_checkpoint(
 
     device = torch.device(device)
     dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
-    kept_fp8 = fp8_weight_names(cfg) if keep_fp8 else set()
+    kept_fp8 = fp8_weight_names(cfg, numerics) if keep_fp8 else set()
     inter = cfg.moe_intermediate_size
     acc = torch.float32  # dequantised in float32 (as a float32 checkpoint of the same values), then cast
     params: dict[str, torch.Tensor] = {}

@@ -226,3 +226,23 @@ CATALOGUE["sparse_attention_fp8"] = OpSpec(
     "q.dtype; -1 slots are never read.",
     batch_invariant=False,
 )
+
+CATALOGUE["linear_fp8_ue8m0"] = OpSpec(
+    "linear_fp8_ue8m0",
+    "(x: [..., K], weight: E4M3 [N, K], weight_scale: f32 [ceil(N/128), ceil(K/128)]) -> [..., N]",
+    "DeepSeek's fp8_gemm after act_quant(x, 128, 'ue8m0'): linear_fp8 with power-of-two activation scales, "
+    "s_x = 2^ceil(log2(max(amax_g |x|, 1e-4) / 448)) per 128-channel group of a row (from its float32 "
+    "values; float64 stays float64), q_x = e4m3(x / s_x) (round to nearest even, saturating); "
+    "out = sum_g (q_x . q_w) * s_x * s_w accumulated in at least float32, returned in x.dtype.",
+    batch_invariant=False,
+)
+
+CATALOGUE["moe_experts_act_quant"] = OpSpec(
+    "moe_experts_act_quant",
+    "(x: [T, D], w13: [E, 2I, D], w2: [E, D, I], topk_ids: Long[T, k], topk_weights: [T, k], "
+    "swiglu_limit: float) -> [T, D]",
+    "Routed experts held in a float dtype under DeepSeek's numerics, where every expert is a quantised "
+    "linear: moe_experts_fp4 with quant_act=True on these weights (x and the weighted SwiGLU output "
+    "quantised per 128 channels to E4M3 with power-of-two scales before each projection).",
+    batch_invariant=False,
+)

@@ -455,7 +455,7 @@ def moe_experts_fp4(
     swiglu: Callable = swiglu,
 ) -> torch.Tensor:
     """Experts in ascending id order, each one's packed weights dequantised on the fly (never the stack)."""
-    from deepinfer_core.model.fp4 import dequantize_fp4_block, fake_quant_act_ue8m0
+    from deepinfer_core.model.fp4 import dequantize_fp4_block
 
     k = topk_ids.shape[-1]
     if not quant_act:  # moe_experts on the dequantised weights
@@ -467,17 +467,50 @@ def moe_experts_fp4(
             y = linear(h, dequantize_fp4_block(w2[expert], w2_scale[expert], x.dtype))
             out.index_add_(0, token_idx, y * topk_weights.reshape(-1)[pairs, None].to(x.dtype))
         return out
+    return _experts_quant_act(x, lambda e, dt: dequantize_fp4_block(w13[e], w13_scale[e], dt),
+                              lambda e, dt: dequantize_fp4_block(w2[e], w2_scale[e], dt), w13.shape[0],
+                              topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu)
+
+
+def _experts_quant_act(x: torch.Tensor, w13_of: Callable, w2_of: Callable, num_experts: int,
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, swiglu_limit: float, *,
+                       linear: Callable, swiglu: Callable) -> torch.Tensor:
+    """DeepSeek's Expert.forward behind its quantised linears, per expert in ascending id order;
+    ``w13_of(e, dtype)`` / ``w2_of(e, dtype)``: expert e's weights in ``dtype``."""
+    from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+
+    k = topk_ids.shape[-1]
     acc = acc_dtype(x.dtype)
     xq = fake_quant_act_ue8m0(x).to(acc)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    for expert, pairs in expert_pairs(topk_ids, w13.shape[0]):
+    for expert, pairs in expert_pairs(topk_ids, num_experts):
         token_idx = pairs // k
-        gate_up = linear(xq[token_idx], dequantize_fp4_block(w13[expert], w13_scale[expert], acc))
+        gate_up = linear(xq[token_idx], w13_of(expert, acc))
         h = swiglu(gate_up.to(x.dtype).to(acc), swiglu_limit) * topk_weights.reshape(-1)[pairs, None].to(acc)
         hq = fake_quant_act_ue8m0(h.to(x.dtype)).to(acc)
-        y = linear(hq, dequantize_fp4_block(w2[expert], w2_scale[expert], acc)).to(x.dtype)
+        y = linear(hq, w2_of(expert, acc)).to(x.dtype)
         out.index_add_(0, token_idx, y.to(acc))
     return out.to(x.dtype)
+
+
+def moe_experts_act_quant(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    """moe_experts_fp4's quant_act arithmetic on experts held in a float dtype."""
+    return _experts_quant_act(x, lambda e, dt: w13[e].to(dt), lambda e, dt: w2[e].to(dt), w13.shape[0],
+                              topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu)
+
+
+NATIVE_OPS["moe_experts_act_quant"] = moe_experts_act_quant
+SYNCS_HOST = SYNCS_HOST | {"moe_experts_act_quant"}
 
 
 NATIVE_OPS["moe_experts_fp4"] = moe_experts_fp4
@@ -544,3 +577,17 @@ def sparse_attention_fp8(
 
 NATIVE_OPS["kv_fp8_pack"] = kv_fp8_pack
 NATIVE_OPS["sparse_attention_fp8"] = sparse_attention_fp8
+
+
+def linear_fp8_ue8m0(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, linear: Callable = F.linear
+) -> torch.Tensor:
+    """Power-of-two quantised activations times the dequantised weight (both exact in float32)."""
+    from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+
+    acc = acc_dtype(x.dtype)
+    w = dequantize_fp8_block(weight, weight_scale, dtype=acc)
+    return linear(fake_quant_act_ue8m0(x.to(acc)), w).to(x.dtype)
+
+
+NATIVE_OPS["linear_fp8_ue8m0"] = linear_fp8_ue8m0

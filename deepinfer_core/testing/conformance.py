@@ -1122,3 +1122,42 @@ def _sparse_attention_fp8(p: Preset, dtype: torch.dtype, g: torch.Generator) -> 
         Case("sparse_attention_fp8", "compressed+window", (*args, wkv, windices), out_dtypes=(dtype,)),
         Case("sparse_attention_fp8", "compressed_only", (*args, None, None), out_dtypes=(dtype,)),
     ]
+
+
+# --- DeepSeek's quantised linears over weights kept in FP8 or in a float dtype ---------------------
+
+
+@_gen("linear_fp8_ue8m0")
+def _linear_fp8_ue8m0(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """linear_fp8's shapes with DeepSeek's power-of-two weight scales (a ragged one included)."""
+    T, cases = p.tokens, []
+    for name, (n, k) in {"q_a": (p.q_lora, p.hidden), "o_b": (p.hidden, p.o_groups * p.o_lora),
+                         "ragged": (p.q_lora + 37, p.hidden + 72)}.items():
+        w, s = quantize_fp8_block(_randn(g, n, k, std=k**-0.5), ue8m0=True)
+        cases.append(Case("linear_fp8_ue8m0", name, (_fp8_act(g, T, k, dtype=dtype), w, s), out_dtypes=(dtype,)))
+    return cases
+
+
+@_gen("moe_experts_act_quant")
+def _moe_experts_act_quant(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """moe_experts_fp4's case with the weights in the candidate's dtype."""
+    E, k, T, D, inter = p.local_experts, p.top_k, 2 * p.tokens, p.hidden, p.moe_inter
+    x = _randn(g, T, D).to(dtype)
+    w13 = _randn(g, E, 2 * inter, D, std=D**-0.5)
+    w13[:, _perm(g, inter)[: max(2, inter // 32)]] *= 6.0  # hot gate channels, some beyond the swiglu limit
+    w2 = _randn(g, E, D, inter, std=inter**-0.5)
+    ids = torch.full((T, k), -1, dtype=torch.long)
+    for t in range(T):
+        n_local = 0 if t == 0 else min(E, k) if t == 1 else int(_randint(g, 0, min(E, k) + 1, 1))
+        ids[t, _perm(g, k)[:n_local]] = _perm(g, E)[:n_local]
+    weights = (0.2 + _rand(g, T, k)).to(_param_dtype(dtype))
+    args = (x, w13.to(dtype), w2.to(dtype), ids, weights, p.swiglu_limit)
+    return [Case("moe_experts_act_quant", "ep_local", args, out_dtypes=(dtype,))]
+
+
+@_check("moe_experts_act_quant")
+def _check_moe_experts_act_quant(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+):
+    """Re-quantisation flips of the intermediate, as for moe_experts_fp4 with quant_act."""
+    _check_with_requant_flips(case, actual, expected, dtype, label, max_fraction=0.02)

@@ -181,3 +181,5 @@ ALL_OPS["moe_experts_fp4"] = moe_experts_fp4
 # FP8 KV entries: decoded rows, then the invariant attention (decoding is per row)
 sparse_attention_fp8 = partial(ref.sparse_attention_fp8, attention=sparse_attention)
 ALL_OPS["sparse_attention_fp8"] = sparse_attention_fp8
+ALL_OPS["linear_fp8_ue8m0"] = partial(ref.linear_fp8_ue8m0, linear=linear)
+ALL_OPS["moe_experts_act_quant"] = partial(ref.moe_experts_act_quant, linear=linear, swiglu=swiglu)

@@ -217,5 +217,7 @@ ALL_OPS = {
 }
 if "sparse_attention_fp8" in native.NATIVE_OPS:  # FP8 KV entries: rows decoded exactly, then the attention above
     ALL_OPS["sparse_attention_fp8"] = partial(native.NATIVE_OPS["sparse_attention_fp8"], attention=sparse_attention)
+ALL_OPS["linear_fp8_ue8m0"] = partial(native.linear_fp8_ue8m0, linear=linear)
+ALL_OPS["moe_experts_act_quant"] = partial(native.moe_experts_act_quant, linear=linear, swiglu=swiglu)
 #: the native loops over experts, which read the counts back to the host
-SYNCS_HOST = frozenset({"moe_experts_fp8", "moe_experts_fp4"})
+SYNCS_HOST = frozenset({"moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant"})
