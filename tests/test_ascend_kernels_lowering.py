@@ -40,6 +40,11 @@ SHAPES = {
     ("fp4_expert_gemm", "tiny"): dict(n=64, k=64),
     ("fp4_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
     ("fp4_expert_gemm", "v4_flash_w2"): dict(n=4096, k=2048),
+    ("act_quant_sim", "tiny"): dict(dim=128, block=128, fmt="e4m3"),
+    ("act_quant_sim", "tiny_e2m1"): dict(dim=32, block=32, fmt="e2m1"),
+    ("act_quant_sim", "v4_flash_act"): dict(dim=4096, block=128, fmt="e4m3"),
+    ("act_quant_sim", "v4_flash_kv"): dict(dim=448, block=64, fmt="e4m3"),
+    ("act_quant_sim", "v4_flash_index_q"): dict(dim=128, block=32, fmt="e2m1"),
     ("fp8_expert_gemm", "tiny"): dict(n=64, k=128),
     ("fp8_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
 }
@@ -53,6 +58,7 @@ GEMMS = {
     "fp8_gemm": lambda kw: {(64, 128, 128)},
     "fp4_expert_gemm": lambda kw: {(64, min(128, kw["k"]), min(128, kw["n"]))},
     "fp8_expert_gemm": lambda kw: {(64, 128, 128)},
+    "act_quant_sim": None,
 }
 
 
@@ -150,6 +156,18 @@ def test_fp8_experts_pick_each_tiles_expert_on_both_cores(lowered):
     assert "static_cast<asc_dual_dst_mode>(1)" in src  # M-split: each AIV half the rows
 
 
+def test_act_quant_sim_takes_its_scale_from_the_float_bits_and_rounds_as_deepseek(lowered):
+    e4m3 = lowered("act_quant_sim", "v4_flash_act").source
+    assert "tl::AscendAllReduce<tl::MaxOp" in e4m3  # amax per row of the group
+    assert "& (uint32_t)8388607) != (uint32_t)0" in e4m3  # a mantissa bit set: round the exponent up
+    assert re.search(r">> \(uint32_t\)23\) & \(uint32_t\)255\)\) \+ condval\)\) << \(uint32_t\)23", e4m3)
+    assert "__asc_cvt_float2_to_fp8x2(" in e4m3 and "__ASC_E4M3" in e4m3  # the E4M3 cast, then back
+    e2m1 = lowered("act_quant_sim", "v4_flash_index_q").source
+    assert "float8" not in e2m1 and "fp8" not in e2m1
+    assert re.search(r"float\(0x1p-2f/\*2.500000e-01\*/\) < fabsf", e2m1)  # 0.25: ties down to 0
+    assert re.search(r"float\(0x1.8p-1f/\*7.500000e-01\*/\) <= fabsf", e2m1)  # 0.75: ties up to 1
+
+
 def test_v4_flash_footprint_figures(lowered):
     """Pinned so that a change of tiling or of TileLang is noticed."""
     assert lowered("compress_windows", "v4_flash_hca").usage() == {"UB": 50048}
@@ -178,6 +196,8 @@ def test_kernels_check_their_parameters():
         builder("indexer_scores")(heads=8, dim=128)
     with pytest.raises(ValueError, match="multiple of 32"):
         builder("fp4_expert_gemm")(n=64, k=48)
+    with pytest.raises(ValueError, match="unknown fmt"):
+        builder("act_quant_sim")(dim=128, block=32, fmt="e5m2")
     with pytest.raises(ValueError, match="hc=9"):
         builder("hc_post")(hc=9, dim=64)
 

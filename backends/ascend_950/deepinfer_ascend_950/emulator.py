@@ -469,8 +469,12 @@ class _Machine:
 
 
 def _reinterpret(value: Any, src: Any, dst: Any) -> torch.Tensor:
-    """The bits of 32-bit ``value`` (a ``src`` integer, held widened) read as ``dst`` (float32)."""
-    if str(src) not in ("uint32", "int32") or str(dst) != "float32":
+    """The bits of 32-bit ``value`` read as ``dst``: float32 <-> (u)int32 (integers held widened)."""
+    src, dst = str(src), str(dst)
+    if src == "float32" and dst in ("uint32", "int32"):
+        bits = torch.as_tensor(value).to(torch.float32).view(torch.int32).long()
+        return bits & 0xFFFFFFFF if dst == "uint32" else bits
+    if src not in ("uint32", "int32") or dst != "float32":
         raise EmulationError(f"reinterpret {src} -> {dst} is not emulated")
     bits = torch.as_tensor(value).long() & 0xFFFFFFFF
     return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)

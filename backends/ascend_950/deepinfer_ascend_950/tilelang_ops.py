@@ -12,6 +12,8 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
   by :func:`.kernels.fp8_gemm.fp8_gemm`; ``moe_experts_fp8`` and ``moe_experts_fp4``: grouped expert GEMMs
   over device-side expert tiles, in :mod:`.tilelang_moe` (no read-back).
 - ``compress_windows``: all of it in :mod:`.kernels.compress_windows`.
+- ``act_quant_sim``: the quantise-dequantise in :mod:`.kernels.act_quant_sim`, the Hadamard rotation
+  before it in torch on the NPU.
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
 
@@ -215,12 +217,29 @@ def linear_fp8(x, weight, weight_scale):
     return _fp8_mm(q, scales, weight, weight_scale, x.dtype).view(*lead, weight.shape[0])
 
 
+def act_quant_sim(x, block: int, fmt: str, rotate: bool):
+    """The Hadamard rotation (``rotate``) in torch on the NPU, the quantisation in
+    :mod:`.kernels.act_quant_sim`; a partial last group padded with zeros (they do not change its amax)."""
+    if x.dtype not in VECTOR_DTYPES or fmt not in ("e4m3", "e2m1") or block % 16 or x.numel() == 0:
+        return native.act_quant_sim(x, block, fmt, rotate)
+    from deepinfer_core.model.fp4 import hadamard
+
+    k = x.shape[-1]
+    flat = (hadamard(x) if rotate else x).reshape(-1, k)
+    if k % block:
+        flat = torch.cat([flat, flat.new_zeros(flat.shape[0], -k % block)], dim=1)
+    out = torch.empty_like(flat)
+    compiled("act_quant_sim", dim=flat.shape[1], block=int(block), fmt=fmt, dtype=VECTOR_DTYPES[x.dtype])(
+        flat.contiguous(), out)
+    return out[:, :k].reshape(x.shape)
+
+
 #: ops whose wrapper reads values back to the host (no graph around them)
 SYNCS_HOST: frozenset[str] = frozenset()  # the expert ops are grouped on the device (tilelang_moe)
 
 ALL_OPS = {"linear_fp8": linear_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
            "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
-           "indexer_topk": indexer_topk}
+           "indexer_topk": indexer_topk, "act_quant_sim": act_quant_sim}
 
 from deepinfer_ascend_950 import tilelang_moe  # noqa: E402  (its wrappers call compiled() above)
 

@@ -23,6 +23,7 @@ KERNELS = {
     "hc_head_collapse": "hc_mix:hc_head_collapse",
     "fp4_expert_gemm": "fp4_experts:fp4_expert_gemm",
     "fp8_expert_gemm": "fp8_experts:fp8_expert_gemm",
+    "act_quant_sim": "act_quant_sim:act_quant_sim",
 }
 
 
