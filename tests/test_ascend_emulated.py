@@ -11,6 +11,7 @@ never loaded, a wrong tile. Neither TileLang's lowering nor the chip is exercise
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,11 +68,11 @@ KERNELS = {"hc_pre": {"hc_split_sinkhorn"}, "sparse_attention": {"sparse_attenti
            "compress_windows": {"compress_windows"}, "indexer_topk": {"indexer_scores"}, "hc_post": {"hc_post"},
            "hc_head": {"hc_head_collapse"}, "linear_fp8": {"act_quant_fp8", "fp8_gemm"},
            "moe_experts_fp8": {"act_quant_fp8", "fp8_expert_gemm"}, "moe_experts_fp4": {"fp4_expert_gemm"},
-           "act_quant_sim": {"act_quant_sim"}}
+           "act_quant_sim": {"act_quant_sim"}, "moe_route": {"sqrt_softplus"}}
 
 
 def _conform(op, table, reference, preset, dtype):
-    assert table.chosen[op].fn is tilelang_ops.ALL_OPS[op], f"{op} is not served by its TileLang kernel"
+    assert table.chosen[op].fn is registration.kernel_ops()[op], f"{op} is not served by its TileLang kernel"
     ran, real = set(), tilelang_ops.compiled
 
     def spy(name, **params):
@@ -97,6 +98,36 @@ def test_kernel_conforms_at_v4_flash_widths(emulated, reference, op):
     dtype = registration.TILELANG_DTYPES[op][0]
     preset = dataclasses.replace(conf.PRESETS["tiny"], name="wide", **WIDE_OPS.get(op, WIDE))
     _conform(op, emulated(dtype), reference, preset, dtype)
+
+
+#: a model that routes as DeepSeek-V4 does: the TileLang moe_route serves only such a model
+V4_ROUTING = SimpleNamespace(scoring_func="sqrtsoftplus")
+
+
+@pytest.fixture(scope="module")
+def emulated_v4_routing():
+    mp = pytest.MonkeyPatch()
+    mp.setenv(npu.EMULATE_ENV, "1")
+    registry = collect_registry(load_backend(BACKEND, require_available=False))
+    yield lambda dtype: resolve_ops(registry, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu"),
+                                                           model_config=V4_ROUTING))
+    mp.undo()
+
+
+@pytest.mark.parametrize("dtype", registration.TILELANG_DTYPES["moe_route"], ids=_dtype_id)
+def test_sqrtsoftplus_routing_kernel_conforms_at_tiny(emulated_v4_routing, reference, dtype):
+    _conform("moe_route", emulated_v4_routing(dtype), reference, "tiny", dtype)
+
+
+def test_sqrtsoftplus_routing_kernel_conforms_over_v4_flash_experts(emulated_v4_routing, reference):
+    preset = dataclasses.replace(conf.PRESETS["tiny"], name="wide", n_experts=256, top_k=6, route_tokens=20)
+    _conform("moe_route", emulated_v4_routing(torch.bfloat16), reference, preset, torch.bfloat16)
+
+
+def test_routing_kernel_only_for_a_sqrtsoftplus_model(emulated):
+    assert emulated(torch.bfloat16).chosen["moe_route"].fn is not tilelang_ops.moe_route
+    registration.self_check.cache_clear()
+    assert registration.self_check("moe_route", "cpu", torch.bfloat16) == (True, "")
 
 
 def test_listing_names_the_emulation(emulated):

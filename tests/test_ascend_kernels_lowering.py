@@ -45,6 +45,9 @@ SHAPES = {
     ("act_quant_sim", "v4_flash_act"): dict(dim=4096, block=128, fmt="e4m3"),
     ("act_quant_sim", "v4_flash_kv"): dict(dim=448, block=64, fmt="e4m3"),
     ("act_quant_sim", "v4_flash_index_q"): dict(dim=128, block=32, fmt="e2m1"),
+    ("sqrt_softplus", "tiny"): dict(experts=16),
+    ("sqrt_softplus", "v4_flash"): dict(experts=256),
+    ("sqrt_softplus", "v4_flash_f32"): dict(experts=256, dtype="float32"),
     ("fp8_expert_gemm", "tiny"): dict(n=64, k=128),
     ("fp8_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
 }
@@ -59,6 +62,7 @@ GEMMS = {
     "fp4_expert_gemm": lambda kw: {(64, min(128, kw["k"]), min(128, kw["n"]))},
     "fp8_expert_gemm": lambda kw: {(64, 128, 128)},
     "act_quant_sim": None,
+    "sqrt_softplus": None,
 }
 
 
@@ -166,6 +170,13 @@ def test_act_quant_sim_takes_its_scale_from_the_float_bits_and_rounds_as_deepsee
     assert "float8" not in e2m1 and "fp8" not in e2m1
     assert re.search(r"float\(0x1p-2f/\*2.500000e-01\*/\) < fabsf", e2m1)  # 0.25: ties down to 0
     assert re.search(r"float\(0x1.8p-1f/\*7.500000e-01\*/\) <= fabsf", e2m1)  # 0.75: ties up to 1
+
+
+def test_sqrt_softplus_keeps_u_minus_1_unsimplified(lowered):
+    src = lowered("sqrt_softplus", "v4_flash").source
+    simt = src[: src.index("__global__")]
+    assert re.search(r"logf\(u\[\w+\]\) \* \(expf\(x\) / \(u\[\w+\] - float\(0x1p\+0f", simt)  # log1p
+    assert "0x1.4p+4f" in simt and "sqrtf(" in simt  # the threshold 20, then the square root
 
 
 def test_v4_flash_footprint_figures(lowered):

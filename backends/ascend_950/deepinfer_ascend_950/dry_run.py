@@ -22,6 +22,8 @@ from deepinfer_ascend_950.registration import op_labels
 from deepinfer_core.ops.registry import BuildContext
 from deepinfer_core.plugins import collect_registry, load_backend
 
+#: the model the plans are for: DeepSeek-V4 routes by sqrtsoftplus (which selects the TileLang moe_route)
+V4_MODEL = SimpleNamespace(scoring_func="sqrtsoftplus")
 ASSUMED_NPU = npu.Environment(torch_npu=SimpleNamespace(__name__="torch_npu (assumed)"), tilelang=True,
                               bisheng="bisheng (assumed)", fused_ops=frozenset(npu.FUSED_OPS))
 
@@ -31,9 +33,11 @@ def plans(dtype: torch.dtype | None = torch.bfloat16) -> dict[str, dict[str, str
     registry = collect_registry(load_backend(NAME, require_available=False))
     ok, _ = is_available()
     here_device = SimpleNamespace(type="npu", index=0) if ok else torch.device("cpu")
-    here = op_labels(registry, BuildContext(backend=NAME, dtype=dtype, device=here_device, probe_only=True))
+    here = op_labels(registry, BuildContext(backend=NAME, dtype=dtype, device=here_device, model_config=V4_MODEL,
+                                            probe_only=True))
     with npu.assume(ASSUMED_NPU):
-        ctx = BuildContext(backend=NAME, dtype=dtype, device=SimpleNamespace(type="npu", index=0), probe_only=True)
+        ctx = BuildContext(backend=NAME, dtype=dtype, device=SimpleNamespace(type="npu", index=0),
+                           model_config=V4_MODEL, probe_only=True)
         on_npu = op_labels(registry, ctx)
     return {"here": here, "npu": on_npu}
 

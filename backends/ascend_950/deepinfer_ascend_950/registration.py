@@ -35,7 +35,8 @@ TILELANG_DTYPES = {"sparse_attention": (torch.bfloat16, torch.float16),
                    "linear_fp8": (torch.bfloat16, torch.float16, torch.float32),
                    "moe_experts_fp8": (torch.bfloat16, torch.float16, torch.float32),
                    "moe_experts_fp4": (torch.bfloat16, torch.float16, torch.float32),
-                   "act_quant_sim": (torch.bfloat16, torch.float16, torch.float32)}
+                   "act_quant_sim": (torch.bfloat16, torch.float16, torch.float32),
+                   "moe_route": (torch.bfloat16, torch.float16, torch.float32)}
 
 
 def npu_op_applies(operator: str) -> Callable[[BuildContext], bool]:
@@ -75,6 +76,18 @@ def tilelang_applies(op: str) -> Callable[[BuildContext], bool]:
     return applies
 
 
+def sqrtsoftplus_route_applies(ctx: BuildContext) -> bool:
+    """The TileLang ``moe_route``: for a model that routes by ``sqrtsoftplus``, where the kernels run."""
+    return getattr(ctx.model_config, "scoring_func", None) == "sqrtsoftplus" and tilelang_verdict("moe_route", ctx)[0]
+
+
+def kernel_ops() -> dict[str, Callable]:
+    """op -> its TileLang wrapper, the model-gated ones included."""
+    from deepinfer_ascend_950 import tilelang_ops
+
+    return {**tilelang_ops.ALL_OPS, **tilelang_ops.ROUTE_OPS}
+
+
 def _self_check_case(op: str, device: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
     """The first case the conformance suite generates for ``op`` at its ``tiny`` preset, on ``device``."""
     from deepinfer_core.testing.conformance import make_cases
@@ -88,12 +101,11 @@ def _self_check_case(op: str, device: Any, dtype: torch.dtype) -> tuple[tuple, d
 def self_check(op: str, device: str, dtype: torch.dtype) -> tuple[bool, str]:
     """Compile and run the TileLang kernel of ``op`` once on ``device`` against the native body; a
     failure declines the kernel (with a warning) instead of failing the engine."""
-    from deepinfer_ascend_950 import tilelang_ops
     from deepinfer_core.testing.compare import assert_close
 
     try:
         args, kwargs = _self_check_case(op, device, dtype)
-        got = tilelang_ops.ALL_OPS[op](*args, **kwargs)
+        got = kernel_ops()[op](*args, **kwargs)
         want = native.NATIVE_OPS[op](*args, **kwargs)
         for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             if not b.dtype.is_floating_point:
@@ -116,16 +128,18 @@ def register_all(registry: OpRegistry) -> None:
     for op, fn in tilelang_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TILELANG, predicate=tilelang_applies(op),
                           syncs_host=op in tilelang_ops.SYNCS_HOST)
+    for op, fn in tilelang_ops.ROUTE_OPS.items():
+        registry.register(op, fn, priority=TILELANG, predicate=sqrtsoftplus_route_applies)
 
 
 def _names() -> dict[Callable, str]:
-    from deepinfer_ascend_950 import npu_ops, tilelang_ops
+    from deepinfer_ascend_950 import npu_ops
 
     names = {fn: "native" for fn in native.NATIVE_OPS.values()}
     names.update({fn: f"torch_npu.{operator}" for fn, operator in npu_ops.ALL_OPS.values()})
-    names.update({fn: "tilelang" for fn in tilelang_ops.ALL_OPS.values()})
+    names.update({fn: "tilelang" for fn in kernel_ops().values()})
     if npu.emulating():
-        names.update({fn: "tilelang (emulated on the CPU)" for fn in tilelang_ops.ALL_OPS.values()})
+        names.update({fn: "tilelang (emulated on the CPU)" for fn in kernel_ops().values()})
     return names
 
 
@@ -137,9 +151,8 @@ def implementation_name(impl: OpImpl) -> str:
 def op_labels(registry: OpRegistry, ctx: BuildContext) -> dict[str, str]:
     """op -> the implementation the core's resolution picks under ``ctx`` (``"none"``); under
     ``probe_only`` a TileLang kernel reads ``"tilelang (if its self-check passes, else <next>)"``."""
-    from deepinfer_ascend_950 import tilelang_ops
 
-    kernels = set(tilelang_ops.ALL_OPS.values())
+    kernels = set(kernel_ops().values())
     out = {}
     for op in CATALOGUE:
         serving = [impl for impl, verdict in registry.explain(op, ctx) if verdict in (CHOSEN, SHADOWED)]

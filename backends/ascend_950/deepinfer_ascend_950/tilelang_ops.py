@@ -14,6 +14,8 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
 - ``compress_windows``: all of it in :mod:`.kernels.compress_windows`.
 - ``act_quant_sim``: the quantise-dequantise in :mod:`.kernels.act_quant_sim`, the Hadamard rotation
   before it in torch on the NPU.
+- ``moe_route``: V4's ``sqrtsoftplus`` scores in :mod:`.kernels.route_scores`, the top-k in torch; only
+  for a model configured with that scoring (:data:`ROUTE_OPS`).
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
 
@@ -234,6 +236,32 @@ def act_quant_sim(x, block: int, fmt: str, rotate: bool):
     return out[:, :k].reshape(x.shape)
 
 
+ROUTE_ALIGN = 16
+
+
+def moe_route(logits, scoring_func: str, top_k: int, correction_bias, fixed_ids, routed_scaling_factor: float):
+    """``sqrtsoftplus`` scores in :mod:`.kernels.route_scores` (experts padded to 16 with ``-inf``, whose
+    score is 0), the top-k and weights as the native body; other scoring functions go to the torch_npu
+    fused operator where the NPU has it, else native."""
+    t, experts = logits.shape
+    if scoring_func != "sqrtsoftplus" or logits.dtype not in VECTOR_DTYPES or t == 0:
+        if npu.is_npu(logits.device) and npu.environment().has("npu_moe_gating_top_k"):
+            from deepinfer_ascend_950 import npu_ops
+
+            return npu_ops.moe_route(logits, scoring_func, top_k, correction_bias, fixed_ids, routed_scaling_factor)
+        return native.moe_route(logits, scoring_func, top_k, correction_bias, fixed_ids, routed_scaling_factor)
+
+    def scores(x: torch.Tensor) -> torch.Tensor:
+        width = -(-experts // ROUTE_ALIGN) * ROUTE_ALIGN
+        padded = torch.cat([x, x.new_full((t, width - experts), float("-inf"))], dim=1) if width != experts else x
+        out = torch.empty_like(padded)
+        compiled("sqrt_softplus", experts=width, dtype=VECTOR_DTYPES[x.dtype])(padded.contiguous(), out)
+        return out[:, :experts]
+
+    return native.moe_route(logits, scoring_func, top_k, correction_bias, fixed_ids, routed_scaling_factor,
+                            scoring={"sqrtsoftplus": scores})
+
+
 #: ops whose wrapper reads values back to the host (no graph around them)
 SYNCS_HOST: frozenset[str] = frozenset()  # the expert ops are grouped on the device (tilelang_moe)
 
@@ -244,3 +272,7 @@ ALL_OPS = {"linear_fp8": linear_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
 from deepinfer_ascend_950 import tilelang_moe  # noqa: E402  (its wrappers call compiled() above)
 
 ALL_OPS.update(tilelang_moe.ALL_OPS)
+
+#: kernels registered only for a model that routes by ``sqrtsoftplus`` (DeepSeek-V4), so that other
+#: models keep the torch_npu gating operator for ``moe_route``
+ROUTE_OPS = {"moe_route": moe_route}

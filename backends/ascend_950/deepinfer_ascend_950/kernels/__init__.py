@@ -24,6 +24,7 @@ KERNELS = {
     "fp4_expert_gemm": "fp4_experts:fp4_expert_gemm",
     "fp8_expert_gemm": "fp8_experts:fp8_expert_gemm",
     "act_quant_sim": "act_quant_sim:act_quant_sim",
+    "sqrt_softplus": "route_scores:sqrt_softplus",
 }
 
 
