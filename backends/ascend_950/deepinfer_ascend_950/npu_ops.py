@@ -86,7 +86,8 @@ def _sorted_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, torch.full_like(flat, num_experts))
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    ones = torch.ones_like(key)  # not bincount: its output size depends on the data, so it syncs
+    counts = torch.zeros(num_experts + 1, dtype=key.dtype, device=key.device).scatter_add_(0, key, ones)[:num_experts]
     return order, valid[order], counts
 
 
