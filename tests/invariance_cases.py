@@ -29,6 +29,12 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
 }
 #: per op: the per-row index list that is padded to the batch's widest row (cut to its own alone)
 TRIMMED = {"sparse_attention": 6, "indexer_topk": 3}
+#: other cases of an op, named ``op[variant]`` (the routing's other scorings and hash routing)
+VARIANTS = ("moe_route[sigmoid]", "moe_route[softmax]", "moe_route[hash]")
+
+
+def base_op(name: str) -> str:
+    return name.split("[")[0]
 
 
 def _prefix_lists(g: torch.Generator, rows: int, pool: int, most: int, extra_pad: int) -> torch.Tensor:
@@ -59,6 +65,12 @@ def make_case(op: str, rows: int, dtype: torch.dtype, seed: int, w: dict = SMALL
         return rn(T, 2 * I, std=3.0), 7.0
     if op == "moe_route":
         return rn(T, E), "sqrtsoftplus", k, rn(E, std=0.1), None, 1.5
+    if op == "moe_route[sigmoid]":
+        return rn(T, E), "sigmoid", k, rn(E, std=0.1), None, 2.5
+    if op == "moe_route[softmax]":
+        return rn(T, E), "softmax", k, None, None, 1.0
+    if op == "moe_route[hash]":
+        return rn(T, E), "sqrtsoftplus", k, None, ids, 1.5
     if op == "moe_experts":
         return rn(T, D), rn(E, 2 * I, D, std=D**-0.5), rn(E, D, I, std=I**-0.5), ids, route_w, 7.0
     if op == "sparse_attention":
@@ -102,6 +114,7 @@ def to_device(args: tuple, device: torch.device | str) -> tuple:
 
 def alone(op: str, args: tuple, row: int) -> tuple:
     """``args`` of the single row ``row``, its padded index list cut to its own width."""
+    op = base_op(op)
     out = [a[row : row + 1] if i in ROW_ARGS[op] and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
     if op in TRIMMED:
         lst = out[TRIMMED[op]]

@@ -36,12 +36,12 @@ def check_ops(sizes: list[int]) -> dict:
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         table = build_op_table(BACKEND, dtype=dtype, device=torch.device("cpu"), batch_invariant=True)
-        for op in sorted(set(cases.ROW_ARGS) | set(invariant_ops.ALL_OPS)):
-            key = f"{op}/{str(dtype).removeprefix('torch.')}"
+        for name in sorted({*cases.ROW_ARGS, *cases.VARIANTS, *invariant_ops.ALL_OPS}):
+            key, op = f"{name}/{str(dtype).removeprefix('torch.')}", cases.base_op(name)
             try:
                 results = conf.check_op(op, table, reference, "tiny", dtype, backend=BACKEND)
                 bad = [str(r) for r in results if not r.passed or r.fallback]
-                rows = cases.row_differences(op, getattr(table, op), dtype, sizes) if op in cases.ROW_ARGS else []
+                rows = cases.row_differences(name, getattr(table, op), dtype, sizes) if op in cases.ROW_ARGS else []
                 impl = table.chosen[op]
                 out[key] = {"conform": bool(results) and not bad, "message": "\n\n".join(bad)[:4000],
                             "rows": rows, "declared": impl.batch_invariant, "provider": impl.provider}

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 from gpu_support import BACKEND, gpu_marks
-from invariance_cases import FLASH, ROW_ARGS, row_differences
+from invariance_cases import FLASH, ROW_ARGS, VARIANTS, base_op, row_differences
 
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.ops.catalogue import CATALOGUE
@@ -28,7 +28,7 @@ pytestmark = gpu_marks()
 
 PROVIDER = f"deepinfer.backends:{BACKEND}"
 NOT_INVARIANT_BY_DEFAULT = sorted(op for op, spec in CATALOGUE.items() if not spec.batch_invariant)
-OPS = sorted(op for op in ROW_ARGS)
+OPS = sorted({*ROW_ARGS, *VARIANTS})
 #: batch sizes: 2 and random ones up to 300 (decode batches and prefill chunks; fixed seed)
 SIZES = [2, *sorted(random.Random(7).sample(range(3, 300), 4))]
 #: the FP8 / FP4 expert stacks at fewer experts (their weights are made and quantised on the CPU)
@@ -54,9 +54,10 @@ def tables():
 @pytest.mark.parametrize("op", OPS)
 def test_op_row_equals_the_row_alone(op, dtype, tables):
     table = tables[dtype]
-    impl = table.chosen[op]
-    assert impl.provider == PROVIDER and (impl.batch_invariant or CATALOGUE[op].batch_invariant), op
-    bad = row_differences(op, getattr(table, op), dtype, SIZES, widths=_widths(op), device="cuda", rows_checked=6)
+    impl = table.chosen[base_op(op)]
+    assert impl.provider == PROVIDER and (impl.batch_invariant or CATALOGUE[base_op(op)].batch_invariant), op
+    bad = row_differences(op, getattr(table, base_op(op)), dtype, SIZES, widths=_widths(op), device="cuda",
+                          rows_checked=6)
     assert not bad, f"{op}: (batch size, row) differing from alone: {bad[:8]}"
 
 
