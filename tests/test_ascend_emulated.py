@@ -67,8 +67,9 @@ def reference():
 KERNELS = {"hc_pre": {"hc_split_sinkhorn"}, "sparse_attention": {"sparse_attention_sinks"},
            "compress_windows": {"compress_windows"}, "indexer_topk": {"indexer_scores"}, "hc_post": {"hc_post"},
            "hc_head": {"hc_head_collapse"}, "linear_fp8": {"act_quant_fp8", "fp8_gemm"},
-           "moe_experts_fp8": {"act_quant_fp8", "fp8_expert_gemm"}, "moe_experts_fp4": {"fp4_expert_gemm"},
-           "act_quant_sim": {"act_quant_sim"}, "moe_route": {"sqrt_softplus"}}
+           "moe_experts_fp8": {"act_quant_fp8", "fp8_expert_gemm"},
+           "moe_experts_fp4": {"fp4_expert_gemm", "act_quant_sim"}, "act_quant_sim": {"act_quant_sim"},
+           "moe_route": {"sqrt_softplus"}}
 
 
 def _conform(op, table, reference, preset, dtype):

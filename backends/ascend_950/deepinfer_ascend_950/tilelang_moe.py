@@ -6,8 +6,8 @@ host, so these wrappers are graph-capturable (not ``syncs_host``).
 - ``moe_experts_fp4``: both projections as :func:`.kernels.fp4_experts.fp4_expert_gemm` (e2m1 weights
   dequantised on the Vector cores, exact in the Cube's 16-bit operand dtype). ``quant_act=False``:
   operands in ``x.dtype`` (bf16/fp16). ``quant_act=True`` (DeepSeek's W4A8): ``x`` and ``h``
-  fake-quantised to E4M3 with power-of-two scales, operands in bfloat16, which holds those values
-  exactly; the steps and roundings are the native body's.
+  fake-quantised to E4M3 with power-of-two scales (the ``act_quant_sim`` kernel), operands in
+  bfloat16, which holds those values exactly; the steps and roundings are the native body's.
 - ``moe_experts_fp8``: ``x`` quantised once by :func:`.kernels.fp8_gemm.act_quant_fp8` and its rows
   gathered into the tiles, both projections as :func:`.kernels.fp8_experts.fp8_expert_gemm` into
   float32, SwiGLU in float32, ``h`` quantised by ``act_quant_fp8`` again, the sum in float32.
@@ -64,7 +64,7 @@ def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     if s13 is None or s2 is None or not _fp4_takes(x, w13, w2, quant_act) or x.shape[0] == 0:
         return native.moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit,
                                       quant_act)
-    from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+    from deepinfer_ascend_950.tilelang_ops import act_quant_sim
 
     f32 = torch.float32
     p = grouping.plan(topk_ids, w13.shape[0], BLOCK_M)
@@ -75,10 +75,10 @@ def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
         y = _fp4_mm(h, p, w2, s2, x.dtype) * weights.to(x.dtype)[:, None]
         return grouping.combine(y, p, x.dtype)
     bf16 = torch.bfloat16
-    xq = grouping.gather_rows(fake_quant_act_ue8m0(x).to(bf16), p)
+    xq = grouping.gather_rows(act_quant_sim(x, 128, "e4m3", False).to(bf16), p)
     gate_up = _fp4_mm(xq, p, w13, s13, x.dtype)
     h = native.swiglu(gate_up.to(f32), swiglu_limit) * weights.to(f32)[:, None]
-    hq = fake_quant_act_ue8m0(h.to(x.dtype)).to(bf16)
+    hq = act_quant_sim(h.to(x.dtype), 128, "e4m3", False).to(bf16)
     return grouping.combine(_fp4_mm(hq, p, w2, s2, x.dtype), p, x.dtype)
 
 
