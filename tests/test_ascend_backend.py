@@ -239,6 +239,42 @@ def test_backends_reason_without_an_npu_device(capsys, monkeypatch, tmp_path):
     assert row["details"]["cann"].startswith("8.5.RC1 at ")
 
 
+@pytest.mark.parametrize("nodes,want", [([], "missing: no Ascend NPU (no /dev/davinci* device node)"),
+                                         (["/dev/davinci0"], "1 Ascend device node(s) (/dev/davinci0); the chip is "
+                                                             "unknown without torch_npu")])
+def test_details_say_whether_an_npu_is_there_without_torch_npu(monkeypatch, nodes, want):
+    real = plugin.importlib.util.find_spec
+    monkeypatch.setattr(plugin.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_npu" else real(name, *a))
+    monkeypatch.setattr(plugin.glob, "glob", lambda pattern: list(nodes) if pattern == plugin.DEVICE_NODES else [])
+    assert plugin.details()["npu_device"] == want
+
+
+def test_details_name_the_missing_npu_device_with_torch_npu(monkeypatch, tmp_path):
+    install_fake_torch_npu(monkeypatch, tmp_path, count=0)
+    assert plugin.details()["npu_device"] == "missing: torch.npu.is_available() is False"
+
+
+def test_ops_dry_run_asks_the_backend_for_both_plans(capsys):
+    assert cli.main(["ops", "--backend", "ascend_950", "--dry-run", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plans = data["plans"]
+    assert data["available"] is False and set(plans) == {"here", "npu"}
+    assert set(plans["here"]) == set(CATALOGUE) and set(plans["here"].values()) == {"native"}
+    assert plans["npu"]["moe_experts_fp4"] == "tilelang (if its self-check passes, else native)"
+    assert plans["npu"]["moe_route"] == "tilelang (if its self-check passes, else torch_npu.npu_moe_gating_top_k)"
+    assert plans["npu"]["rms_norm"] == "torch_npu.npu_rms_norm" and plans["npu"]["linear"] == "native"
+    assert cli.main(["ops", "--backend", "ascend_950", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("backend ascend_950: NOT available here: ") and "OP" in lines[3]
+    assert sum(line.split()[0] in CATALOGUE for line in lines[4:] if line.strip()) == len(CATALOGUE)
+
+
+def test_ops_dry_run_of_a_backend_without_one_is_an_error(capsys):
+    assert cli.main(["ops", "--backend", "cpu_ref", "--dry-run"]) == 1
+    assert "has no dry run (dry_run_plans)" in capsys.readouterr().err
+
+
 # --- resolution -----------------------------------------------------------------------------------
 
 

@@ -118,6 +118,37 @@ def add_ops_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=_DTYPES, default=None, help="model dtype the predicates see (default: unspecified)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="ask the backend which implementation would serve each op here and on its own device, "
+        f"without that device (backends whose plugin module defines {DRY_RUN_ATTRIBUTE}()); nothing runs",
+    )
+
+
+#: optional attribute of a backend's plugin module: ``(dtype) -> {column: {op: implementation}}``, e.g.
+#: ``{"here": ..., "npu": ...}``, judged on probes alone
+DRY_RUN_ATTRIBUTE = "dry_run_plans"
+
+
+def run_dry_run(loaded: plugins.LoadedBackend, args: argparse.Namespace) -> int:
+    plans_of = getattr(loaded.entry_point.load(), DRY_RUN_ATTRIBUTE, None)
+    if plans_of is None:
+        print(f"deepinfer ops: error: backend {args.backend!r} has no dry run ({DRY_RUN_ATTRIBUTE})", file=sys.stderr)
+        return 1
+    ok, reason = loaded.info.is_available()
+    plans = plans_of(_dtype(args.dtype))
+    if args.json:
+        print(json.dumps({"backend": args.backend, "available": ok, "reason": reason, "dtype": args.dtype,
+                          "plans": plans}, indent=2))
+        return 0
+    columns = list(plans)
+    rows = [[op, *(plans[c].get(op, "") for c in columns)] for op in CATALOGUE]
+    out = [f"backend {args.backend}: " + ("available here" if ok else f"NOT available here: {reason}"),
+           f"dry run (nothing runs), dtype={args.dtype or 'backend default'}", ""]
+    out.extend(_table(["OP", *(c.upper() for c in columns)], rows))
+    print("\n".join(out))
+    return 0
 
 
 def _provider(loaded: plugins.LoadedBackend, plugin_name: str) -> dict[str, str]:
@@ -187,6 +218,8 @@ def run_ops(args: argparse.Namespace) -> int:
     except plugins.PluginError as exc:
         print(f"deepinfer ops: error: {exc}", file=sys.stderr)
         return 1
+    if getattr(args, "dry_run", False):
+        return run_dry_run(loaded, args)
     ok, reason = loaded.info.is_available()
     ctx = BuildContext(backend=args.backend, dtype=_dtype(args.dtype))
     rows = resolve_table(loaded, registry, ctx)

@@ -11,6 +11,7 @@ and importing it at all initialises the NPU runtime).
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.util
 import os
@@ -25,6 +26,7 @@ DISTRIBUTION = "deepinfer-ascend-950"
 SOC_MARKER = "950"  # torch.npu.get_device_name() of a supported chip contains this
 CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by ascend-toolkit/set_env.sh
 CANN_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
+DEVICE_NODES = "/dev/davinci[0-9]*"  # one per NPU, created by the Ascend driver
 
 # module name -> distribution names that may carry its version when the module has no __version__
 KERNEL_LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -122,15 +124,31 @@ def details() -> dict[str, str]:
                 device = torch.npu.current_device()
                 out["npu_device"] = f"{device}: {torch.npu.get_device_name(device)}"
                 out["npu_device_count"] = str(torch.npu.device_count())
+            else:
+                out["npu_device"] = "missing: torch.npu.is_available() is False"
         except Exception as exc:
             out["npu_device"] = f"probe failed: {type(exc).__name__}: {exc}"
+    if "npu_device" not in out:  # no torch_npu to ask: the driver's device nodes say whether there is an NPU
+        nodes = sorted(glob.glob(DEVICE_NODES))
+        out["npu_device"] = (f"{len(nodes)} Ascend device node(s) ({', '.join(nodes)}); the chip is unknown "
+                             "without torch_npu" if nodes else "missing: no Ascend NPU (no /dev/davinci* device node)")
     for module, dists in KERNEL_LIBRARIES.items():
         out[module] = probe_library(module, dists)
     from deepinfer_ascend_950.npu import find_bisheng
 
     out["bisheng"] = find_bisheng() or "missing: not in BISHENG_HOME/bin or PATH (CANN's compiler)"
-    out["ops"] = "python -m deepinfer_ascend_950.dry_run: which implementation serves each op here and on an NPU"
+    out["ops"] = ("deepinfer ops --backend ascend_950 --dry-run (python -m deepinfer_ascend_950.dry_run): which "
+                  "implementation serves each op here and on an NPU")
     return out
+
+
+def dry_run_plans(dtype=None) -> dict[str, dict[str, str]]:
+    """``deepinfer ops --dry-run``: ``{"here": op -> implementation, "npu": ...}``, nothing run."""
+    import torch
+
+    from deepinfer_ascend_950 import dry_run
+
+    return dry_run.plans(dtype or torch.bfloat16)
 
 
 @hookimpl
