@@ -13,7 +13,7 @@ import triton.language as tl
 # --- GEMM: out[m, g, :] = x[m, g, :] . w[g]^T (+ bias), one (M-tile, N-tile, group) per program ------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
 def matmul_kernel(
     a_ptr, stride_am, stride_ag,
     b_ptr, stride_bg, stride_bn,

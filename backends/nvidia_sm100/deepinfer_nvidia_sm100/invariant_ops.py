@@ -4,9 +4,9 @@ Registered with ``batch_invariant=True`` and chosen only in batch-invariant mode
 result independent of its batch, op by op:
 
 * ``linear``, ``grouped_linear``, the mixing GEMMs of ``hc_pre`` / ``hc_head``: one Triton GEMM whose
-  tiles (:data:`GEMM_TILES`) depend on the dtype alone, never on M, with the whole K loop in one
-  program (no split-K) in ascending order. cuBLAS, which the default mode uses, picks its kernel (and
-  split-K) by M.
+  tiles (:func:`gemm_tiles`) depend on the dtype and the weight's N alone, never on M, with the whole
+  K loop in one program (no split-K) in ascending order. cuBLAS, which the default mode uses, picks
+  its kernel (and split-K) by M.
 * ``moe_experts``: the default Triton grouped GEMMs with their M-block fixed at :data:`MOE_BLOCK_M`
   (the default picks 16 or 64 by the number of pairs), and a token's k slot outputs summed in slot
   order by one program (the default's torch ``sum`` picks its reduction layout by the tensor's shape).
@@ -19,10 +19,13 @@ result independent of its batch, op by op:
   is turned off (``keep_extra``).
 * ``indexer_topk`` (which the catalogue marks invariant): its candidate tile fixed at
   :data:`INDEXER_BLOCK_C` instead of chosen by the batch's widest candidate list.
-* ``linear_fp8``, ``moe_experts_fp8``, ``moe_experts_fp4``: the core's native bodies (per-row
-  activation quantisation, weights dequantised exactly, experts in ascending id order) with the GEMM
-  and SwiGLU above; correct but slow (float32 GEMMs on dequantised weights). They read expert counts
-  back to the host, so steps with the MoE ones are not graph-captured.
+* ``linear_fp8``, ``linear_fp8_ue8m0``, ``moe_experts_fp8``, ``moe_experts_fp4``,
+  ``moe_experts_act_quant``: the core's native bodies (per-row activation quantisation, weights
+  dequantised exactly, experts in ascending id order) with the GEMM and SwiGLU above; correct but
+  slow (float32 GEMMs on dequantised weights). The MoE ones read expert counts back to the host, so
+  their steps are not graph-captured.
+* ``sparse_attention_fp8``: the native body (the read rows decoded exactly, per row) with the
+  attention above.
 
 ``rms_norm``, ``rotary_emb``, ``compress_windows`` and ``hc_post`` keep the default kernels, which
 are invariant by construction (see :data:`INVARIANT_BY_CONSTRUCTION`).
@@ -39,8 +42,12 @@ from deepinfer_core.ops import native
 from deepinfer_nvidia_sm100 import hc_ops, triton_ops
 from deepinfer_nvidia_sm100.triton_ops import _cdiv, _k, _pow2, _prec, _rows, expert_layout
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of every invariant GEMM, by operand dtype
-GEMM_TILES = {torch.float32: (32, 64, 32, 4), torch.bfloat16: (64, 128, 64, 4), torch.float16: (64, 128, 64, 4)}
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the invariant GEMMs, by operand dtype
+GEMM_TILES = {torch.float32: (32, 64, 32, 4), torch.bfloat16: (64, 64, 64, 4), torch.float16: (64, 64, 64, 4)}
+#: float32 GEMMs with at most this many output columns (the mHC mixing GEMMs: N = (2+n)n, K = n * hidden)
+SKINNY_N = 32
+#: their tiles: the K loop is serial in every program, so small tiles spread it over more programs
+SKINNY_TILES = (16, 16, 32, 4)
 #: rows per block of the grouped MoE GEMMs
 MOE_BLOCK_M = 64
 #: candidates per program of the indexer scores
@@ -59,6 +66,11 @@ def _kernels():
     return invariant_kernels
 
 
+def gemm_tiles(dtype: torch.dtype, n: int) -> tuple[int, int, int, int]:
+    """The tiles of a GEMM with ``n`` output columns: fixed per weight, whatever the number of rows."""
+    return SKINNY_TILES if dtype == torch.float32 and n <= SKINNY_N else GEMM_TILES[dtype]
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
     """x: [M, G, K] (last dim contiguous), weight: [G, N, K] -> [M, G, N] in x.dtype."""
     m, _, k = x.shape
@@ -66,7 +78,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grou
     out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps = GEMM_TILES[x.dtype]
+    block_m, block_n, block_k, warps = gemm_tiles(x.dtype, n)
     weight = _rows(weight)
     _kernels().matmul_kernel[(_cdiv(m, block_m), _cdiv(n, block_n), groups)](
         x, x.stride(0), x.stride(1), weight, weight.stride(0), weight.stride(1),
@@ -215,8 +227,8 @@ ALL_OPS = {
     "moe_experts_fp8": moe_experts_fp8,
     "moe_experts_fp4": moe_experts_fp4,
 }
-if "sparse_attention_fp8" in native.NATIVE_OPS:  # FP8 KV entries: rows decoded exactly, then the attention above
-    ALL_OPS["sparse_attention_fp8"] = partial(native.NATIVE_OPS["sparse_attention_fp8"], attention=sparse_attention)
+# FP8 KV entries: the read rows decoded exactly (per row), then the attention above
+ALL_OPS["sparse_attention_fp8"] = partial(native.sparse_attention_fp8, attention=sparse_attention)
 ALL_OPS["linear_fp8_ue8m0"] = partial(native.linear_fp8_ue8m0, linear=linear)
 ALL_OPS["moe_experts_act_quant"] = partial(native.moe_experts_act_quant, linear=linear, swiglu=swiglu)
 #: the native loops over experts, which read the counts back to the host
