@@ -498,3 +498,17 @@ def test_registering_and_resolving_imports_neither_torch_npu_nor_tilelang(tmp_pa
            "PYTHONPATH": os.pathsep.join([str(REPO / "backends/ascend_950"), str(REPO)])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and "clean" in done.stdout, done.stderr
+
+
+def test_ops_dry_run_imports_neither_torch_npu_nor_tilelang():
+    code = textwrap.dedent("""
+        import contextlib, io, sys
+        from deepinfer_core.entrypoints import cli
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main(["ops", "--backend", "ascend_950", "--dry-run", "--json"]) == 0
+        assert not {"tilelang", "tvm", "torch_npu"} & set(sys.modules), sorted(sys.modules)
+        print("clean")
+    """)
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr
