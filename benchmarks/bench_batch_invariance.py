@@ -7,7 +7,7 @@ median decode step of each mode and their ratio. Prints a table and writes JSON.
 GPU:  python benchmarks/bench_batch_invariance.py --backend nvidia_sm100 --device cuda --batch-sizes 1,16,64
 CPU smoke test (cpu_ref has batch-invariant variants too):
       python benchmarks/bench_batch_invariance.py --small --backend cpu_ref --device cpu --batch-sizes 1,2 \
-             --gen-len 4 --prompt-len 16 --json-out /tmp/bench_batch_invariance.json
+             --gen-len 4 --prompt-len 16 --json-out bench_results/batch_invariance_cpu.json
 """
 
 from __future__ import annotations
