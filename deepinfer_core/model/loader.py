@@ -631,13 +631,24 @@ def read_checkpoint(
         if entry.file not in handles:
             handles[entry.file] = _open(entry.file, dev).__enter__()
         try:
-            return handles[entry.file].get_tensor(entry.key)
+            tensor = handles[entry.file].get_tensor(entry.key)
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {entry.where()}: {exc}") from exc
+        # on the CPU a tensor may be a view of the file's mapping, which would keep every page of the
+        # file read so far resident for as long as it lives
+        return tensor.clone() if device.type == "cpu" else tensor
 
+    def close_files() -> None:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+        handles.clear()
+
+    ordered = sorted(items, key=lambda i: (str(i.entry.file), i.entry.key))
     progress = tqdm(total=len(items), desc="loading weights", unit="tensor", disable=not show_progress)
     try:
-        for item in sorted(items, key=lambda i: (str(i.entry.file), i.entry.key)):
+        for n, item in enumerate(ordered):
+            if n and item.entry.file != ordered[n - 1].entry.file:  # one file mapped at a time
+                close_files()
             progress.update(1)
             tensor = get(item.entry).to(device)
             scale = None
@@ -670,8 +681,7 @@ def read_checkpoint(
                 params[key] = dequantized(item, tensor, scale, param_dtype(key))
     finally:
         progress.close()
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+        close_files()
     if "head.weight" not in params and cfg.tie_word_embeddings and "embed.weight" in params:
         params["head.weight"] = params["embed.weight"]
     _stack_shared_experts(params, inter, param_dtype)
