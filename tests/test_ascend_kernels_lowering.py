@@ -50,6 +50,9 @@ SHAPES = {
     ("sqrt_softplus", "v4_flash_f32"): dict(experts=256, dtype="float32"),
     ("fp8_expert_gemm", "tiny"): dict(n=64, k=128),
     ("fp8_expert_gemm", "v4_flash_w13"): dict(n=4096, k=4096),
+    ("kv_fp8_quant", "tiny"): dict(head_dim=32, rope_dim=16),
+    ("kv_fp8_quant", "tiny_f32"): dict(head_dim=32, rope_dim=16, dtype="float32"),
+    ("kv_fp8_quant", "v4_flash"): dict(head_dim=512, rope_dim=64),
 }
 #: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
 GEMMS = {
@@ -63,6 +66,7 @@ GEMMS = {
     "fp8_expert_gemm": lambda kw: {(64, 128, 128)},
     "act_quant_sim": None,
     "sqrt_softplus": None,
+    "kv_fp8_quant": None,
 }
 
 
@@ -190,6 +194,7 @@ def test_v4_flash_footprint_figures(lowered):
         "L1": 49152, "UB": 65792, "L0C": 32768, "L0A": 32768, "L0B": 65536}
     assert lowered("fp8_expert_gemm", "v4_flash_w13").usage() == {
         "L1": 24576, "UB": 49408, "L0C": 32768, "L0A": 16384, "L0B": 32768}
+    assert lowered("kv_fp8_quant", "v4_flash").usage() == {"UB": 43264}  # 32 rows: 448 bf16 + 448 E4M3 + 8
 
 
 @pytest.mark.parametrize("kernel", sorted({k for k, _ in SHAPES}))
@@ -211,6 +216,8 @@ def test_kernels_check_their_parameters():
         builder("act_quant_sim")(dim=128, block=32, fmt="e5m2")
     with pytest.raises(ValueError, match="hc=9"):
         builder("hc_post")(hc=9, dim=64)
+    with pytest.raises(ValueError, match="nope=100"):
+        builder("kv_fp8_quant")(head_dim=164, rope_dim=64)
 
 
 def test_hc_post_sums_the_streams_in_order_inside_one_simt_function(lowered):
@@ -218,3 +225,15 @@ def test_hc_post_sums_the_streams_in_order_inside_one_simt_function(lowered):
     simt = src[: src.index("__global__")]
     assert simt.count("__simt_vf__") == 1
     assert re.search(r"for \(int32_t \w+ = 0; \w+ < 4; \+\+\w+\)", simt)  # the j sum over hc_mult streams
+
+
+def test_kv_fp8_quant_writes_deepseeks_entry_bytes(lowered):
+    src = lowered("kv_fp8_quant", "v4_flash").source
+    simt, host = src[: src.index("__global__")], src[src.index("__global__"):]
+    assert re.search(r"for \(int32_t g = 0; g < 7; \+\+g\)", simt)  # 448 codes: 7 scale groups of 64
+    assert "tl::AscendAllReduce<tl::MaxOp" in simt  # amax per row of a group
+    assert re.search(r">> \(uint32_t\)23\) & \(uint32_t\)255\)\) \+ condval\)\) << \(uint32_t\)23", simt)
+    assert "((uint8_t)(((*(uint32_t *)(&(" in simt  # the scale's biased exponent is its byte
+    assert "__asc_cvt_float2_to_fp8x2(" in simt and "__ASC_SATFINITE, __ASC_E4M3" in simt
+    assert "__gm__ fp8_e4_t* codes" in host and "__gm__ uint8_t* tail" in host
+    assert ", 896, 0, 0, 0, static_cast<asc_load_l2_cache_mode>(0), 1024, 896)" in host  # nope of each row

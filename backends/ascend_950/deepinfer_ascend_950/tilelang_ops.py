@@ -18,6 +18,7 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
   for a model configured with that scoring (:data:`ROUTE_OPS`).
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
+- ``kv_fp8_pack``: in :mod:`.tilelang_kv_fp8`.
 
 A call the kernels do not take (a dtype or width outside theirs, no rows) goes to the native body. These
 paths run only on an Ascend 950; here the kernels run in :mod:`.emulator`
@@ -272,6 +273,10 @@ ALL_OPS = {"linear_fp8": linear_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
 from deepinfer_ascend_950 import tilelang_moe  # noqa: E402  (its wrappers call compiled() above)
 
 ALL_OPS.update(tilelang_moe.ALL_OPS)
+
+from deepinfer_ascend_950 import tilelang_kv_fp8  # noqa: E402
+
+ALL_OPS.update(tilelang_kv_fp8.ALL_OPS)
 
 #: kernels registered only for a model that routes by ``sqrtsoftplus`` (DeepSeek-V4), so that other
 #: models keep the torch_npu gating operator for ``moe_route``

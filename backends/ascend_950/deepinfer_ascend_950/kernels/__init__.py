@@ -25,6 +25,7 @@ KERNELS = {
     "fp8_expert_gemm": "fp8_experts:fp8_expert_gemm",
     "act_quant_sim": "act_quant_sim:act_quant_sim",
     "sqrt_softplus": "route_scores:sqrt_softplus",
+    "kv_fp8_quant": "kv_fp8:kv_fp8_quant",
 }
 
 

@@ -1,0 +1,43 @@
+"""DeepSeek's FP8 KV entry (``deepinfer_core.model.kv_fp8``) served by :mod:`.kernels.kv_fp8`.
+
+- ``kv_fp8_pack``: the quantisation (E4M3 codes, the scale bytes and the pad) in ``kv_fp8_quant``; torch
+  places the RoPE values' bytes between codes and scales.
+
+A call the kernels do not take (float64, a ``head_dim - rope_dim`` that is neither a multiple of 64 nor a
+multiple of 16 below it) goes to the native body.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.model.kv_fp8 import KV_FP8_BLOCK, kv_fp8_entry_bytes
+from deepinfer_core.ops import native
+
+# tilelang_ops (compiled(), the dtype tables) is imported inside the wrappers: it imports this module
+
+
+def _takes(nope: int) -> bool:
+    """Scale groups the kernels tile: whole groups of 64, or one group of a multiple of 16."""
+    return nope > 0 and (nope % KV_FP8_BLOCK == 0 or (nope < KV_FP8_BLOCK and nope % 16 == 0))
+
+
+def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    from deepinfer_ascend_950 import tilelang_ops
+
+    d = kv.shape[-1]
+    nope = d - rope_dim
+    if kv.dtype not in tilelang_ops.VECTOR_DTYPES or not _takes(nope) or kv.numel() == 0:
+        return native.kv_fp8_pack(kv, rope_dim)
+    flat = kv.reshape(-1, d).contiguous()
+    rope_end = nope + rope_dim * kv.element_size()
+    codes = torch.empty(flat.shape[0], nope, dtype=torch.float8_e4m3fn, device=kv.device)
+    tail = torch.empty(flat.shape[0], kv_fp8_entry_bytes(d, rope_dim, kv.dtype) - rope_end, dtype=torch.uint8,
+                       device=kv.device)
+    tilelang_ops.compiled("kv_fp8_quant", head_dim=d, rope_dim=int(rope_dim),
+                          dtype=tilelang_ops.VECTOR_DTYPES[kv.dtype])(flat, codes, tail)
+    entries = torch.cat([codes.view(torch.uint8), flat[:, nope:].contiguous().view(torch.uint8), tail], dim=1)
+    return entries.view(*kv.shape[:-1], entries.shape[-1])
+
+
+ALL_OPS = {"kv_fp8_pack": kv_fp8_pack}
