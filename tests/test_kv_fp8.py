@@ -6,6 +6,7 @@ preemption and speculative rollback stay exact over uint8 rows."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import engine_fixtures
@@ -48,7 +49,8 @@ def nbytes(*tensors: torch.Tensor) -> int:
 def test_the_v4_flash_entry_is_584_bytes_in_flashmla_order():
     kv = torch.randn(3, 512, dtype=torch.bfloat16) * 3
     entries = pack_kv_fp8(kv, 64)
-    assert entries.dtype == torch.uint8 and entries.shape == (3, 584) == (3, kv_fp8_entry_bytes(512, 64, torch.bfloat16))
+    assert entries.dtype == torch.uint8
+    assert entries.shape == (3, 584) == (3, kv_fp8_entry_bytes(512, 64, torch.bfloat16))
     codes = entries[:, :448].view(torch.float8_e4m3fn)
     assert torch.equal(entries[:, 448:576].contiguous().view(torch.bfloat16), kv[:, 448:])  # RoPE as is
     scales = torch.exp2(entries[:, 576:583].double() - 127)
@@ -119,9 +121,9 @@ def test_deepseek_plan_prints_the_saving(published, capsys):
     out = capsys.readouterr().out
     assert "fp8_ds entries" in out and "KV bytes per token" in out
     assert main([*common, "--json"]) == 0
-    (rank,) = __import__("json").loads(capsys.readouterr().out)
+    (rank,) = json.loads(capsys.readouterr().out)
     assert main([*common, "--numerics", "transformers", "--json"]) == 0
-    (dense,) = __import__("json").loads(capsys.readouterr().out)
+    (dense,) = json.loads(capsys.readouterr().out)
     assert rank["kv_layout"] == "fp8_ds" and dense["kv_layout"] == "dense"
     assert rank["window_bytes_per_token"] < dense["window_bytes_per_token"] == rank["dense_window_bytes_per_token"]
     assert rank["compressed_bytes_per_token"] < dense["compressed_bytes_per_token"]

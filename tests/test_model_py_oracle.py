@@ -1,21 +1,24 @@
 """The second, independent oracle: DeepSeek's own ``inference/model.py``, imported from
-``../shared/reference/deepseek-v4-flash/inference/model.py`` (next to this repository), run on the CPU
-in one process with torch stand-ins, written here, for the six functions of its ``kernel.py``
+``../shared/reference/deepseek-v4-flash/inference/model.py`` (beside this repository), run on the
+CPU in one process with torch stand-ins, written here, for the six functions of its ``kernel.py``
 (``act_quant``, ``fp4_act_quant``, ``fp8_gemm``, ``fp4_gemm``, ``sparse_attn``, ``hc_split_sinkhorn``) and
 for ``fast_hadamard_transform.hadamard_transform``, on the tiny published-layout checkpoint (FP8 ue8m0
 linears, FP4 experts, a hash layer, CSA and HCA layers, MTP weights present).
 
 model.py runs in float32 (its default dtype; the two projections it declares bf16, ``wo_a`` and the
 indexer's ``weights_proj``, hold their bf16 values in float32; its ``rotate_activation`` asserts bf16 and
-is replaced by the same rotation without the assertion); its head returns the last position's logits, so the comparison is
-a prefill and then greedy decoding one token at a time (its cached decode path). The engine runs
-``numerics="deepseek"`` in float32 with its FP8 KV entries.
+is replaced by the same rotation without the assertion); its head returns the last position's logits,
+so the comparison is a prefill and then greedy decoding one token at a time (its cached decode path).
+The engine runs ``numerics="deepseek"`` in float32 with its FP8 KV entries.
+
+Measured, not asserted: both in bf16 (model.py's own dtype) the greedy tokens agree on 8 of 13 steps of
+this random tiny model, logits' cosine >= 0.964: each rounds at its own points, which a random model's
+flat logits do not absorb.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 import types
 from contextlib import contextmanager
@@ -23,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from model_fixtures import no_kernel_packs, prompt
 from safetensors.torch import load_file
 from test_deepseek_numerics import ORACLE_CONFIG
@@ -69,8 +71,8 @@ def _e2m1_round(v: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 value, ties to the even code, the sign kept."""
     a = v.abs().clamp(max=6.0)
     code = torch.zeros(v.shape, dtype=torch.long)
-    for i, (mid, up) in enumerate(((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                                   (3.5, True), (5.0, False))):
+    for mid, up in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                    (5.0, False)):
         code += (a >= mid if up else a > mid).long()
     return _E2M1[code] * torch.where(v < 0, -1.0, 1.0)
 

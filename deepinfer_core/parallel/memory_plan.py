@@ -13,8 +13,8 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.memory import plan_pools
-from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model import default_numerics
+from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, resolve_kv_cache_spec
 from deepinfer_core.model.loader import _IGNORED, expected_shapes, parameter_dtype, read_headers
 
