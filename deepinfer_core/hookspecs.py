@@ -89,7 +89,8 @@ def deepinfer_register_ops(registry: OpRegistry, backend: BackendInfo) -> None:
 def deepinfer_kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype) -> KVCacheSpec:
     """Describe the paged-cache layout the backend's attention kernels read: a
     :class:`~deepinfer_core.model.kv_cache_spec.KVCacheSpec` (entry dtype and layout, head-dim split,
-    block size), or ``None`` for the default (``dtype`` entries, what ``ModelCache`` allocates).
+    block size), or ``None`` for the default (``dtype`` entries; under ``numerics="deepseek"`` DeepSeek's
+    FP8 entry, layout ``"fp8_ds"``, read through ``sparse_attention_fp8``).
 
     Asked once, after ``deepinfer_configure``, by
     :func:`~deepinfer_core.model.kv_cache_spec.resolve_kv_cache_spec`, which refuses a spec the model
