@@ -69,7 +69,8 @@ KERNELS = {"hc_pre": {"hc_split_sinkhorn"}, "sparse_attention": {"sparse_attenti
            "hc_head": {"hc_head_collapse"}, "linear_fp8": {"act_quant_fp8", "fp8_gemm"},
            "moe_experts_fp8": {"act_quant_fp8", "fp8_expert_gemm"},
            "moe_experts_fp4": {"fp4_expert_gemm", "act_quant_sim"}, "act_quant_sim": {"act_quant_sim"},
-           "moe_route": {"sqrt_softplus"}, "kv_fp8_pack": {"kv_fp8_quant"}}
+           "moe_route": {"sqrt_softplus"}, "kv_fp8_pack": {"kv_fp8_quant"},
+           "sparse_attention_fp8": {"kv_fp8_dequant", "sparse_attention_sinks"}}
 
 
 def _conform(op, table, reference, preset, dtype):

@@ -53,6 +53,10 @@ SHAPES = {
     ("kv_fp8_quant", "tiny"): dict(head_dim=32, rope_dim=16),
     ("kv_fp8_quant", "tiny_f32"): dict(head_dim=32, rope_dim=16, dtype="float32"),
     ("kv_fp8_quant", "v4_flash"): dict(head_dim=512, rope_dim=64),
+    ("kv_fp8_dequant", "tiny"): dict(head_dim=32, rope_dim=16),
+    ("kv_fp8_dequant", "tiny_f16"): dict(head_dim=32, rope_dim=16, rope_dtype="float16", dtype="float16"),
+    ("kv_fp8_dequant", "tiny_f32_rope"): dict(head_dim=32, rope_dim=16, rope_dtype="float32"),
+    ("kv_fp8_dequant", "v4_flash"): dict(head_dim=512, rope_dim=64),
 }
 #: kernel -> the Cube GEMMs (M, K, N) it runs, as a function of its parameters (None: a vector kernel)
 GEMMS = {
@@ -67,6 +71,7 @@ GEMMS = {
     "act_quant_sim": None,
     "sqrt_softplus": None,
     "kv_fp8_quant": None,
+    "kv_fp8_dequant": None,
 }
 
 
@@ -195,6 +200,7 @@ def test_v4_flash_footprint_figures(lowered):
     assert lowered("fp8_expert_gemm", "v4_flash_w13").usage() == {
         "L1": 24576, "UB": 49408, "L0C": 32768, "L0A": 16384, "L0B": 32768}
     assert lowered("kv_fp8_quant", "v4_flash").usage() == {"UB": 43264}  # 32 rows: 448 bf16 + 448 E4M3 + 8
+    assert lowered("kv_fp8_dequant", "v4_flash").usage() == {"UB": 51456}  # 32 rows: 584-byte entries + 512 bf16
 
 
 @pytest.mark.parametrize("kernel", sorted({k for k, _ in SHAPES}))
@@ -237,3 +243,16 @@ def test_kv_fp8_quant_writes_deepseeks_entry_bytes(lowered):
     assert "__asc_cvt_float2_to_fp8x2(" in simt and "__ASC_SATFINITE, __ASC_E4M3" in simt
     assert "__gm__ fp8_e4_t* codes" in host and "__gm__ uint8_t* tail" in host
     assert ", 896, 0, 0, 0, static_cast<asc_load_l2_cache_mode>(0), 1024, 896)" in host  # nope of each row
+
+
+def test_kv_fp8_dequant_decodes_whole_entries_exactly(lowered):
+    src = lowered("kv_fp8_dequant", "v4_flash").source
+    simt, host = src[: src.index("__global__")], src[src.index("__global__"):]
+    assert "__gm__ uint8_t* entries" in host and "* 584)" in host  # whole 584-byte entries into the UB
+    assert "float8" not in src and "fp8_e4" not in src and "__asc_cvt" not in src  # E4M3 decoded from its bits
+    assert ">> (uint32_t)3) & (uint32_t)15)" in simt and "& (uint32_t)7)" in simt  # exponent, mantissa
+    assert "(uint32_t)2143289344" in simt  # S.1111.111: NaN
+    assert re.search(r"\(\(uint32_t\)buf_dyn_shmem\[.*\+ 33344\)\]\) << \(uint32_t\)23", simt)  # scale byte at 576
+    assert "<< (uint32_t)8)) << (uint32_t)16" in simt  # the bf16 RoPE value: two bytes, a float32's top half
+    f16 = lowered("kv_fp8_dequant", "tiny_f16").source
+    assert "& (uint32_t)1023)" in f16 and "(uint32_t)13)" in f16  # float16 fields moved into a float32

@@ -37,7 +37,8 @@ TILELANG_DTYPES = {"sparse_attention": (torch.bfloat16, torch.float16),
                    "moe_experts_fp4": (torch.bfloat16, torch.float16, torch.float32),
                    "act_quant_sim": (torch.bfloat16, torch.float16, torch.float32),
                    "moe_route": (torch.bfloat16, torch.float16, torch.float32),
-                   "kv_fp8_pack": (torch.bfloat16, torch.float16, torch.float32)}
+                   "kv_fp8_pack": (torch.bfloat16, torch.float16, torch.float32),
+                   "sparse_attention_fp8": (torch.bfloat16, torch.float16)}
 
 
 def npu_op_applies(operator: str) -> Callable[[BuildContext], bool]:

@@ -2,6 +2,9 @@
 
 - ``kv_fp8_pack``: the quantisation (E4M3 codes, the scale bytes and the pad) in ``kv_fp8_quant``; torch
   places the RoPE values' bytes between codes and scales.
+- ``sparse_attention_fp8``: the selected entries gathered by torch (584 bytes a row for V4-Flash, against
+  1024 for bf16 values; ``-1`` slots as zero entries, which decode to zero rows), decoded in q.dtype by
+  ``kv_fp8_dequant``, then the ``sparse_attention`` kernel over them (:func:`.tilelang_ops.attend`).
 
 A call the kernels do not take (float64, a ``head_dim - rope_dim`` that is neither a multiple of 64 nor a
 multiple of 16 below it) goes to the native body.
@@ -40,4 +43,30 @@ def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return entries.view(*kv.shape[:-1], entries.shape[-1])
 
 
-ALL_OPS = {"kv_fp8_pack": kv_fp8_pack}
+def sparse_attention_fp8(q, kv, indices, sinks, scale: float, rope_dim: int, rope_dtype: torch.dtype,
+                         extra_kv=None, extra_indices=None):
+    from deepinfer_ascend_950 import reference, tilelang_ops
+
+    d = q.shape[-1]
+    entry = kv_fp8_entry_bytes(d, rope_dim, rope_dtype)
+    widths = {kv.shape[-1]} | ({extra_kv.shape[-1]} if extra_kv is not None else set())
+    if q.dtype not in tilelang_ops.KERNEL_DTYPES or rope_dtype not in tilelang_ops.VECTOR_DTYPES \
+            or not _takes(d - rope_dim) or widths != {entry}:  # a wrong width: native's error
+        return native.sparse_attention_fp8(q, kv, indices, sinks, scale, rope_dim, rope_dtype, extra_kv, extra_indices)
+    decode = tilelang_ops.compiled("kv_fp8_dequant", head_dim=d, rope_dim=int(rope_dim),
+                                   rope_dtype=tilelang_ops.VECTOR_DTYPES[rope_dtype],
+                                   dtype=tilelang_ops.KERNEL_DTYPES[q.dtype])
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ex = extra_indices[start:stop] if extra_indices is not None else None
+        entries, sel = reference.gather_selected(kv, indices[start:stop], extra_kv, ex)
+        values = torch.empty(*entries.shape[:2], d, dtype=q.dtype, device=q.device)
+        if values.numel():
+            decode(entries.reshape(-1, entry).contiguous(), values.view(-1, d))
+        return values, sel
+
+    k_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_indices is not None else 0)
+    return tilelang_ops.attend(q, sinks, scale, k_total, rows)
+
+
+ALL_OPS = {"kv_fp8_pack": kv_fp8_pack, "sparse_attention_fp8": sparse_attention_fp8}

@@ -18,7 +18,7 @@ per kernel configuration (``tilelang.compile(target="ascend")``, which needs CAN
   for a model configured with that scoring (:data:`ROUTE_OPS`).
 - ``indexer_topk``: candidate keys gathered like the attention's rows, the scores in
   :mod:`.kernels.indexer_scores`, the stable top-k over them in torch on the NPU.
-- ``kv_fp8_pack``: in :mod:`.tilelang_kv_fp8`.
+- ``kv_fp8_pack``, ``sparse_attention_fp8``: in :mod:`.tilelang_kv_fp8`.
 
 A call the kernels do not take (a dtype or width outside theirs, no rows) goes to the native body. These
 paths run only on an Ascend 950; here the kernels run in :mod:`.emulator`
@@ -90,13 +90,24 @@ def hc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_ep
 
 
 def sparse_attention(q, kv, indices, sinks, scale: float, extra_kv=None, extra_indices=None):
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ex = extra_indices[start:stop] if extra_indices is not None else None
+        selected, sel = reference.gather_selected(kv, indices[start:stop], extra_kv, ex)
+        return selected.to(q.dtype), sel
+
+    k_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_indices is not None else 0)
+    return attend(q, sinks, scale, k_total, rows)
+
+
+def attend(q, sinks, scale: float, k_total: int, rows) -> torch.Tensor:
+    """The sparse attention kernel over ``rows(start, stop) -> (rows [stop - start, K, D] in q.dtype,
+    indices [stop - start, K])`` (``-1`` slots zero rows), tokens in chunks under :data:`GATHER_BUDGET`."""
     t, h, d = q.shape
     heads = -(-h // HEAD_ALIGN) * HEAD_ALIGN
     if heads != h:  # padded heads attend with zero queries and sink 0; their outputs are dropped
         q = torch.cat([q, q.new_zeros(t, heads - h, d)], dim=1)
         sinks = torch.cat([sinks, sinks.new_zeros(heads - h)])
     out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
-    k_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_indices is not None else 0)
     step = max(1, GATHER_BUDGET // max(1, (k_total + BLOCK_K) * d * q.element_size()))
     device = q.device
     kernel = compiled("sparse_attention_sinks", heads=heads, head_dim=d, scale=float(scale),
@@ -104,10 +115,8 @@ def sparse_attention(q, kv, indices, sinks, scale: float, extra_kv=None, extra_i
     sinks32 = sinks.to(torch.float32).contiguous()
     for start in range(0, t, step):
         stop = min(t, start + step)
-        ex = extra_indices[start:stop] if extra_indices is not None else None
-        rows, sel = reference.gather_selected(kv, indices[start:stop], extra_kv, ex)
-        rows, sel = reference.pad_to_blocks(rows.to(q.dtype), sel, BLOCK_K)
-        kernel(q[start:stop].contiguous(), rows.contiguous(), sel.to(torch.int32).contiguous(), sinks32,
+        selected, sel = reference.pad_to_blocks(*rows(start, stop), BLOCK_K)
+        kernel(q[start:stop].contiguous(), selected.contiguous(), sel.to(torch.int32).contiguous(), sinks32,
                out[start:stop])
     return out[:, :h]
 

@@ -26,6 +26,7 @@ KERNELS = {
     "act_quant_sim": "act_quant_sim:act_quant_sim",
     "sqrt_softplus": "route_scores:sqrt_softplus",
     "kv_fp8_quant": "kv_fp8:kv_fp8_quant",
+    "kv_fp8_dequant": "kv_fp8:kv_fp8_dequant",
 }
 
 
