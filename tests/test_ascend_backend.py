@@ -264,8 +264,13 @@ def test_ops_dry_run_asks_the_backend_for_both_plans(capsys):
     assert plans["npu"]["moe_experts_fp4"] == "tilelang (if its self-check passes, else native)"
     assert plans["npu"]["moe_route"] == "tilelang (if its self-check passes, else torch_npu.npu_moe_gating_top_k)"
     assert plans["npu"]["rms_norm"] == "torch_npu.npu_rms_norm" and plans["npu"]["linear"] == "native"
+    for op in ("kv_fp8_pack", "sparse_attention_fp8"):  # the FP8 KV entry's kernels
+        assert plans["npu"][op] == "tilelang (if its self-check passes, else native)"
+    assert plans["npu"]["linear_fp8_ue8m0"] == "native"
     assert cli.main(["ops", "--backend", "ascend_950", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    row = next(line.split() for line in lines if line.startswith("sparse_attention_fp8 "))
+    assert row[1] == "native" and row[2] == "tilelang"
     assert lines[0].startswith("backend ascend_950: NOT available here: ") and "OP" in lines[3]
     assert sum(line.split()[0] in CATALOGUE for line in lines[4:] if line.strip()) == len(CATALOGUE)
 
@@ -342,6 +347,7 @@ def test_dry_run_shows_both_plans(capsys):
     assert set(plans["here"].values()) == {"native"}
     assert plans["npu"]["rotary_emb"] == "torch_npu.npu_rotary_mul"
     assert plans["npu"]["hc_pre"].startswith("tilelang")
+    assert plans["npu"]["kv_fp8_pack"].startswith("tilelang") and plans["here"]["kv_fp8_pack"] == "native"
     assert dry_run.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["available"] is False and data["npu"]["swiglu"] == "torch_npu.npu_swiglu"
