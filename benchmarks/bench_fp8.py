@@ -81,8 +81,9 @@ def cuda_time_ms(fn, warmup: int, iters: int) -> float:
 
 
 def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: int) -> list[dict]:
-    from deepinfer_core.ops import native
     from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
+
+    from deepinfer_core.ops import native
 
     g = torch.Generator(device=device).manual_seed(0)
     rows = []

@@ -10,8 +10,8 @@ import pytest
 import torch
 from engine_fixtures import greedy, hf_argmax, make_prompt, run_tokens
 
-from deepinfer_core.worker.graph_runner import GraphRunner, capture_sizes
 from deepinfer_core.model.metadata import GraphPadding, SeqSpan, build_forward_batch
+from deepinfer_core.worker.graph_runner import GraphRunner, capture_sizes
 
 make_llm = engine_fixtures.make_llm
 one_torch_thread = engine_fixtures.one_torch_thread

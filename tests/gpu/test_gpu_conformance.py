@@ -52,9 +52,10 @@ def test_op_matches_cpu_ref(op, preset, dtype, tables, reference, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def test_each_op_is_served_by_the_planned_implementation(dtype, tables, device):
+    from deepinfer_nvidia_sm100.registration import op_labels
+
     from deepinfer_core.ops.registry import BuildContext
     from deepinfer_core.plugins import collect_registry, load_backend
-    from deepinfer_nvidia_sm100.registration import op_labels
 
     expected = op_labels(collect_registry(load_backend(BACKEND)), BuildContext(BACKEND, dtype, device))
     ours = "deepinfer_nvidia_sm100."
