@@ -297,3 +297,19 @@ def test_triton_predicates_decline_dtypes_the_kernels_do_not_take(monkeypatch, n
         table = resolve_ops(registry, ctx)
         for op in ("rms_norm", "hc_pre", "moe_experts", "linear_fp8"):
             assert (table.chosen[op].fn is native.NATIVE_OPS[op]) is not served_by_kernels, (op, dtype)
+
+
+
+def test_listing_says_why_an_adapter_declined(fake_hopper):
+    """`deepinfer ops` prints the adapter's own reason beside "declined by its predicate"."""
+    from deepinfer_nvidia_sm100 import external
+
+    from deepinfer_core.entrypoints.cli_plugins import resolve_table
+
+    loaded = plugins.load_backend(NVIDIA)
+    for config, why in ((None, "widths are unknown"), (V4_FLASH, "not importable")):
+        rows = {r["op"]: r for r in resolve_table(loaded, _nvidia_registry(), _ctx(model_config=config))}
+        flash = [a for a in rows["sparse_attention"]["alternatives"]
+                 if a["function"].endswith(external.flash_mla_sparse_attention.__qualname__)]
+        assert len(flash) == 1 and flash[0]["status"] == DECLINED and why in flash[0]["reason"], flash
+    assert all("reason" not in a for a in rows["rms_norm"]["alternatives"])  # no reason to give: none printed

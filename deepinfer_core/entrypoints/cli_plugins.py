@@ -10,7 +10,7 @@ from typing import Any
 
 from deepinfer_core import plugins
 from deepinfer_core.ops.catalogue import CATALOGUE
-from deepinfer_core.ops.registry import CHOSEN, BuildContext, OpRegistry
+from deepinfer_core.ops.registry import CHOSEN, DECLINED, BuildContext, OpRegistry
 
 # keys of a describe_backends() row that are not backend details
 _ROW_KEYS = ("name", "distribution", "version", "device", "available", "reason")
@@ -178,6 +178,18 @@ def _qualname(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+def _reason(impl: Any, verdict: str, ctx: BuildContext) -> dict[str, str]:
+    """``{"reason": ...}`` where a declining predicate can say why (its ``reason(ctx)``), else ``{}``."""
+    explain = getattr(impl.predicate, "reason", None)
+    if verdict != DECLINED or not callable(explain):
+        return {}
+    try:
+        reason = explain(ctx)
+    except Exception as exc:
+        reason = f"reason raised {type(exc).__name__}: {exc}"
+    return {"reason": reason} if reason else {}
+
+
 def resolve_table(
     loaded: plugins.LoadedBackend, registry: OpRegistry, ctx: BuildContext
 ) -> list[dict[str, Any]]:
@@ -198,7 +210,7 @@ def resolve_table(
             if verdict == CHOSEN:
                 chosen = entry
             else:
-                alternatives.append({**entry, "status": verdict})
+                alternatives.append({**entry, "status": verdict, **_reason(impl, verdict, ctx)})
         rows.append({"op": op, "chosen": chosen, "alternatives": alternatives})
     return rows
 
@@ -260,6 +272,7 @@ def run_ops(args: argparse.Namespace) -> int:
         c = r["chosen"]
         alts = "; ".join(
             f"{who(a)} ({a['distribution']}) priority {a['priority']}: {a['status']}"
+            + (f" ({a['reason']})" if a.get("reason") else "")
             for a in r["alternatives"]
         )
         if c is None:
