@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import math
-import re
 import statistics
 import tempfile
 import time
@@ -124,51 +123,9 @@ def randomize(model, config, std: float, seed: int) -> None:
             buf.copy_(rows[:, : config.num_experts_per_tok])
 
 
-# HF state_dict name -> DeepSeek name, applied in order (inverse of transformers' conversion_mapping for
-# deepseek_v4, written out explicitly).
-HF_TO_DS = [
-    (r"^model\.", ""),
-    (r"^lm_head\.weight$", "head.weight"),
-    (r"^embed_tokens\.weight$", "embed.weight"),
-    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
-    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
-    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
-    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
-    (r"\.self_attn\.", ".attn."),
-    (r"\.mlp\.", ".ffn."),
-    (r"\.input_layernorm\.", ".attn_norm."),
-    (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
-    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
-    (r"\.sinks$", ".attn_sink"),
-    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
-    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
-    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"\.experts\.gate_up_proj$", ".experts.w13"),
-    (r"\.experts\.down_proj$", ".experts.w2"),
-    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
-    (r"\.compressor\.kv_norm\.", ".compressor.norm."),  # the attention's own stays kv_norm
-    (r"\.position_bias$", ".ape"),
-    (r"\.q_a_proj\.", ".wq_a."),
-    (r"\.q_b_proj\.", ".wq_b."),
-    (r"\.q_a_norm\.", ".q_norm."),
-    (r"\.kv_proj\.", ".wkv."),
-    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
-    (r"\.o_a_proj\.", ".wo_a."),
-    (r"\.o_b_proj\.", ".wo_b."),
-]
-_HF_TO_DS = [(re.compile(p), r) for p, r in HF_TO_DS]
-
-
-def hf_to_ds_name(name: str) -> str:
-    for pat, repl in _HF_TO_DS:
-        name = pat.sub(repl, name)
-    return name
-
-
 def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
     """HF state_dict -> deepinfer params (same storage wherever the dtype already matches)."""
-    from deepinfer_core.model.loader import _stack_shared_experts, expected_shapes, parameter_dtype
+    from deepinfer_core.model.loader import _stack_shared_experts, canonical_name, expected_shapes, parameter_dtype
 
     shapes = expected_shapes(cfg, with_mtp=False)
 
@@ -177,7 +134,7 @@ def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
 
     params = {}
     for name, t in hf_model.state_dict().items():
-        ds = hf_to_ds_name(name)
+        ds = canonical_name(name)
         if ds not in shapes and not ds.endswith(("shared_experts.w1.weight", "shared_experts.w3.weight")):
             continue
         params[ds] = t.detach().to(param_dtype(ds))
