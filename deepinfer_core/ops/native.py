@@ -113,12 +113,17 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.to(weights.dtype) * weights).sum(dim=1).to(kv.dtype)
 
 
+SORT_ALL_WIDTH_PER_PICK = 4
+
+
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
     """The candidate ids of the ``topk`` best scores, best first, ties towards the earlier candidate
     (the first ``topk`` of a stable descending sort), invalid picks and missing slots as -1.
 
-    Only the picks are sorted: the k-th best score is found by a partial selection; every slot scoring
-    above it and the earliest slots equal to it are the picks, which are then ordered."""
+    Rows wider than ``SORT_ALL_WIDTH_PER_PICK * topk`` sort only the picks: the k-th best score is found
+    by a partial selection; every slot scoring above it and the earliest slots equal to it are the
+    picks, which are then ordered. Shorter rows (every decode up to a few thousand tokens of context)
+    are sorted whole, which takes fewer kernels."""
     k = min(topk, candidates.shape[-1])
     picked = _stable_topk_columns(scores, k)
     chosen = candidates.gather(1, picked)
@@ -132,11 +137,13 @@ def _stable_topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Columns of the ``k`` best scores per row in the order of a stable descending sort, without one."""
     if k == 0:
         return torch.zeros((scores.shape[0], 0), dtype=torch.long, device=scores.device)
+    width = scores.shape[-1]
+    if width <= SORT_ALL_WIDTH_PER_PICK * k:  # short rows: one sort costs less than two selections and two sorts
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     values, columns = torch.topk(scores, k, dim=-1)  # best first; the order among equal scores is open
     kth = values[:, -1:]
     above = (values > kth).sum(-1, keepdim=True)  # these columns are certain picks
     # the earliest columns scoring exactly the k-th score fill the remaining places
-    width = scores.shape[-1]
     first = width - torch.arange(width, dtype=torch.int32, device=scores.device)
     earliest = width - torch.topk(torch.where(scores == kth, first, 0), k, dim=-1).values.long()
     place = torch.arange(k, device=scores.device)
