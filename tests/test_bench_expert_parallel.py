@@ -1,5 +1,6 @@
-"""benchmarks/bench_expert_parallel.py at a small scale: one process against two expert-parallel ranks, one
-EPLB run on a skewed load; the figures come out, tokens match one process, weight bytes match the plan."""
+"""benchmarks/bench_expert_parallel.py at a small scale (one process timed, one two-rank EPLB run on a skewed
+load): the tables and the JSON come out, tokens match one process, the rearrangement balances, and the
+measured weight bytes are the plan's."""
 
 from __future__ import annotations
 
@@ -22,17 +23,16 @@ def _bench():
 
 def test_bench_expert_parallel_smoke(tmp_path, capsys):
     out = tmp_path / "ep.json"
-    report = _bench().main(["--ranks", "1,2", "--dp-only-ranks=", "--eplb-ranks", "2", "--repeats", "1",
+    report = _bench().main(["--ranks", "1", "--dp-only-ranks=", "--eplb-ranks", "2", "--repeats", "1",
                             "--scale", "0.1", "--eplb-steps", "5", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "## Step-time overhead" in printed and "## EPLB, 2 ranks" in printed and "deepinfer plan" in printed
     assert json.loads(out.read_text())["commit"] == report["commit"]
-    one, two = report["overhead"]
-    assert (one["ranks"], two["ranks"], two["expert_parallel"]) == (1, 2, True)
-    assert two["tokens_equal_baseline"] and two["decode_step_ms_mean"] > 0 and two["decode_steps_per_run"] > 0
+    (one,) = report["overhead"]
+    assert one["ranks"] == 1 and one["decode_step_ms_mean"] > 0 and one["decode_steps_per_run"] > 0
     (run,) = report["eplb"]
     assert run["tokens_equal_1_rank"] and run["window_pairs"] == run["pairs_before"] > 0
     assert run["engine_stats"]["after"]["balancedness"] > run["engine_stats"]["before"]["balancedness"]
-    for entry in (one, two, run):
+    for entry in (one, run):
         keys = ("weight_bytes", "expert_bytes", "kv_bytes")
         assert [{k: r[k] for k in keys} for r in entry["measured"]] == [{k: r[k] for k in keys} for r in entry["plan"]]
