@@ -95,7 +95,8 @@ def git_commit() -> dict[str, Any]:
         return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
 
     try:
-        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+        status = git("status", "--porcelain", "--untracked-files=no").splitlines()
+        changed = [line.split(maxsplit=1)[1] for line in status]
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed), "modified_tracked_files": changed}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None, "modified_tracked_files": None}
