@@ -374,6 +374,7 @@ def test_plan_prefers_kernels_where_they_run(monkeypatch):
     monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     monkeypatch.delenv("DEEPINFER_NVIDIA_FP8_TRITON", raising=False)
+    monkeypatch.delenv("DEEPINFER_NVIDIA_FP4_TRITON", raising=False)  # opt-in too (test_nvidia_fp4_moe.py)
     chosen = plan(torch.device("cpu"), torch.bfloat16)
     assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS)  # FP8 kernels: opt-in
     monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TRITON", "1")

@@ -296,6 +296,97 @@ def moe_experts(
     return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
 
 
+# --- FP4 routed experts ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _k_fp4():
+    from deepinfer_nvidia_sm100 import fp4_moe_kernels
+
+    _k()  # imports Triton the same way, with the interpreter's gaps closed
+    return fp4_moe_kernels
+
+
+#: ``ROUND`` of the FP4 kernels: the model dtype the DeepSeek numerics round intermediates to
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _fp4_scales(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(scales the kernel reads, whether they are ue8m0 bytes): ``float8_e8m0fnu`` as its bytes, any
+    other dtype as float32."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return _rows(scale.view(torch.uint8)), True
+    return _rows(scale.float()), False
+
+
+def quantize_act_ue8m0(x2: torch.Tensor) -> torch.Tensor:
+    """Rows [M, K] (stride 1 along K) -> DeepSeek's act_quant with ue8m0 scales, simulated (E4M3 per 128
+    channels, power-of-two scales, dequantised), in bfloat16, where those values are exact: bit for bit
+    :func:`deepinfer_core.model.fp4.fake_quant_act_ue8m0`."""
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
+    if m:
+        _k_fp4().act_quant_ue8m0_kernel[(_cdiv(m, 16), _cdiv(k, 128))](
+            x2, x2.stride(0), q, q.stride(0), m, k, BLOCK_M=16, num_warps=4,
+        )
+    return q
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    quant_act: bool,
+) -> torch.Tensor:
+    """Grouped MoE reading the experts in FP4 (:mod:`.fp4_moe_kernels`): the rows sorted by expert as
+    :func:`moe_experts` sorts them, gate/up GEMM + SwiGLU, then the down GEMM, each dequantising its
+    packed weights in registers; a token's k contributions summed in float32 in slot order. W4A16
+    (``quant_act=False``): x.dtype operands; DeepSeek's numerics (``quant_act=True``): the tokens and the
+    SwiGLU output quantised to E4M3 per 128 with power-of-two scales, multiplied in bfloat16 (exact)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    tokens, d = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[-1]
+    pairs = tokens * k
+    block_m = 16 if pairs <= 64 else 64
+    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
+    rows = sorted_pairs.shape[0]
+    x = _rows(x)
+    w13, w2 = _rows(w13.view(torch.uint8)), _rows(w2.view(torch.uint8))
+    (s13, e8m0_13), (s2, e8m0_2) = _fp4_scales(w13_scale), _fp4_scales(w2_scale)
+    weights = topk_weights.reshape(-1).contiguous()
+    kern, rnd, quant_act = _k_fp4(), _ROUND[x.dtype], bool(quant_act)
+    if quant_act:
+        a = quantize_act_ue8m0(x)
+        block_n, block_k, up_warps = 128, 64, 8  # one 128-channel group of h per program
+    else:
+        a = x
+        block_n, block_k, up_warps = 64, 32 if x.dtype == torch.float32 else 64, 4
+    prec = _prec(a.dtype)
+    h = torch.empty((rows, inter), dtype=a.dtype, device=x.device)
+    out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
+    kern.moe_fp4_gate_up_kernel[(rows // block_m, _cdiv(inter, block_n))](
+        a, a.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        sorted_pairs, block_expert, weights, h, h.stride(0), pairs, k, d, inter, float(swiglu_limit),
+        SCALE_E8M0=e8m0_13, QUANT_ACT=quant_act, ROUND=rnd,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, num_warps=up_warps,
+    )
+    kern.moe_fp4_down_kernel[(rows // block_m, _cdiv(d, 64))](
+        h, h.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+        sorted_pairs, block_expert, weights, out, out.stride(0), pairs, d, inter,
+        SCALE_E8M0=e8m0_2, QUANT_ACT=quant_act, ROUND=rnd,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    )
+    return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
+
+
 ALL_OPS = {
     "rms_norm": rms_norm,
     "rotary_emb": rotary_emb,
@@ -304,3 +395,5 @@ ALL_OPS = {
     "indexer_topk": indexer_topk,
     "moe_experts": moe_experts,
 }
+#: opt-in (``DEEPINFER_NVIDIA_FP4_TRITON=1``, see :mod:`.registration`) until it has run on a GPU
+FP4_OPS = {"moe_experts_fp4": moe_experts_fp4}

@@ -1,0 +1,131 @@
+"""The inputs of ``test_nvidia_fp4_moe.py``, and the script that runs the Triton FP4 grouped MoE on them in a
+fresh process on the CPU under Triton's interpreter (the switches must be set before triton is first
+imported).
+
+``python nvidia_fp4_moe_worker.py OUT``: saves to ``OUT`` (``torch.save``) the kernel's output for every
+case of :data:`CASES`, the activation quantisation of :func:`act_rows`, and what the backend's op table
+resolves ``moe_experts_fp4`` to with ``DEEPINFER_NVIDIA_FP4_TRITON=1``, with its conformance results.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from deepinfer_core.model.fp4 import e8m0_from_float, pack_fp4
+
+BACKEND = "nvidia_sm100"
+SWIGLU_LIMIT = 10.0
+
+
+def fp4_weights(g: torch.Generator, experts: int, n: int, k: int, base: int, row_spread: int, group_spread: int,
+                scale_dtype: torch.dtype = torch.float8_e8m0fnu, packed_dtype: torch.dtype = torch.uint8):
+    """Every e2m1 code equally likely in both nibbles; per row a power of two from 2^-row_spread to
+    2^row_spread times 2^base, and per 32-input group another within 2^+-group_spread."""
+    codes = torch.randint(0, 16, (experts, n, k), generator=g)
+    row = torch.randint(-row_spread, row_spread + 1, (experts, n, 1), generator=g)
+    group = torch.randint(-group_spread, group_spread + 1, (experts, n, k // 32), generator=g)
+    scale = torch.exp2((base + row + group).float())
+    scale = e8m0_from_float(scale) if scale_dtype == torch.float8_e8m0fnu else scale.to(scale_dtype)
+    return pack_fp4(codes).view(packed_dtype), scale
+
+
+def routing(g: torch.Generator, tokens: int, experts: int, k: int, unused: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token, never ``unused``; token 0 routed nowhere (-1: another rank's experts),
+    every third token with one -1 slot."""
+    pool = torch.tensor([e for e in range(experts) if e != unused])
+    ids = torch.stack([pool[torch.randperm(pool.numel(), generator=g)[:k]] for _ in range(tokens)])
+    ids[0] = -1
+    ids[1::3, k - 1] = -1
+    weights = torch.rand(tokens, k, generator=g) + 0.2
+    return ids, weights
+
+
+def moe_case(name: str, dtype: torch.dtype, quant_act: bool) -> tuple:
+    """``moe_experts_fp4``'s arguments for the case ``name`` in ``dtype``.
+
+    * ``ragged``: 5 tokens x top-3 of 5 experts (15 pairs: 16-row blocks, each expert's run partial),
+      expert 2 with no token; hidden 96 and intermediate 160 (partial K tiles, a partial 128-channel group);
+      ue8m0 scales from 2^-15 to 2^5, the down rows spread over 2^16 (output columns of very different
+      sizes: their largest values span 0.45 .. 1.2e4).
+    * ``big_blocks``: 24 tokens x top-3 of 4 experts (72 pairs: 64-row blocks); int8 packed weights (as
+      published) with float32 scales.
+    * ``exact``: inputs whose products and sums are exact in float32 (x in multiples of 1/8, weights of
+      2^-9 .. 2^-6): with DeepSeek's roundings the kernel gives the native body's bits.
+    """
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if name == "ragged":
+        tokens, experts, k, d, inter = 5, 5, 3, 96, 160
+        w13, s13 = fp4_weights(g, experts, 2 * inter, d, -5, 2, 2)
+        w2, s2 = fp4_weights(g, experts, d, inter, -5, 8, 2)
+        x = torch.randn(tokens, d, generator=g)
+    elif name == "big_blocks":
+        tokens, experts, k, d, inter = 24, 4, 3, 64, 64
+        w13, s13 = fp4_weights(g, experts, 2 * inter, d, -4, 1, 1, torch.float32, torch.int8)
+        w2, s2 = fp4_weights(g, experts, d, inter, -4, 1, 1, torch.float32, torch.int8)
+        x = torch.randn(tokens, d, generator=g)
+    elif name == "exact":
+        tokens, experts, k, d, inter = 9, 4, 2, 64, 128
+        w13, s13 = fp4_weights(g, experts, 2 * inter, d, -8, 0, 1)
+        w2, s2 = fp4_weights(g, experts, d, inter, -8, 0, 1)
+        x = torch.randint(-8, 9, (tokens, d), generator=g) * 0.125
+    else:
+        raise KeyError(name)
+    ids, weights = routing(g, tokens, experts, k, unused=2)
+    if name == "exact":
+        weights = torch.randint(1, 8, (tokens, k), generator=g) * 0.125
+    return x.to(dtype), w13, s13, w2, s2, ids, weights, SWIGLU_LIMIT, quant_act
+
+
+#: (case, dtype, quant_act) the kernel runs
+CASES = [(name, dtype, quant) for name in ("ragged", "big_blocks") for quant in (False, True)
+         for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+CASES += [("exact", dtype, True) for dtype in (torch.float32, torch.bfloat16)]
+
+
+def case_id(name: str, dtype: torch.dtype, quant_act: bool) -> str:
+    return f"{name}-{str(dtype).removeprefix('torch.')}-{'w4a8_deepseek' if quant_act else 'w4a16'}"
+
+
+def act_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of very different ranges (1e-9 .. 1e4), an all-zero row, E4M3 ties and subnormals, a partial
+    last 128-channel group."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 300, generator=g) * torch.logspace(-9, 4, 40).unsqueeze(1)
+    x[3] = 0.0
+    x[4, :6] = torch.tensor([448.0, 1.0625, 1.1875, -3 * 2.0**-10, 5 * 2.0**-10, 2.0**-7]) * 2.0**-5
+    return x.to(dtype)
+
+
+def main(out_path: str) -> None:
+    from deepinfer_nvidia_sm100 import triton_ops
+
+    from deepinfer_core.testing import conformance as conf
+
+    torch.set_num_threads(1)
+    out: dict = {"moe": {}, "act": {}, "tables": {}}
+    for name, dtype, quant in CASES:
+        out["moe"][case_id(name, dtype, quant)] = triton_ops.moe_experts_fp4(*moe_case(name, dtype, quant))
+    for dtype in (torch.float32, torch.bfloat16):
+        out["act"][str(dtype)] = triton_ops.quantize_act_ue8m0(act_rows(dtype))
+    reference = conf.reference_op_table()
+    for dtype in (torch.float32, torch.bfloat16):
+        entry: dict = {}
+        try:
+            table = conf.candidate_op_table(BACKEND, dtype, conf.backend_device(BACKEND))
+            fn = table.chosen["moe_experts_fp4"].fn
+            entry.update(module=fn.__module__, name=fn.__name__, provider=table.provider("moe_experts_fp4"),
+                         syncs_host=table.syncs_host(["moe_experts_fp4"]))
+            results = conf.check_op("moe_experts_fp4", table, reference, "tiny", dtype, backend=BACKEND)
+            entry["cases"] = len(results)
+            entry["failed"] = [str(r) for r in results if not r.passed or r.fallback]
+        except Exception:
+            entry["error"] = traceback.format_exc()
+        out["tables"][str(dtype)] = entry
+    torch.save(out, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,167 @@
+"""The Triton FP4 grouped MoE of nvidia_sm100 (``triton_ops.moe_experts_fp4`` over ``fp4_moe_kernels``) on the
+CPU under Triton's interpreter, against the core's native body (the cpu_ref reference of
+``moe_experts_fp4``), and its opt-in registration (``DEEPINFER_NVIDIA_FP4_TRITON=1``).
+
+The kernels run in one fresh process (``nvidia_fp4_moe_worker.py``, which also builds the inputs: see its
+``moe_case`` for the cases): Triton decides when it is first imported whether it interprets. The
+references are computed here. Tolerances, per element, are relative to the largest |reference| of the
+element's output column (the cases' down projections spread their columns over four orders of magnitude):
+
+* W4A16 (``quant_act=False``), against the native body in float64 (the weights dequantised exactly, no
+  rounding): :data:`W4A16_TOL`. The kernel rounds only h and the output to the dtype; the native body in
+  bfloat16, which rounds every step, is itself 1.4e-2 away. Measured (Triton 3.6 interpreter): float32
+  2.4e-6, float16 8.6e-4, bfloat16 7.9e-3.
+* DeepSeek's numerics (``quant_act=True``), against the native body in the same dtype, which rounds where
+  the kernel rounds: float32 within :data:`QUANT_F32_TOL`; bfloat16 and float16 equal except on at most
+  :data:`QUANT_MAX_DIFFERING` of the elements (a sum of another order rounding the other way, which can
+  move an E4M3 step of h), those within the W4A16 tolerance; the ``exact`` case (every sum exact in
+  float32) bit for bit. Measured: float32 1.9e-7, bfloat16 and float16 bit for bit in every case.
+* the activation quantisation: bit for bit :func:`~deepinfer_core.model.fp4.fake_quant_act_ue8m0`.
+* the op table built with the switch: ``moe_experts_fp4`` served by the kernel, not flagged as syncing
+  the host, and the conformance suite's cases (its own tolerances) at the tiny preset.
+
+The GPU counterpart (V4-Flash shapes, CUDA-graph capture) is ``gpu/test_gpu_fp4_moe.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from nvidia_fp4_moe_worker import CASES, act_rows, case_id, moe_case
+
+from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+from deepinfer_core.ops import native
+from deepinfer_core.ops.registry import BuildContext
+
+BACKEND = "nvidia_sm100"
+WORKER = Path(__file__).resolve().parent / "nvidia_fp4_moe_worker.py"
+FP4_ENV = "DEEPINFER_NVIDIA_FP4_TRITON"
+W4A16_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+W4A16_MIN_COSINE = {torch.float32: 1 - 1e-9, torch.float16: 1 - 1e-6, torch.bfloat16: 1 - 2e-5}
+QUANT_F32_TOL = 1e-6
+QUANT_MAX_DIFFERING = 0.01
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+needs_triton = pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fp4_moe") / "results.pt"
+    env = {**os.environ, "DEEPINFER_NVIDIA_ALLOW_CPU": "1", "TRITON_INTERPRET": "1", FP4_ENV: "1"}
+    env.pop("DEEPINFER_NVIDIA_FP8_TRITON", None)
+    done = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0 and out.exists(), f"the interpreter run failed:\n{done.stderr[-4000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def _float64(args: tuple) -> tuple:
+    """x and the routing weights in float64; the packed weights and their scales as they are."""
+    return tuple(a.double() if i in (0, 6) else a for i, a in enumerate(args))
+
+
+def _normalised_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| / the largest |want| of the column (1 where a column is all zero)."""
+    column = want.abs().amax(dim=0, keepdim=True)
+    return (got.double() - want.double()).abs() / torch.where(column > 0, column, torch.ones_like(column))
+
+
+def _cosine(got: torch.Tensor, want: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(got.double().flatten(), want.double().flatten(), dim=0).item()
+
+
+@needs_triton
+@pytest.mark.parametrize("name, dtype, quant_act", CASES, ids=[case_id(*c) for c in CASES])
+def test_kernel_matches_the_native_body(name, dtype, quant_act, interpreted):
+    args = moe_case(name, dtype, quant_act)
+    got = interpreted["moe"][case_id(name, dtype, quant_act)]
+    assert got.dtype == dtype and got.shape == args[0].shape
+    ids = args[5]
+    unrouted = (ids < 0).all(dim=1)
+    assert unrouted.any() and torch.equal(got[unrouted], torch.zeros_like(got[unrouted]))
+    if not quant_act:
+        want = native.moe_experts_fp4(*_float64(args))
+        err = _normalised_error(got, want).max().item()
+        assert err <= W4A16_TOL[dtype], (err, W4A16_TOL[dtype])
+        assert _cosine(got, want) >= W4A16_MIN_COSINE[dtype]
+        return
+    want = native.moe_experts_fp4(*args)
+    err = _normalised_error(got, want)
+    if dtype == torch.float32:
+        assert err.max().item() <= QUANT_F32_TOL, err.max().item()
+    elif name == "exact":
+        assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"
+    else:
+        differing = (got != want).double().mean().item()
+        assert differing <= QUANT_MAX_DIFFERING, differing
+        assert err.max().item() <= W4A16_TOL[dtype], err.max().item()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_activation_quantisation_is_bit_for_bit(dtype, interpreted):
+    got = interpreted["act"][str(dtype)]
+    want = fake_quant_act_ue8m0(act_rows(dtype)).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{int((got != want).sum())} differ"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_the_switch_serves_the_kernel_which_conforms(dtype, interpreted):
+    entry = interpreted["tables"][dtype]
+    assert "error" not in entry, entry["error"]
+    assert (entry["module"], entry["name"]) == ("deepinfer_nvidia_sm100.triton_ops", "moe_experts_fp4")
+    assert entry["provider"] == f"deepinfer.backends:{BACKEND}"
+    assert entry["syncs_host"] == []  # CUDA-graph capturable: the engine may capture the MoE
+    assert entry["cases"] == 2 and not entry["failed"], "\n\n".join(entry["failed"])
+
+
+def test_the_kernel_is_opt_in(monkeypatch):
+    """Without the switch the kernel is not registered at all: the registry, and so every op's
+    implementation, is what it was before it existed (the native body serves ``moe_experts_fp4``). With it
+    the kernel serves on the dtypes the Triton kernels take. Decided when the registry and table are built."""
+    from deepinfer_nvidia_sm100 import capability, registration, triton_ops
+
+    from deepinfer_core.plugins import collect_registry, load_backend
+
+    monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
+    monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
+    assert registration.FP4_TRITON_ENV == FP4_ENV
+
+    def registry(switch):
+        if switch:
+            monkeypatch.setenv(FP4_ENV, "1")
+        else:
+            monkeypatch.delenv(FP4_ENV, raising=False)
+        return collect_registry(load_backend(BACKEND))
+
+    def labels(reg, dtype):
+        return registration.op_labels(reg, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu")))
+
+    def served_by(reg):
+        return [impl.fn for impl in reg.candidates("moe_experts_fp4")]
+
+    off, on = registry(False), registry(True)
+    assert triton_ops.moe_experts_fp4 not in served_by(off) and native.moe_experts_fp4 in served_by(off)
+    assert triton_ops.moe_experts_fp4 in served_by(on)
+    assert {op for op in off.impls if len(off.impls[op]) != len(on.impls[op])} == {"moe_experts_fp4"}
+    off_labels, on_labels = labels(off, torch.bfloat16), labels(on, torch.bfloat16)
+    assert off_labels["moe_experts_fp4"] == "torch" and on_labels["moe_experts_fp4"] == "triton"
+    assert {op for op in off_labels if off_labels[op] != on_labels[op]} == {"moe_experts_fp4"}
+    assert labels(on, torch.float32)["moe_experts_fp4"] == "triton"
+    assert labels(on, torch.float64)["moe_experts_fp4"] == "torch"
