@@ -129,6 +129,7 @@ def _mixed_workload(engine, ranks: int) -> Run:
     # the cache is emptied first: a request served tokens from the cache found blocks it computed itself
     # before it lost them, which only a preemption does.
     engine.reset_prefix_cache()
+    preemptions_before = sum(c["preemptions"] for c in engine.rank_counters())
     wave = [f"b{i}" for i in range(4 * ranks)]
     for i, rid in enumerate(wave):
         run.add(rid, make_prompt(WAVE_LENGTHS[i % 8], seed=100 + i), 12 + i % 8)
@@ -145,6 +146,7 @@ def _mixed_workload(engine, ranks: int) -> Run:
     run.drain()
     preempted = [r for r in wave + second if r not in run.aborted and run.latest[r].num_cached_tokens > 0]
     assert preempted, "no sequence was preempted on any rank"
+    assert sum(c["preemptions"] for c in engine.rank_counters()) > preemptions_before
     assert engine.load == [0] * ranks
 
     # 3. the last rank idle for a whole phase: one request on every other rank, all alike, a rearrangement

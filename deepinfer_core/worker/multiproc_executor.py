@@ -120,7 +120,7 @@ class _RankCore:
 
     def counters(self, _: Any) -> dict[str, int]:
         return {"steps": self.num_steps, "placeholder_steps": self.num_placeholder_steps,
-                "forwards": self.executor.num_launched}
+                "forwards": self.executor.num_launched, "preemptions": self.engine.scheduler.num_preemptions}
 
     def reset_prefix_cache(self, _: Any) -> None:
         self.engine.reset_prefix_cache()
