@@ -9,6 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_gpu_decode as bgd
+from benchmarks.gpu_sweep.libraries import (
+    KNOWN_LIBRARIES,
+    MERGED_JSON,
+    MERGED_MD,
+    check_hidden,
+    hidden_here,
+    library_sets_arg,
+    parse_library_set,
+    run_library_sets,
+)
 from benchmarks.gpu_sweep.sweep import DEFAULT_BATCHES, DEFAULT_CHUNKS, DEFAULT_CONFIGS, Sweep, SweepOptions
 
 DEFAULT_OUT = Path("bench_results/gpu_sweep")
@@ -61,11 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="max_num_batched_tokens of the decode engines")
     ap.add_argument("--warmup-steps", type=int, default=3, help="decode steps per batch size left out of medians")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--libraries", type=library_sets_arg, default=None, metavar="SET,SET,...",
+                    help="run the whole sweep once per set of DeepSeek's kernel libraries, each in its own process "
+                         f"with the others ({', '.join(KNOWN_LIBRARIES)}) made unimportable: 'none' or names "
+                         "joined by '+', e.g. none,flash_mla,flash_mla+deep_gemm; per set OUT/SET/sweep.json, "
+                         f"merged into OUT/{MERGED_JSON} and OUT/{MERGED_MD} with ratios against 'none'")
+    ap.add_argument("--library-set", default=None, help=argparse.SUPPRESS)  # set by --libraries in its children
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return ap
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    args, model_argv = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, model_argv = parser.parse_known_args(argv)
+    if args.libraries is not None and args.plot_only is not None:
+        parser.error("--libraries runs sweeps; --plot-only redraws one: give one of them")
     bgd.parse_args(model_argv)  # unknown options fail here, before anything is built
     return args, model_argv
 
@@ -76,7 +96,7 @@ def options_from_args(args: argparse.Namespace, model_argv: list[str]) -> SweepO
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, gen_len=args.gen_len,
         chunk_sizes=args.chunk_sizes, prefill_len=args.prefill_len,
         decode_batched_tokens=args.decode_batched_tokens, warmup_steps=args.warmup_steps, hf=not args.no_hf,
-        model_argv=list(model_argv))
+        model_argv=list(model_argv), library_set=args.library_set)
 
 
 def log(message: str) -> None:
@@ -105,5 +125,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in drawn:
             print(f"wrote {path}")
         return 0 if drawn else 1
-    run(options_from_args(args, model_argv))
+    if args.libraries is not None:
+        return run_library_sets(args.libraries, args, model_argv, args.out or DEFAULT_OUT, log)
+    if args.library_set is not None:
+        leaked = check_hidden(dict.fromkeys((*parse_library_set(args.library_set).hidden, *hidden_here())))
+        if leaked:  # the finder is not in force (e.g. python -S or -I): the set's figures would be wrong
+            log(f"library set {args.library_set}: {', '.join(leaked)} should be hidden but can be imported")
+            return 2
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        run(options_from_args(args, model_argv))
+    finally:
+        torch.set_num_threads(threads)
     return 0

@@ -47,6 +47,7 @@ class SweepOptions:
     warmup_steps: int = 3  # decode steps per batch size left out of the medians
     hf: bool = True
     model_argv: list[str] = field(default_factory=list)  # bench_gpu_decode's model options (--small, --layers...)
+    library_set: str | None = None  # the --libraries set this process runs (the others made unimportable)
 
 
 def fp8_available() -> bool:
@@ -80,6 +81,7 @@ class Sweep:
     """Holds the random model, the device rates and the prompts; runs configs one after another."""
 
     def __init__(self, opts: SweepOptions, log: Callable[[str], None] = print):
+        from benchmarks.gpu_sweep.libraries import hidden_here, library_status
         from deepinfer_core.benchmark import machine_info
 
         self.opts, self.log = opts, log
@@ -128,6 +130,10 @@ class Sweep:
             },
             "configs": {},
             "transformers": {"decode": [], "prefill": []},
+            # DeepSeek's kernel libraries as this process found them, and what served each op (per model)
+            "libraries": library_status(),
+            "library_set": {"name": opts.library_set, "hidden": list(hidden_here())},
+            "ops": {},
         }
 
     # --- engine configs ---------------------------------------------------------------------------
@@ -248,12 +254,17 @@ class Sweep:
         return self.report
 
     def build_model(self, fp8: bool) -> Any:
-        """The deepinfer model on the shared weights, or on an FP8 copy of them."""
-        if not fp8:
-            return self.rm.deepinfer_model()
-        from deepinfer_core.model.fp8 import quantize_params_fp8
+        """The deepinfer model on the shared weights, or on an FP8 copy of them; records its op table."""
+        from benchmarks.gpu_sweep.libraries import op_labels
 
-        return self.rm.deepinfer_model(quantize_params_fp8)
+        if not fp8:
+            model = self.rm.deepinfer_model()
+        else:
+            from deepinfer_core.model.fp8 import quantize_params_fp8
+
+            model = self.rm.deepinfer_model(quantize_params_fp8)
+        self.report["ops"]["fp8" if fp8 else "default"] = op_labels(model.ops)
+        return model
 
     def finish(self, costs: dict[bool, ModelCost]) -> None:
         """Floors (borrowing routing across configs for graph replays), summaries and transformers ratios."""

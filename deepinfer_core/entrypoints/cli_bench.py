@@ -2,7 +2,9 @@
 
 ``--mode throughput`` (the default) runs :mod:`deepinfer_core.benchmark` on a checkpoint (the embedded
 tiny model by default). ``--mode decode|prefill|sweep`` run the GPU sweep of a source checkout
-(``benchmarks/gpu_sweep``) on random V4-Flash-width weights (``--small``: tiny widths, for a CPU).
+(``benchmarks/gpu_sweep``) on random V4-Flash-width weights (``--small``: tiny widths, for a CPU);
+``--libraries none,flash_mla,...`` runs them once per set of DeepSeek's kernel libraries, each set in a
+process of its own, and merges the results.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill prompt tokens (default: the largest chunk)")
     w.add_argument("--warmup-steps", type=int, default=None, metavar="N",
                    help="decode steps per batch size left out of the medians (default: 3)")
+    w.add_argument("--libraries", default=None, metavar="SET,SET,...",
+                   help="run the sweep once per set of DeepSeek's kernel libraries (flash_mla, deep_gemm, deep_ep), "
+                        "each in its own process with the others made unimportable: 'none' or names joined by '+', "
+                        "e.g. none,flash_mla,flash_mla+deep_gemm; per set DIR/SET/sweep.json, merged into "
+                        "DIR/libraries.json and DIR/libraries.md with ratios against 'none'")
     w.add_argument("--out", default=None, metavar="DIR",
                    help="folder for sweep.json, summary.md and the plots (default: bench_results/gpu_sweep)")
     w.add_argument("--plot-only", default=None, metavar="SWEEP_JSON",
@@ -107,7 +114,8 @@ def _sweep_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), ",".join(map(str, value))]
-    for name in ("prompt_len", "gen_len", "prefill_len", "warmup_steps", "layers", "configs", "out", "plot_only"):
+    for name in ("prompt_len", "gen_len", "prefill_len", "warmup_steps", "layers", "configs", "libraries", "out",
+                 "plot_only", "threads"):
         value = getattr(args, name)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), str(value)]
