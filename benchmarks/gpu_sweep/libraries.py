@@ -256,7 +256,7 @@ def run_sets(sets: Sequence[LibrarySet], args: argparse.Namespace, model_argv: S
             d = set_dir(out, s)
             cmd = [sys.executable, str(SWEEP_SCRIPT), *child_argv(args, model_argv, d, s.name)]
             log(f"library set {s.name}: hiding {', '.join(s.hidden) or 'nothing'}; results in {d}")
-            proc = subprocess.run(cmd, env=hiding_env(hook, s.hidden), cwd=str(ROOT))
+            proc = subprocess.run(cmd, env=hiding_env(hook, s.hidden))
             run: dict[str, Any] = {"libraries": list(s.libraries), "hidden": list(s.hidden), "dir": str(d),
                                    "returncode": proc.returncode}
             if proc.returncode != 0:
