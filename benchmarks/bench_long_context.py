@@ -170,15 +170,20 @@ def git_commit() -> str | None:
         return None
 
 
-def main(argv=None) -> dict:
-    a = parse_args(argv)
+def setup(a) -> tuple[torch.dtype, torch.device, Platform]:
+    """The run's dtype, device and the backend's platform (on the CPU, ``--threads`` torch threads)."""
     from deepinfer_core.plugins import load_backend
 
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype or ("bfloat16" if a.gpu else "float32"))
     device = torch.device(a.device)
-    platform = load_backend(a.backend).hook.deepinfer_platform(device=device) or Platform(device)
+    return dtype, device, load_backend(a.backend).hook.deepinfer_platform(device=device) or Platform(device)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    dtype, device, platform = setup(a)
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         model = flash_model(a, dtype) if a.gpu else tiny_model(a, dtype, tmp)
         h = Harness(model, platform, a)

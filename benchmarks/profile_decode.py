@@ -6,12 +6,24 @@ time of the step's phases. Run eagerly (``--eager``) to see kernels; with graphs
 replay and what stays on the host.
 
   python benchmarks/profile_decode.py --batch 64 --eager --out OUT
+
+With ``--context N`` nothing is prefilled: ``--batch`` sequences with ``N`` tokens cached decode through
+``bench_long_context``'s Harness (the cache holds no real history: every sequence reads the same blocks,
+which changes no shape and no amount of work), eagerly (``--eager``: build_forward_batch, upload,
+forward) or through a GraphRunner decode graph captured for ``--max-model-len`` (default ``N + 1``):
+
+  python benchmarks/profile_decode.py --context 131072 --batch 16 --eager --out OUT
+  python benchmarks/profile_decode.py --context 131072 --batch 16 --out OUT
+
+(``--small --device cpu --backend cpu_ref`` runs it at small widths on the CPU, where the profile's times
+are CPU times.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu_decode as bench  # noqa: E402
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -31,7 +43,19 @@ def main(argv=None) -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--out", default="profile_out")
     ap.add_argument("--rows", type=int, default=25)
+    ctx = ap.add_argument_group("--context mode (no prefill; bench_long_context's Harness)")
+    ctx.add_argument("--context", type=int, default=None, help="tokens every sequence has cached")
+    ctx.add_argument("--max-model-len", type=int, default=None,
+                     help="capacity the decode graphs are captured for (default: context + 1)")
+    ctx.add_argument("--warmup", type=int, default=2, help="steps before the timed and profiled ones")
+    ctx.add_argument("--block-size", type=int, default=None, help="default: the engine's for the model")
+    ctx.add_argument("--small", action="store_true", help="bench_gpu_decode's small widths (CPU smoke test)")
+    ctx.add_argument("--backend", default="nvidia_sm100")
+    ctx.add_argument("--device", default="cuda")
+    ctx.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (default on the CPU)")
     a = ap.parse_args(argv)
+    if a.context is not None:
+        return profile_context(a)
     from transformers import DeepseekV4ForCausalLM
 
     from deepinfer_core.config import ModelConfig
@@ -72,21 +96,78 @@ def main(argv=None) -> None:
         for _ in range(a.steps):
             engine.step()
         torch.cuda.synchronize()
+    tag = f"b{a.batch}_{'eager' if a.eager else 'graphs'}{'_async' if a.async_scheduling else ''}"
+    report(prof, a, tag)
+
+
+def report(prof, a, tag: str, cuda: bool = True, **extra) -> dict:
+    """Write ``profile_{tag}.txt`` (the tables) and ``profile_{tag}.json`` under ``--out`` and print the
+    time per step of the top ``--rows`` events by self time: CUDA time, or with ``cuda=False`` (a profile
+    without the CUDA activity, as on the CPU) CPU time."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows)
-    host = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15)
-    tag = f"b{a.batch}_{'eager' if a.eager else 'graphs'}{'_async' if a.async_scheduling else ''}"
-    (out / f"profile_{tag}.txt").write_text(table + "\n\n" + host)
     events = prof.key_averages()
-    total_cuda = sum(e.self_device_time_total for e in events) / 1e3 / a.steps
-    summary = {"batch": a.batch, "mode": tag, "device_ms_per_step": total_cuda,
-               "top": [(e.key, e.self_device_time_total / 1e3 / a.steps) for e in
-                       sorted(events, key=lambda e: -e.self_device_time_total)[:a.rows]]}
+    table = events.table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=a.rows)
+    host = events.table(sort_by="cpu_time_total", row_limit=15)
+    (out / f"profile_{tag}.txt").write_text(table + "\n\n" + host)
+
+    def self_us(e):
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    total = sum(self_us(e) for e in events) / 1e3 / a.steps
+    summary = {"batch": a.batch, "mode": tag, "device_ms_per_step": total, **extra,
+               "top": [(e.key, self_us(e) / 1e3 / a.steps) for e in sorted(events, key=lambda e: -self_us(e))[:a.rows]]}
     (out / f"profile_{tag}.json").write_text(json.dumps(summary, indent=1))
-    print(f"== {tag}: device time {total_cuda:.2f} ms/step")
+    print(f"== {tag}: {'device' if cuda else 'CPU'} time {total:.2f} ms/step"
+          + (f", step {extra['step_ms']:.2f} ms" if "step_ms" in extra else ""))
     for k, v in summary["top"]:
         print(f"{v:9.3f} ms  {k[:110]}")
+    return summary
+
+
+def profile_context(a) -> dict:
+    """Decode steps of ``--batch`` sequences at context ``--context``, no prefill: bench_long_context's
+    model (V4-Flash widths, or ``--small``) and Harness, eager or through a decode graph."""
+    import bench_long_context as blc
+    from torch.profiler import ProfilerActivity, profile
+
+    capacity = 0 if a.eager else (a.max_model_len or a.context + 1)
+    if capacity and a.context + 1 > capacity:
+        raise SystemExit(f"--max-model-len {capacity} holds no decode step at context {a.context}")
+    la = blc.parse_args(["--gpu", "--contexts", str(a.context), "--batches", str(a.batch), "--chunk", "0",
+                         "--max-model-len", str(capacity), "--backend", a.backend, "--device", a.device]
+                        + ["--dtype", a.dtype] * (a.dtype is not None) + ["--small"] * a.small)
+    if la.dtype is None and a.device == "cpu":
+        la.dtype = "float32"
+    dtype, device, platform = blc.setup(la)
+    with torch.inference_mode():
+        model = blc.flash_model(la, dtype)
+        la.block_size = a.block_size or bench.cfg_block_size(model.cfg)
+        h = blc.Harness(model, platform, la)
+        if a.eager:
+            def step():
+                return h.eager(a.context, 1, a.batch)[2]
+        else:
+            if h.graphs.padding_for(h.spans(a.context, 1, a.batch), list(range(a.batch))) is None:
+                raise SystemExit(f"no decode graph holds batch {a.batch} at context {a.context}")
+
+            def step():
+                return h.graph(a.context, a.batch)[2]
+        for _ in range(a.warmup):
+            step()
+        step_ms = statistics.median(step() for _ in range(a.steps)) * 1e3
+        cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+        with profile(activities=activities) as prof:
+            for _ in range(a.steps):
+                step()
+            platform.synchronize()
+    tag = f"ctx{a.context}_b{a.batch}_{'eager' if a.eager else 'graphs'}"
+    return report(prof, a, tag, cuda=cuda, time="cuda" if cuda else "cpu", context=a.context,
+                  max_model_len=capacity or None,
+                  block_size=la.block_size, step_ms=step_ms,
+                  graph_init_s=getattr(h, "graph_init_s", None), device=str(device), backend=a.backend,
+                  dtype=str(dtype).split(".")[-1], model="bench_gpu_decode-small" if a.small else "v4-flash-4-layers")
 
 
 if __name__ == "__main__":
