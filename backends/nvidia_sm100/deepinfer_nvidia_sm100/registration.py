@@ -29,6 +29,7 @@ from deepinfer_nvidia_sm100 import capability
 TORCH, TRITON, LIBRARY, INVARIANT = 1, 2, 3, 4
 FP8_TRITON_ENV = "DEEPINFER_NVIDIA_FP8_TRITON"
 FP4_TRITON_ENV = "DEEPINFER_NVIDIA_FP4_TRITON"
+FP8_KV_TRITON_ENV = "DEEPINFER_NVIDIA_FP8_KV_TRITON"
 
 
 def _kernel_dtype(dtype: Any) -> tuple[bool, str]:
@@ -63,6 +64,18 @@ def triton_fp4_applies(ctx: BuildContext) -> bool:
     return triton_fp4_enabled() and triton_applies(ctx)
 
 
+def triton_fp8_kv_enabled() -> bool:
+    """The Triton ``sparse_attention_fp8`` (reading the FP8 KV entries in place) is opt-in until it has
+    passed the GPU suite on an H200 (so far it has run only under Triton's interpreter): registered only
+    with the switch on, so that without it the registry is what it was before the kernel existed."""
+    return os.environ.get(FP8_KV_TRITON_ENV, "") == "1"
+
+
+def triton_fp8_kv_applies(ctx: BuildContext) -> bool:
+    """The switch (read again where a registry outlives a change of it) and :func:`triton_applies`."""
+    return triton_fp8_kv_enabled() and triton_applies(ctx)
+
+
 def invariant_applies(ctx: BuildContext) -> bool:
     """Batch-invariant mode, with the Triton kernels serving."""
     return bool(ctx.batch_invariant) and triton_applies(ctx)
@@ -92,6 +105,9 @@ def register_all(registry: OpRegistry) -> None:
     if triton_fp4_enabled():
         for op, fn in triton_ops.FP4_OPS.items():
             registry.register(op, fn, priority=TRITON, predicate=triton_fp4_applies)
+    if triton_fp8_kv_enabled():
+        for op, fn in triton_ops.FP8_KV_OPS.items():
+            registry.register(op, fn, priority=TRITON, predicate=triton_fp8_kv_applies)
     for adapter in external.ADAPTERS:
         registry.register(adapter.op, adapter.fn, priority=LIBRARY, predicate=_adapter_applies(adapter))
     for op, fn in invariant_ops.ALL_OPS.items():
@@ -105,7 +121,8 @@ def _names() -> dict[Callable, str]:
 
     names = {fn: "torch" for fn in native.NATIVE_OPS.values()}
     names.update({fn: "triton" for fn in (*triton_ops.ALL_OPS.values(), *hc_ops.ALL_OPS.values(),
-                                          *fp8_ops.ALL_OPS.values(), *triton_ops.FP4_OPS.values())})
+                                          *fp8_ops.ALL_OPS.values(), *triton_ops.FP4_OPS.values(),
+                                          *triton_ops.FP8_KV_OPS.values())})
     names.update({fn: "triton (batch-invariant)" for fn in invariant_ops.ALL_OPS.values()})
     names.update({a.fn: a.library for a in external.ADAPTERS})
     return names

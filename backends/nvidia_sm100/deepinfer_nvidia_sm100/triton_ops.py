@@ -397,3 +397,81 @@ ALL_OPS = {
 }
 #: opt-in (``DEEPINFER_NVIDIA_FP4_TRITON=1``, see :mod:`.registration`) until it has run on a GPU
 FP4_OPS = {"moe_experts_fp4": moe_experts_fp4}
+
+
+# --- sparse attention over DeepSeek's FP8 KV entries -------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _k_fp8_kv():
+    from deepinfer_nvidia_sm100 import fp8_kv_kernels
+
+    _k()  # imports Triton the same way, with the interpreter's gaps closed
+    return fp8_kv_kernels
+
+
+def _fp8_entries(pool: torch.Tensor, entry_bytes: int, name: str) -> torch.Tensor:
+    if pool.dim() != 2 or pool.element_size() != 1 or pool.shape[-1] != entry_bytes:
+        raise ValueError(f"sparse_attention_fp8: {name} must be uint8 entries [rows, {entry_bytes}], "
+                         f"got {pool.dtype} {tuple(pool.shape)}")
+    return _rows(pool.view(torch.uint8))
+
+
+def sparse_attention_fp8(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    rope_dim: int,
+    rope_dtype: torch.dtype,
+    extra_kv: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sparse_attention` reading the FP8 entries as they are stored (:mod:`.fp8_kv_kernels`: the
+    gathered uint8 rows decoded in registers), with its tiles. RoPE values in a dtype the kernels do not
+    take (float64) go to the core's native body. No host read-back: every size comes from shapes."""
+    from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes
+    from deepinfer_core.ops import native
+
+    if rope_dtype not in _ROUND:
+        return native.sparse_attention_fp8(q, kv, indices, sinks, scale, rope_dim, rope_dtype, extra_kv, extra_indices)
+    tokens, heads, d = q.shape
+    entry = kv_fp8_entry_bytes(d, rope_dim, rope_dtype)
+    kv = _fp8_entries(kv, entry, "kv")
+    has_extra = extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0
+    out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    q, indices, sinks = _rows(q), _rows(indices), sinks.contiguous()
+    if has_extra:
+        ekv, eidx = _fp8_entries(extra_kv, entry, "extra_kv"), _rows(extra_indices)
+    else:  # never read: HAS_EXTRA is off
+        ekv, eidx = kv, indices
+    nope = d - rope_dim
+    # whole 8-byte words per entry: the codes load 8 at a time, the RoPE values through a typed pointer
+    aligned = nope % rope_dtype.itemsize == 0 and all(
+        p.stride(0) % 8 == 0 and p.data_ptr() % 8 == 0 for p in (kv, ekv))
+    block_h = 16 if heads <= 16 else 32 if heads <= 32 else 64
+    block_dv = min(_pow2(d), 512 if block_h == 64 else 256)
+    # float32 at 64 x 512 with 32 keys a step: ptxas (sm_90a) spills 8.7 kB a thread; with 16, 0.7 kB
+    block_k = 16 if q.dtype == torch.float32 and block_h * block_dv > 64 * 256 else 32
+    grid = (tokens, _cdiv(heads, block_h), _cdiv(d, block_dv))
+    _k_fp8_kv().sparse_attention_fp8_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0), kv.shape[0],
+        indices, indices.stride(0), indices.shape[-1],
+        ekv, ekv.stride(0), ekv.shape[0],
+        eidx, eidx.stride(0), eidx.shape[-1] if has_extra else 0,
+        sinks, out, out.stride(0), out.stride(1),
+        heads, float(scale),
+        D=d, NOPE=nope, SCALE_AT=nope + rope_dim * rope_dtype.itemsize, ROPE_FMT=_ROUND[rope_dtype],
+        ALIGNED=aligned, HAS_EXTRA=has_extra,
+        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_R=max(16, _pow2(rope_dim)), BLOCK_DV=block_dv,
+        DOT_PREC=_prec(q.dtype), num_warps=4 if block_dv <= 128 else 8,
+    )
+    return out
+
+
+#: opt-in (``DEEPINFER_NVIDIA_FP8_KV_TRITON=1``, see :mod:`.registration`) until it has run on a GPU
+FP8_KV_OPS = {"sparse_attention_fp8": sparse_attention_fp8}
