@@ -20,8 +20,6 @@ differing (a bfloat16 probability rounding the other way).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from gpu_support import gpu_marks
@@ -134,30 +132,3 @@ def test_fp8_attention_captures_in_a_cuda_graph(device):
     again = step()
     assert torch.equal(captured, again)
     assert not torch.equal(captured, eager)
-
-
-def test_fp8_attention_is_faster_than_the_native_body(device):
-    """Batch 64: the kernel against the native body (gather, decode, then attention) and the dense Triton
-    kernel on bf16 pools (what the FP8 entries replace); printed, and the kernel must beat the native body."""
-    from deepinfer_nvidia_sm100 import triton_ops
-
-    args = decode_case(64, 3, device)
-    q, wpool, widx, sinks, scale, rope, rope_dtype, cpool, cidx = args
-    dense_args = (q, unpack_kv_fp8(wpool, HEAD_DIM, rope, rope_dtype, q.dtype), widx, sinks, scale,
-                  unpack_kv_fp8(cpool, HEAD_DIM, rope, rope_dtype, q.dtype), cidx)
-
-    def timed(fn, fn_args, reps=20):
-        fn(*fn_args)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn(*fn_args)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / reps * 1e6
-
-    kernel = timed(triton_ops.sparse_attention_fp8, args)
-    body = timed(native.sparse_attention_fp8, args)
-    dense = timed(triton_ops.sparse_attention, dense_args)
-    print(f"\nbatch 64, 128 + 512 indices: fp8 kernel {kernel:.0f} us, native body {body:.0f} us, "
-          f"dense bf16 kernel {dense:.0f} us")
-    assert kernel < body
