@@ -211,16 +211,6 @@ def test_cli_speculative_config_flag(capsys):
     assert "--speculative-config" in capsys.readouterr().err
 
 
-def test_async_scheduling_falls_back_to_synchronous_steps(tiny_path, make_llm, caplog):
-    path = tiny_path("tiny")
-    ref = reference(make_llm, path, PROMPTS)
-    with caplog.at_level("WARNING"):
-        llm = make_llm(path, dtype="float64", async_scheduling=True, **spec(2))
-    assert "async_scheduling is off" in caplog.text
-    oracle_drafts(llm, ref, mixed)
-    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == [ref[tuple(p)][:MAX_TOKENS] for p in PROMPTS]
-
-
 def test_penalties_and_logprobs_take_the_plain_path(tiny_path, make_llm):
     """Requests the rejection sampler does not serve (penalties, logprobs) decode without drafts and get
     the tokens and logprobs (to float64 rounding) of an engine without speculation, next to speculated ones."""

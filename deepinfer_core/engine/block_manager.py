@@ -211,16 +211,18 @@ class BlockManager:
                 self.window_blocks.release(block)
                 seq.window_block_table[logical] = -1
 
-    def release_tail(self, seq: Sequence) -> None:
+    def release_tail(self, seq: Sequence, in_flight: int = 0) -> None:
         """Release blocks past the sequence's tokens (taken for drafts that were rejected): window blocks
-        from the first one no computed token is in, compressed blocks past the last token."""
+        from the first one no computed token is in, compressed blocks past the last token. ``in_flight``:
+        drafts a launched step writes after the computed tokens, whose blocks stay."""
         bs = self.block_size
-        for logical in range(-(-seq.num_computed_tokens // bs), len(seq.window_block_table)):
+        end = seq.num_computed_tokens + in_flight
+        for logical in range(-(-end // bs), len(seq.window_block_table)):
             block = seq.window_block_table[logical]
             if block >= 0:
                 self.window_blocks.release(block)
-        del seq.window_block_table[-(-seq.num_computed_tokens // bs):]
-        keep = -(-len(seq) // bs)
+        del seq.window_block_table[-(-end // bs):]
+        keep = -(-max(len(seq), end) // bs)
         for block in seq.block_table[keep:]:
             self.blocks.release(block)
         del seq.block_table[keep:]

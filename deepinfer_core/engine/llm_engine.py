@@ -97,6 +97,7 @@ class _Step:
     output: AsyncModelRunnerOutput | None  # the samples on their way to the host
     num_tokens: int = 0  # tokens the step computed
     started: float = 0.0  # when it was launched (perf_counter)
+    num_drafts: list[int] | None = None  # speculative decoding: drafts verified per sampled sequence
 
 
 class LLMEngine:
@@ -138,9 +139,7 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching)
         self.parallel_config = parallel_config_of(args)
         self.drafts = DraftPlanner.create(args.speculative_config, cfg, self.parallel_config)
-        self._async = bool(args.async_scheduling) and self.drafts is None
-        if args.async_scheduling and self.drafts is not None:
-            logger.warning("speculative decoding runs its steps synchronously: async_scheduling is off")
+        self._async = bool(args.async_scheduling)
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
         check_block_size(cfg, self.cache_config.block_size)  # a plugin may have changed it
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
@@ -268,12 +267,23 @@ class LLMEngine:
     # in flight: the next call schedules and launches N+1 (a sequence whose token of N is still on the
     # device is scheduled with a placeholder that the worker fills in) and then finishes N.
     # ``_can_overlap`` falls back to finishing N first whenever launching N+1 early could change what
-    # N+1 computes for any sequence. An exception while launching or finishing a step fails that step's
+    # N+1 computes for any sequence.
+    #
+    # With speculative decoding the host does not know, while N is in flight, how many of a sequence's
+    # drafts N accepts, nor the drafts N proposes. N+1 is then scheduled optimistically: the sequence's
+    # span is its token of N and up to k drafts, all placeholders, at the position it would have if N
+    # accepted nothing; memory is taken as if N accepted everything (``Sequence.num_unresolved_drafts``)
+    # and the draft budget plans from the confidences of the drafts N verified. The worker, which has
+    # N's result when N+1 reaches it, shifts the span by N's accepted drafts and fills in its tokens and
+    # drafts. When N ends, its accepted drafts go in before N+1's placeholder and the blocks past what
+    # N+1 writes are released. An exception while launching or finishing a step fails that step's
     # sequences (finish reason "error") and nothing else.
 
     def step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
         prev, self._inflight = self._inflight, None
+        if prev is not None and self.drafts is not None:  # the draft budgets N+1 would verify
+            self.drafts.plan(self.scheduler, self.scheduler_config)
         if prev is not None and not self._can_overlap(prev):
             self._finish_or_fail(prev, touched)
             prev = None
@@ -330,10 +340,20 @@ class LLMEngine:
         if any(s.grammar is not None or s.params.has_penalties or len(s.output_token_ids) < s.params.min_tokens
                for s in going):
             return False
-        may_stop = any(self._may_stop(s) for s in going)
-        if may_stop and not self.batch_invariant:
+        limit = self.scheduler_config.max_model_len  # positions past it may not be computed, even dropped
+        if any(len(s) + s.num_unresolved_drafts >= limit for s in going if s.num_unresolved_drafts):
+            return False
+        may_stop = any(self._may_stop(s) or self._may_run_out(s) for s in going)
+        # with speculation the rows around a sequence already change with what was accepted: its outputs
+        # are equal to those without speculation to rounding, so an extra row for a stopping one is fine
+        if may_stop and not (self.batch_invariant or self.drafts is not None):
             return False
         return self.scheduler.running_fits(leaving, strict=may_stop)
+
+    def _may_run_out(self, seq: Sequence) -> bool:
+        """Whether ``seq`` reaches ``max_tokens`` should its step in flight accept enough drafts."""
+        unresolved, max_tokens = seq.num_unresolved_drafts, seq.params.max_tokens
+        return bool(unresolved) and max_tokens is not None and len(seq.output_token_ids) + unresolved >= max_tokens
 
     def _may_stop(self, seq: Sequence) -> bool:
         """Whether the token being sampled could end ``seq`` through its value."""
@@ -379,13 +399,15 @@ class LLMEngine:
         output = self.executor.execute_model(so)
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new - seq.num_scheduled_drafts  # drafts count once accepted
-        positions = []
+        positions, num_drafts = [], []
         for seq in to_sample:
             positions.append(len(seq.output_token_ids))
+            num_drafts.append(seq.num_scheduled_drafts)
+            seq.inflight_drafts = seq.num_scheduled_drafts
             seq.output_token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
         return _Step(scheduled, to_sample, positions, output if to_sample else None,
-                     sum(n for _, n in scheduled), started)
+                     sum(n for _, n in scheduled), started, num_drafts)
 
     def _finish_or_fail(self, launched: _Step, touched: dict[str, Request]) -> None:
         try:
@@ -403,6 +425,8 @@ class LLMEngine:
         for i, (seq, pos) in enumerate(zip(launched.sampled, launched.positions)):
             if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
                 continue
+            if self.drafts is not None:  # an earlier step may have put accepted drafts before it since
+                pos = len(seq.output_token_ids) - seq.num_inflight
             token = out.sampled_token_ids[i]
             seq.output_token_ids[pos] = token
             seq.num_inflight -= 1
@@ -412,11 +436,13 @@ class LLMEngine:
             if out.new_token_ids is None:
                 self._append(seq, pos, token, out.logprobs[i])
                 continue
-            tokens = out.new_token_ids[i]
-            self.drafts.accept(seq, pos, tokens, self.block_manager)
+            tokens, verified = out.new_token_ids[i], launched.num_drafts[i]
+            if seq.params.max_tokens is not None:  # the worker dropped drafts past it (see ``DraftPlanner.room``)
+                verified = max(0, min(verified, seq.params.max_tokens - pos - 1))
+            self.drafts.accept(seq, pos, tokens, self.block_manager, verified, launched.num_drafts[i])
             for j, token in enumerate(tokens):
-                if j:
-                    seq.output_token_ids.append(token)
+                if j:  # before the placeholder of a later step in flight, if there is one
+                    seq.output_token_ids.insert(pos + j, token)
                 self._append(seq, pos + j, token, out.logprobs[i] if j == 0 else None)
                 if seq.finish_reason is not None:
                     break

@@ -74,7 +74,9 @@ class Scheduler:
             if num_new == 0:
                 continue
             num_new += self._drafts(seq, num_new, budget)
-            while (fit := self._fit(seq, num_new)) == 0:
+            # a step in flight may still accept its drafts: memory for the positions they might take too
+            extra = seq.num_unresolved_drafts
+            while (fit := self._fit(seq, num_new + extra) - extra) <= 0:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1 and not scheduled:
                     self._unfittable(seq, unfittable)
@@ -84,7 +86,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, fit)
+                bm.allocate(seq, fit + extra)
                 scheduled.append((seq, fit))
                 budget -= fit
         # Memory just taken from a preempted sequence goes to the running ones, not to newcomers (nor
@@ -121,14 +123,15 @@ class Scheduler:
         if num_new != 1 or seq.num_uncomputed != 1 or not seq.draft_budget:
             return 0
         n = min(seq.draft_budget, len(seq.draft_token_ids), budget - 1)
-        while n > 0 and not self.block_manager.can_allocate(seq, 1 + n):
+        while n > 0 and not self.block_manager.can_allocate(seq, 1 + n + seq.num_unresolved_drafts):
             n -= 1
         seq.num_scheduled_drafts = n
         return n
 
     def running_fits(self, leaving: set[int], strict: bool) -> bool:
         """Whether the next ``schedule()`` gives every running sequence (but those in ``leaving``, seq ids
-        about to finish) its chunk without preempting anything.
+        about to finish) its chunk without preempting anything; a decoding sequence with every draft its
+        ``draft_budget`` allows, and the memory of the drafts a step in flight may still accept.
 
         ``strict`` also asks that nothing waits, every chunk is whole and only never-cached free blocks are
         taken: then a running sequence that finishes before this schedule is used changes nothing for
@@ -144,7 +147,9 @@ class Scheduler:
             num_new = self._chunk(seq, budget)
             if strict and num_new < seq.num_uncomputed:
                 return False
-            new_blocks, missing, slot = bm.needs(seq, num_new)
+            if num_new == 1 and seq.num_uncomputed == 1 and seq.draft_budget:  # every draft it may verify
+                num_new += min(seq.draft_budget, len(seq.draft_token_ids), budget - 1)
+            new_blocks, missing, slot = bm.needs(seq, num_new + seq.num_unresolved_drafts)
             blocks, window, slots, budget = blocks + new_blocks, window + len(missing), slots + slot, budget - num_new
         pools = (bm.blocks, bm.window_blocks, bm.slots)
         free = [len(pool.free) if strict else pool.num_free for pool in pools]

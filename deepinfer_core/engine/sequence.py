@@ -54,6 +54,7 @@ class Sequence:
         self.draft_confidences: list[float] = []
         self.draft_budget = 0
         self.num_scheduled_drafts = 0
+        self.inflight_drafts = 0  # drafts of the newest launched step, unknown whether accepted until it ends
         self.spec_stats = None  # SpecDecodeStats of this sequence, when the engine speculates
 
     @property
@@ -78,6 +79,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_unresolved_drafts(self) -> int:
+        """Drafts of a step still in flight: positions after them are unknown by up to this many."""
+        return self.inflight_drafts if self.num_inflight else 0
 
     def clear_drafts(self) -> None:
         self.draft_token_ids, self.draft_confidences = [], []

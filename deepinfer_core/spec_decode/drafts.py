@@ -12,7 +12,7 @@ from typing import Any
 
 from deepinfer_core.config import ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
 from deepinfer_core.model.cache import layer_cache_specs
 from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler
 from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
@@ -50,14 +50,17 @@ class DraftPlanner:
     @staticmethod
     def room(seq: Sequence, max_model_len: int) -> int:
         """Drafts a verification of ``seq`` may hold: none before ``min_tokens`` (the masks of EOS and stop
-        tokens are the plain sampler's), and never past ``max_tokens`` or ``max_model_len``."""
+        tokens are the plain sampler's), and never past ``max_tokens`` or ``max_model_len``. With a step in
+        flight (async scheduling) its accepted drafts are not known yet: the room for ``max_tokens`` is
+        the one if it accepts none (the worker, which knows, drops drafts past the limit), and for
+        ``max_model_len`` the one if it accepts all."""
         p = seq.params
         if seq.num_uncomputed != 1 or len(seq.output_token_ids) < p.min_tokens:
             return 0
         room = len(seq.draft_token_ids)
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - len(seq.output_token_ids) - 1)
-        return max(0, min(room, max_model_len - len(seq) - 1))
+        return max(0, min(room, max_model_len - len(seq) - seq.num_unresolved_drafts - 1))
 
     def plan(self, scheduler: Any, config: SchedulerConfig) -> None:
         rooms = {seq.seq_id: self.room(seq, config.max_model_len) for seq in scheduler.running}
@@ -81,12 +84,20 @@ class DraftPlanner:
         if self.confidence is not None:
             self.confidence.observe_step(num_tokens, seconds)
 
-    def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager) -> None:
-        """``tokens``: the step's new tokens of ``seq``, whose first is already at output index ``pos``."""
-        verified = seq.num_scheduled_drafts
+    def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager,
+               verified: int | None = None, reserved: int = 0) -> None:
+        """``tokens``: the step's new tokens of ``seq``, whose first is already at output index ``pos``;
+        ``verified``: the drafts the step verified (``seq.num_scheduled_drafts`` unless a later step,
+        launched before this one ended, has been scheduled since); ``reserved``: the drafts memory was
+        taken for (more when the worker dropped some past ``max_tokens``). With a later step in flight its
+        placeholder stays after the new tokens and the memory its drafts write is kept."""
+        if verified is None:
+            verified = seq.num_scheduled_drafts
         if seq.spec_stats is None:
             seq.spec_stats = SpecDecodeStats()
         if not verified:
+            if seq.num_inflight or reserved:  # memory taken for drafts that were not verified
+                block_manager.release_tail(seq, seq.num_unresolved_drafts)
             return
         accepted = len(tokens) - 1
         for stats in (self.stats, seq.spec_stats):
@@ -95,14 +106,19 @@ class DraftPlanner:
             self.confidence.observe_verification(seq.draft_confidences[:verified], accepted)
         seq.num_computed_tokens += accepted
         # hash the blocks the accepted tokens completed before a stop among them may end the sequence
-        seq.output_token_ids[pos + 1:] = tokens[1:]
+        seq.output_token_ids[pos + 1:pos + 1] = tokens[1:]
         block_manager.commit(seq)
-        block_manager.release_tail(seq)
-        del seq.output_token_ids[pos + 1:]
+        block_manager.release_tail(seq, seq.num_unresolved_drafts)
+        del seq.output_token_ids[pos + 1:pos + len(tokens)]
 
     def offer(self, seq: Sequence, drafts: list[int], confidences: list[float]) -> None:
-        """The drafts proposed for ``seq``'s next step."""
+        """The drafts proposed for ``seq``'s next step. When that step is already in flight (async
+        scheduling) they are on their way already, and a step scheduled before it ends verifies the
+        drafts it proposes, known to the workers only: the host keeps placeholders, and the confidences
+        of these drafts plan the budget of that step."""
         seq.draft_token_ids, seq.draft_confidences = list(drafts), list(confidences)
+        if seq.num_inflight:
+            seq.draft_token_ids = [PLACEHOLDER] * len(drafts)
         seq.num_scheduled_drafts = 0
         self.stats.num_proposed_tokens += len(drafts)
         if seq.spec_stats is not None:

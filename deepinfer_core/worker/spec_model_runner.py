@@ -4,12 +4,20 @@ Every sequence's span of the step is computed in one target forward: prefill chu
 verifications ([last token + drafts], every position's logits kept). Plain rows are sampled as usual;
 verification rows go through the rejection sampler. The rows rejected drafts wrote are then put back
 (``spec_decode/rollback.py``), the MTP block catches up over the kept positions and drafts for the next
-step. Steps run eagerly and synchronously: the drafter needs the target's streams and the host needs
-the accepted counts to lay out the drafting batch.
+step. Steps run eagerly.
+
+A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
+rollback, and returns; the rest (the new tokens to the host, the MTP catch-up and drafting, which need
+the accepted counts to lay out their batch) runs when the output is asked for, or when the next step
+is launched, whichever comes first. With async scheduling the engine schedules the next step while
+the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
+before and its drafts) at the positions they would have if that step accepted nothing; the runner
+shifts each span by the drafts the step before accepted and fills in the tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +30,32 @@ from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
 from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
 from deepinfer_core.spec_decode.rollback import CacheUndo
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
-from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput, ReadyOutput
+from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput
 
 
 def can_speculate(params) -> bool:
     """Whether a request's tokens may come from verified drafts: what the rejection sampler applies is
     temperature, top-k, top-p and min-p; penalties, grammars and logprobs take the plain path."""
     return not (params.has_penalties or params.structured_outputs is not None or params.logprobs is not None)
+
+
+class _Pending:
+    """A launched step; ``get_output`` runs its second half once (an error in it is raised each time)."""
+
+    def __init__(self, complete):
+        self._complete, self._output, self._error = complete, None, None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise self._error
+        if self._output is None:
+            try:
+                self._output = self._complete()
+            except Exception as exc:
+                self._error = exc
+                raise
+            self._complete = None
+        return self._output
 
 
 @dataclass
@@ -47,14 +74,22 @@ class SpecDecodeModelRunner(ModelRunner):
         self.k = num_speculative_tokens
         self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens)
         self.num_layers = self.model.cfg.num_hidden_layers
+        self._pending: _Pending | None = None  # the launched step whose second half has not run yet
+        self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
+        self._drafts: dict[int, list[int]] = {}  # seq id -> the drafts its last step proposed
 
-    def execute_model(self, so: SchedulerOutput) -> ReadyOutput:
+    def execute_model(self, so: SchedulerOutput) -> _Pending:
+        if self._pending is not None:  # the step before ends first: this one may build on its result
+            pending, self._pending = self._pending, None
+            pending.get_output()
         self._update_states(so)
+        for seq_id in so.finished_seq_ids:
+            self._accepted.pop(seq_id, None)
+            self._drafts.pop(seq_id, None)
+        so = dataclasses.replace(so, scheduled=[self._resolve(s) for s in so.scheduled])
         spans, ids, rows, plain, verifies, starts = [], [], [], [], [], []
         draft = []
         for i, s in enumerate(so.scheduled):
-            if PLACEHOLDER in s.token_ids:
-                raise RuntimeError("speculative decoding runs synchronously: a scheduled token is still a placeholder")
             if s.restore_boundary is not None:
                 self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
             spans.append(SeqSpan(s.start, len(s.token_ids), s.block_table, s.window_block_table, s.state_slot,
@@ -76,8 +111,7 @@ class SpecDecodeModelRunner(ModelRunner):
         batch = host.with_storage(self.platform.upload(host.packed()))
         logits, streams = self.model.forward(batch, self.cache)
 
-        new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
-        plain_out = None
+        plain_out = verified = None
         if plain:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
             sampled = [i for i, s in enumerate(so.scheduled) if s.sample]
@@ -86,24 +120,53 @@ class SpecDecodeModelRunner(ModelRunner):
                 keep = [sampled.index(i) for i, _ in plain]
                 bitmask = bitmask[keep]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
-            plain_out = self.sampler(logits.index_select(0, index), states, bitmask)
+            plain_out = self.sampler(logits.index_select(0, index), states, bitmask).to_host(self.platform)
         if verifies:
-            accepted = self._verify(logits, verifies, undo, draft_mask, starts, so.scheduled)
-            for v, tokens in zip(verifies, accepted):
-                new_tokens[v.index] = tokens
+            verified = self._verify(logits, verifies, undo, draft_mask, starts, so.scheduled)
+        self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified))
+        return self._pending
+
+    def _resolve(self, s: ScheduledSeq) -> ScheduledSeq:
+        """A span scheduled before its sequence's step before ended: shifted by the drafts that step
+        accepted, its token and drafts filled in, and no draft past ``max_tokens`` (the host, not knowing
+        the accepted count, may have scheduled more)."""
+        if PLACEHOLDER not in s.token_ids:
+            return s
+        drafts = self._drafts.get(s.seq_id, [])
+        if not s.sample or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > len(drafts):
+            raise RuntimeError(f"sequence {s.seq_id}: placeholders only stand for the last token and its drafts")
+        state = self.requests[s.seq_id]
+        n, max_tokens = s.num_drafts, state.params.max_tokens
+        if max_tokens is not None:
+            n = max(0, min(n, max_tokens - len(state.output_token_ids) - 1))
+        return dataclasses.replace(s, start=s.start + self._accepted.get(s.seq_id, 0), num_drafts=n,
+                                   token_ids=[state.output_token_ids[-1]] + drafts[:n])
+
+    def _complete(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], plain: list,
+                  plain_out, verifies: list[_Verify], verified) -> ModelRunnerOutput:
+        """The second half of a step: the new tokens on the host, drafting, the output."""
+        new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
+        if verifies:
+            tokens, counts = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
+            for v, row, n in zip(verifies, tokens, counts):
+                new_tokens[v.index] = row[: n + 1]
         logprobs, dead_ends = {}, {}
         if plain_out is not None:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
-            tokens, lps = plain_out.to_host(self.platform).tolists(states)
+            tokens, lps = plain_out.tolists(states)
             for (i, _), token, lp, j in zip(plain, tokens, lps, range(len(plain))):
                 new_tokens[i], logprobs[i] = [token], lp
                 if plain_out.dead_ends is not None:
                     dead_ends[i] = plain_out.dead_ends[j]
-        return ReadyOutput(self._draft(so, streams, starts, new_tokens, logprobs, dead_ends))
+        out = self._draft(so, streams, starts, new_tokens, logprobs, dead_ends)
+        for seq_id, tokens, drafts in zip(out.seq_ids, out.new_token_ids or [], out.draft_token_ids or []):
+            self._accepted[seq_id], self._drafts[seq_id] = len(tokens) - 1, list(drafts)
+        return out
 
     def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
-                starts: list[int], scheduled: list[ScheduledSeq]) -> list[list[int]]:
-        """New tokens of every verification; rows written by rejected drafts are put back."""
+                starts: list[int], scheduled: list[ScheduledSeq]):
+        """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
+        drafts are put back."""
         device, vocab = logits.device, logits.shape[-1]
         k = max(len(v.drafts) for v in verifies)
         s = len(verifies)
@@ -133,8 +196,7 @@ class SpecDecodeModelRunner(ModelRunner):
         owner, offset = owner.to(device), offset.to(device)
         rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
         undo.restore(rejected)
-        tokens, counts = out.output_token_ids.tolist(), out.num_accepted.tolist()
-        return [row[: n + 1] for row, n in zip(tokens, counts)]
+        return out
 
     def _target_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """The target's sampling distribution of each row (temperature, top-k, top-p, min-p); greedy rows
