@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.parallel.memory_plan import storage_bytes
+
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gpu_decode as gd  # noqa: E402
 import bench_long_context as blc  # noqa: E402
@@ -231,20 +233,6 @@ def ttft(b: Bench, history_len: int, turn_len: int) -> dict[str, Any]:
     return out
 
 
-def _storage_bytes(obj: Any, seen: set[int]) -> int:
-    if isinstance(obj, torch.Tensor):
-        key = obj.untyped_storage().data_ptr()
-        if key in seen:
-            return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes()
-    if isinstance(obj, dict):
-        return sum(_storage_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_storage_bytes(v, seen) for v in obj)
-    return 0
-
-
 def kv_bytes(b: Bench, lengths: list[int]) -> dict[str, Any]:
     """The cache's tensors per pool vs the memory plan's per-block and per-slot figures."""
     from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
@@ -256,10 +244,10 @@ def kv_bytes(b: Bench, lengths: list[int]) -> dict[str, Any]:
     spec, bs, dtype = cache.kv_spec, engine.cache_config.block_size, engine.dtype
     seen: set[int] = set()
     measured = {
-        "compressed": _storage_bytes([cache.comp_kv, cache.index_keys, cache.comp_boundary, cache.index_boundary],
+        "compressed": storage_bytes([cache.comp_kv, cache.index_keys, cache.comp_boundary, cache.index_boundary],
                                      seen),
-        "window": _storage_bytes(cache.window_kv, seen),
-        "state": _storage_bytes([cache.comp_state, cache.index_state], seen),
+        "window": storage_bytes(cache.window_kv, seen),
+        "state": storage_bytes([cache.comp_state, cache.index_state], seen),
     }
     comp, window = bytes_per_block(cfg, bs, dtype, spec)
     slot = bytes_per_state_slot(cfg, dtype, spec)

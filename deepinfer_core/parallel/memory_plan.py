@@ -116,10 +116,12 @@ def measured_memory(model: Any, cache: Any) -> dict[str, int]:
         total += size
         if ".ffn.experts." in name:
             experts += size
-    return {"weight_bytes": total, "expert_bytes": experts, "kv_bytes": _tensor_bytes(vars(cache), set())}
+    return {"weight_bytes": total, "expert_bytes": experts, "kv_bytes": storage_bytes(vars(cache), set())}
 
 
-def _tensor_bytes(obj: Any, seen: set[int]) -> int:
+def storage_bytes(obj: Any, seen: set[int]) -> int:
+    """Bytes of the tensor storages in ``obj`` (nested dicts, lists, tuples), each storage counted once
+    across calls sharing ``seen``."""
     if isinstance(obj, torch.Tensor):
         key = obj.untyped_storage().data_ptr()
         if key in seen:
@@ -127,7 +129,7 @@ def _tensor_bytes(obj: Any, seen: set[int]) -> int:
         seen.add(key)
         return obj.untyped_storage().nbytes()
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(v, seen) for v in obj.values())
+        return sum(storage_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v, seen) for v in obj)
+        return sum(storage_bytes(v, seen) for v in obj)
     return 0
