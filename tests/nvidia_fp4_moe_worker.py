@@ -10,13 +10,12 @@ resolves ``moe_experts_fp4`` to with ``DEEPINFER_NVIDIA_FP4_TRITON=1``, with its
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
+from nvidia_interpreter import op_table_record
 
 from deepinfer_core.model.fp4 import e8m0_from_float, pack_fp4
 
-BACKEND = "nvidia_sm100"
 SWIGLU_LIMIT = 10.0
 
 
@@ -102,28 +101,14 @@ def act_rows(dtype: torch.dtype) -> torch.Tensor:
 def main(out_path: str) -> None:
     from deepinfer_nvidia_sm100 import triton_ops
 
-    from deepinfer_core.testing import conformance as conf
-
     torch.set_num_threads(1)
     out: dict = {"moe": {}, "act": {}, "tables": {}}
     for name, dtype, quant in CASES:
         out["moe"][case_id(name, dtype, quant)] = triton_ops.moe_experts_fp4(*moe_case(name, dtype, quant))
     for dtype in (torch.float32, torch.bfloat16):
         out["act"][str(dtype)] = triton_ops.quantize_act_ue8m0(act_rows(dtype))
-    reference = conf.reference_op_table()
     for dtype in (torch.float32, torch.bfloat16):
-        entry: dict = {}
-        try:
-            table = conf.candidate_op_table(BACKEND, dtype, conf.backend_device(BACKEND))
-            fn = table.chosen["moe_experts_fp4"].fn
-            entry.update(module=fn.__module__, name=fn.__name__, provider=table.provider("moe_experts_fp4"),
-                         syncs_host=table.syncs_host(["moe_experts_fp4"]))
-            results = conf.check_op("moe_experts_fp4", table, reference, "tiny", dtype, backend=BACKEND)
-            entry["cases"] = len(results)
-            entry["failed"] = [str(r) for r in results if not r.passed or r.fallback]
-        except Exception:
-            entry["error"] = traceback.format_exc()
-        out["tables"][str(dtype)] = entry
+        out["tables"][str(dtype)] = op_table_record("moe_experts_fp4", dtype)
     torch.save(out, out_path)
 
 

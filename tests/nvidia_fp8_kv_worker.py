@@ -11,13 +11,12 @@ with its conformance results.
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
+from nvidia_interpreter import op_table_record
 
 from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes, num_scales, pack_kv_fp8, unpack_kv_fp8
 
-BACKEND = "nvidia_sm100"
 _NAN_BYTE = 0xFF  # what a NaN-filled cache holds in its unused rows (E4M3 NaN, scale NaN)
 
 
@@ -132,28 +131,14 @@ def dense_args(args: tuple) -> tuple:
 def main(out_path: str) -> None:
     from deepinfer_nvidia_sm100 import triton_ops
 
-    from deepinfer_core.testing import conformance as conf
-
     torch.set_num_threads(1)
     out: dict = {"fp8": {}, "dense": {}, "tables": {}}
     for name, dtype in CASES:
         args = attention_case(name, dtype)
         out["fp8"][case_id(name, dtype)] = triton_ops.sparse_attention_fp8(*args)
         out["dense"][case_id(name, dtype)] = triton_ops.sparse_attention(*dense_args(args))
-    reference = conf.reference_op_table()
     for dtype in (torch.float32, torch.bfloat16):
-        entry: dict = {}
-        try:
-            table = conf.candidate_op_table(BACKEND, dtype, conf.backend_device(BACKEND))
-            fn = table.chosen["sparse_attention_fp8"].fn
-            entry.update(module=fn.__module__, name=fn.__name__, provider=table.provider("sparse_attention_fp8"),
-                         syncs_host=table.syncs_host(["sparse_attention_fp8"]))
-            results = conf.check_op("sparse_attention_fp8", table, reference, "tiny", dtype, backend=BACKEND)
-            entry["cases"] = len(results)
-            entry["failed"] = [str(r) for r in results if not r.passed or r.fallback]
-        except Exception:
-            entry["error"] = traceback.format_exc()
-        out["tables"][str(dtype)] = entry
+        out["tables"][str(dtype)] = op_table_record("sparse_attention_fp8", dtype)
     torch.save(out, out_path)
 
 

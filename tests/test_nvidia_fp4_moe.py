@@ -25,15 +25,12 @@ The GPU counterpart (V4-Flash shapes, CUDA-graph capture) is ``gpu/test_gpu_fp4_
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from nvidia_fp4_moe_worker import CASES, act_rows, case_id, moe_case
+from nvidia_interpreter import run_worker, triton_installed
 
 from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
 from deepinfer_core.ops import native
@@ -48,25 +45,12 @@ QUANT_F32_TOL = 1e-6
 QUANT_MAX_DIFFERING = 0.01
 
 
-def _triton_installed() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-needs_triton = pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fp4_moe") / "results.pt"
-    env = {**os.environ, "DEEPINFER_NVIDIA_ALLOW_CPU": "1", "TRITON_INTERPRET": "1", FP4_ENV: "1"}
-    env.pop("DEEPINFER_NVIDIA_FP8_TRITON", None)
-    done = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0 and out.exists(), f"the interpreter run failed:\n{done.stderr[-4000:]}"
-    return torch.load(out, weights_only=False)
+    return run_worker(WORKER, tmp_path_factory.mktemp("fp4_moe") / "results.pt", FP4_ENV)
 
 
 def _float64(args: tuple) -> tuple:

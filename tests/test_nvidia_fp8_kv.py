@@ -28,16 +28,13 @@ The GPU counterpart (V4-Flash decode shapes, CUDA-graph capture) is ``gpu/test_g
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from deepinfer_cpu_ref.ops import ALL_OPS as REF
 from nvidia_fp8_kv_worker import CASES, attention_case, case_id
+from nvidia_interpreter import run_worker, triton_installed
 
 from deepinfer_core.model.kv_fp8 import pack_kv_fp8
 from deepinfer_core.ops import native
@@ -52,25 +49,12 @@ DENSE_F32_TOL = 2e-6
 DENSE_MAX_DIFFERING = 1e-3
 
 
-def _triton_installed() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-needs_triton = pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fp8_kv") / "results.pt"
-    env = {**os.environ, "DEEPINFER_NVIDIA_ALLOW_CPU": "1", "TRITON_INTERPRET": "1", FP8_KV_ENV: "1"}
-    env.pop("DEEPINFER_NVIDIA_FP8_TRITON", None)
-    done = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0 and out.exists(), f"the interpreter run failed:\n{done.stderr[-4000:]}"
-    return torch.load(out, weights_only=False)
+    return run_worker(WORKER, tmp_path_factory.mktemp("fp8_kv") / "results.pt", FP8_KV_ENV)
 
 
 def _float64(args: tuple) -> tuple:
