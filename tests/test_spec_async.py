@@ -22,7 +22,16 @@ import engine_fixtures
 import pytest
 from engine_fixtures import BLOCK_SIZE, assert_drained, greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import other_token, spec
-from test_spec_decode import CONFIGS, MAX_TOKENS, ORACLE_CASES, PROMPTS, VARIANTS, mixed, reference
+from test_spec_decode import (
+    CONFIGS,
+    MAX_TOKENS,
+    ORACLE_CASES,
+    PROMPTS,
+    VARIANTS,
+    check_prefix_hits_on_speculated_outputs,
+    mixed,
+    reference,
+)
 
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
@@ -192,24 +201,7 @@ def test_aborts_while_in_flight_leave_the_others_unchanged(abort_at, tiny_path, 
 
 
 def test_prefix_hits_on_speculated_outputs_async(tiny_path, make_llm, make_async):
-    path = tiny_path("tiny")
-    first = [make_prompt(40, seed=50)]
-    ref1 = reference(make_llm, path, first, max_tokens=30)
-    second = [first[0] + ref1[tuple(first[0])][:20]]
-    ref2 = reference(make_llm, path, second)
-    llm = make_async(path, dtype="float64", **spec(3))
-    worker_oracle(llm, {**ref1, **ref2}, mixed)
-    assert run_tokens(llm, first, greedy(30)) == [ref1[tuple(first[0])]]
-    assert run_tokens(llm, second, greedy(MAX_TOKENS)) == [ref2[tuple(second[0])][:MAX_TOKENS]]
-    assert llm.llm_engine.prefix_cache_stats()["hit_tokens"] >= 48
-    bm = llm.llm_engine.block_manager
-    valid = set()
-    for tokens in (first[0] + ref1[tuple(first[0])], second[0] + ref2[tuple(second[0])][:MAX_TOKENS]):
-        from deepinfer_core.engine.sequence import Sequence
-
-        seq = Sequence("x", 0, tokens, greedy(), None)
-        valid.update(bm.block_hashes(seq, len(tokens) // bm.block_size))
-    assert set(bm.blocks.cached) <= valid and bm.blocks.cached
+    check_prefix_hits_on_speculated_outputs(make_llm, tiny_path("tiny"), make_async, worker_oracle)
 
 
 def seeded_workload(seed: int, count: int):

@@ -137,16 +137,16 @@ def test_aborts_leave_the_others_unchanged(tiny_path, make_llm):
     assert not set(aborted) & set(done), "an aborted request produced a final output"
 
 
-def test_prefix_hits_on_speculated_outputs(tiny_path, make_llm):
+def check_prefix_hits_on_speculated_outputs(make_llm, path, build, install_oracle) -> None:
     """A prompt that continues an earlier request's prompt and speculated output hits the blocks the
-    accepted tokens completed, and still generates exactly the reference."""
-    path = tiny_path("tiny")
+    accepted tokens completed, and still generates exactly the reference (``build`` makes the engine
+    under test, ``install_oracle`` forces its drafts)."""
     first = [make_prompt(40, seed=50)]
     ref1 = reference(make_llm, path, first, max_tokens=30)
     second = [first[0] + ref1[tuple(first[0])][:20]]
     ref2 = reference(make_llm, path, second)
-    llm = make_llm(path, dtype="float64", **spec(3))
-    oracle_drafts(llm, {**ref1, **ref2}, mixed)
+    llm = build(path, dtype="float64", **spec(3))
+    install_oracle(llm, {**ref1, **ref2}, mixed)
     assert run_tokens(llm, first, greedy(30)) == [ref1[tuple(first[0])]]
     assert run_tokens(llm, second, greedy(MAX_TOKENS)) == [ref2[tuple(second[0])][:MAX_TOKENS]]
     assert llm.llm_engine.prefix_cache_stats()["hit_tokens"] >= 48
@@ -159,6 +159,10 @@ def test_prefix_hits_on_speculated_outputs(tiny_path, make_llm):
         seq = Sequence("x", 0, tokens, greedy(), None)
         valid.update(bm.block_hashes(seq, len(tokens) // bm.block_size))
     assert set(bm.blocks.cached) <= valid and bm.blocks.cached
+
+
+def test_prefix_hits_on_speculated_outputs(tiny_path, make_llm):
+    check_prefix_hits_on_speculated_outputs(make_llm, tiny_path("tiny"), make_llm, oracle_drafts)
 
 
 def test_trained_model_accepts_and_stays_greedy_equal(make_llm):
