@@ -155,6 +155,35 @@ class Harness:
         return host_bytes(host), t1 - t0, time.perf_counter() - t0
 
 
+    def graph_phases(self, ctx: int, batch: int) -> dict[str, float]:
+        """Milliseconds of one graph step's phases: padding and build_forward_batch, load (the copy into the
+        graph's buffers), replay (the launch, host side), wait (until the device is done), and on a GPU
+        ``device``: the step's time on the device (CUDA events around load and replay)."""
+        spans, rows = self.spans(ctx, 1, batch), list(range(batch))
+        cuda = self.model.device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.platform.synchronize()
+        t = [time.perf_counter()]
+        host = build_forward_batch([2] * batch, spans, self.specs, self.bs, self.window, rows,
+                                   pad=self.graphs.padding_for(spans, rows))
+        t.append(time.perf_counter())
+        if cuda:
+            start.record()
+        loaded = self.graphs.load(host)
+        t.append(time.perf_counter())
+        self.graphs.replay(loaded)
+        if cuda:
+            end.record()
+        t.append(time.perf_counter())
+        self.platform.synchronize()
+        t.append(time.perf_counter())
+        out = {name: (b - a) * 1e3 for name, a, b in zip(("build", "load", "replay", "wait"), t, t[1:])}
+        if cuda:
+            out["device"] = start.elapsed_time(end)
+        return out
+
+
 def measure(fn, warmup: int, reps: int) -> tuple[int, float, float]:
     for _ in range(warmup):
         fn()

@@ -156,6 +156,11 @@ def profile_context(a) -> dict:
         for _ in range(a.warmup):
             step()
         step_ms = statistics.median(step() for _ in range(a.steps)) * 1e3
+        phases = None
+        if not a.eager:
+            runs = [h.graph_phases(a.context, a.batch) for _ in range(max(a.steps, 5))]
+            phases = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            print("phases (ms, median): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         cuda = device.type == "cuda"
         activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
         with profile(activities=activities) as prof:
@@ -165,7 +170,7 @@ def profile_context(a) -> dict:
     tag = f"ctx{a.context}_b{a.batch}_{'eager' if a.eager else 'graphs'}"
     return report(prof, a, tag, cuda=cuda, time="cuda" if cuda else "cpu", context=a.context,
                   max_model_len=capacity or None,
-                  block_size=la.block_size, step_ms=step_ms,
+                  block_size=la.block_size, step_ms=step_ms, phases_ms=phases,
                   graph_init_s=getattr(h, "graph_init_s", None), device=str(device), backend=a.backend,
                   dtype=str(dtype).split(".")[-1], model="bench_gpu_decode-small" if a.small else "v4-flash-4-layers")
 
