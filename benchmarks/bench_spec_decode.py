@@ -102,8 +102,8 @@ def speed(args, engine_kw: dict) -> dict:
         llm = LLM(args.model, speculative_config=spec, max_num_seqs=max(args.batch_sizes), **engine_kw)
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
-            if not args.no_warmup:
-                _generate(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
+                _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
             before = llm.llm_engine.spec_decode_stats()
             _, seconds = _generate(llm, prompts, params)
             stats = llm.llm_engine.spec_decode_stats()
