@@ -262,3 +262,43 @@ def test_engine_equals_deepseeks_model_py(model_py, checkpoint, record_property)
     assert all(t == o for t, o in tokens), tokens
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert rel.max() <= 1e-5, rel
+
+
+def _model_py_streams(ref, x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.py's ``Transformer.forward`` split where the MTP block reads: (the last layer's streams
+    [b, s, hc, d], the logits of the last position)."""
+    h = ref.embed(x).unsqueeze(2).repeat(1, 1, ref.hc_mult, 1)
+    for layer in ref.layers:
+        h = layer(h, start_pos, x)
+    return h, ref.head(h, ref.hc_head_fn, ref.hc_head_scale, ref.hc_head_base, ref.norm)
+
+
+def test_mtp_equals_deepseeks_model_py(model_py, checkpoint, record_property):
+    """The MTP block (``mtp.0.*``, its own window KV) reading the main model's streams at t and the token at
+    t + 1: over the prompt, then after each greedy decode step, its draft logits for the last position
+    equal model.py's ``MTPBlock.forward`` within 1e-5 of their scale, and so do its greedy drafts."""
+    ids = prompt(40, 384, seed=11)
+    ref = build_transformer(model_py, checkpoint)
+    with no_kernel_packs():
+        engine = load_model(checkpoint, dtype=torch.float32, numerics="deepseek")
+    assert engine.has_mtp and len(ref.mtp) == 1
+    runner = SimpleRunner(engine, 1, len(ids) + STEPS + 1, block_size=16)
+    ours, theirs = [], []
+    with torch.inference_mode(), stable_topk():
+        chunk, pos = ids, 0
+        for _ in range(STEPS):
+            h, main_ref = _model_py_streams(ref, torch.tensor([chunk]), pos)
+            logits, batch, streams = runner.forward({0: chunk}, all_logits=True)
+            tok = int(main_ref[0].argmax())
+            assert tok == int(logits[0][-1].argmax())
+            nxt = chunk[1:] + [tok]  # the token after each position of the chunk
+            theirs.append(ref.mtp[0](h, pos, torch.tensor([nxt]))[0])
+            draft, _ = engine.mtp_forward(batch, runner.cache, streams, torch.tensor(nxt))
+            ours.append(draft[-1])
+            chunk, pos = [tok], pos + len(chunk)
+    a, b = torch.stack(ours).double(), torch.stack(theirs).double()
+    rel = (a - b).abs().max(-1).values / b.abs().max()
+    record_property("mtp_vs_model_py", {"max_rel": float(rel.max()), "median_rel": float(rel.median())})
+    print(f"MTP vs model.py: max rel {float(rel.max()):.3g}, median {float(rel.median()):.3g}")
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert rel.max() <= 1e-5, rel

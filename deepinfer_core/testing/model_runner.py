@@ -29,6 +29,11 @@ class SimpleRunner:
 
     def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> dict[int, torch.Tensor]:
         """Feed ``chunks[seq]`` new tokens to each listed sequence; return logits per sequence."""
+        return self.forward(chunks, all_logits)[0]
+
+    def forward(self, chunks: dict[int, list[int]], all_logits: bool = False):
+        """:meth:`step`'s logits per sequence, and the step's batch and the model's output streams [T, n, D]
+        (what the MTP block reads)."""
         spans, ids, rows, owners = [], [], [], []
         for seq, toks in chunks.items():
             spans.append(SeqSpan(self.lens[seq], len(toks), self.table(seq), self.table(seq), seq))
@@ -40,10 +45,10 @@ class SimpleRunner:
             ids, spans, self.model.compressor_specs(), self.block_size, self.model.cfg.sliding_window,
             logits_indices=rows, device=self.model.device,
         )
-        logits, _ = self.model.forward(batch, self.cache)
+        logits, streams = self.model.forward(batch, self.cache)
         for seq, toks in chunks.items():
             self.lens[seq] += len(toks)
         out: dict[int, list[torch.Tensor]] = {}
         for owner, row in zip(owners, logits):
             out.setdefault(owner, []).append(row)
-        return {seq: torch.stack(v) for seq, v in out.items()}
+        return {seq: torch.stack(v) for seq, v in out.items()}, batch, streams
