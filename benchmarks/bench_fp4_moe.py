@@ -1,0 +1,142 @@
+"""FP4 routed experts vs bf16 ones, in one run: the grouped MoE op and the decode step at V4-Flash widths.
+
+The model is bench_long_context's (4 layers at V4-Flash widths, random weights, 256 experts top-6). It is
+timed with its experts in bf16, then with the same experts quantised to FP4 e2m1 with ue8m0 scales per 32
+inputs (as DeepSeek publishes them; ``quantize_fp4_block``), each through a freshly captured decode graph
+at ``--context`` tokens for every batch of ``--batches``; the op rows time ``moe_experts`` against
+``moe_experts_fp4`` of the backend's op table on one layer's experts (CUDA events). Step figures: the
+median wall time of build + load + replay + sync (``Harness.graph``) and the device time of load + replay
+(``Harness.graph_phases``).
+
+  python benchmarks/bench_fp4_moe.py --out fp4_moe.json                     (an H200)
+  python benchmarks/bench_fp4_moe.py --small --device cpu --backend cpu_ref (a CPU smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_long_context as blc  # noqa: E402
+
+from deepinfer_core.model.fp4 import quantize_fp4_block  # noqa: E402
+from deepinfer_core.model.weights import Linear  # noqa: E402
+
+
+def to_fp4(linear: Linear, chunk: int = 16) -> Linear:
+    """Stacked experts [E, N, K] -> packed e2m1 [E, N, K/2] + ue8m0 scales [E, N, K/32], ``chunk`` experts at
+    a time (the quantisation's float32 temporaries stay below a few GB)."""
+    w = linear.weight
+    packed = torch.empty((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8, device=w.device)
+    scale = torch.empty((*w.shape[:-1], w.shape[-1] // 32), dtype=torch.float8_e8m0fnu, device=w.device)
+    for e in range(0, w.shape[0], chunk):
+        packed[e:e + chunk], scale[e:e + chunk] = quantize_fp4_block(w[e:e + chunk])
+    return Linear(packed, scale)
+
+
+def op_rows(model, batches: list[int], warmup: int, iters: int) -> list[dict]:
+    """``moe_experts`` (bf16) vs ``moe_experts_fp4`` on layer 1's experts, ``batches`` tokens each."""
+    ex, ops, device = model.weights.layers[1].moe.experts, model.ops, model.device
+    fp4 = (to_fp4(ex.w13), to_fp4(ex.w2))
+    experts, top_k, d = ex.w13.weight.shape[0], model.cfg.num_experts_per_tok, model.cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for m in batches:
+        x = torch.randn(m, d, device=device, generator=g, dtype=model.dtype)
+        ids = torch.stack([torch.randperm(experts, device=device, generator=g)[:top_k] for _ in range(m)])
+        weights = torch.rand(m, top_k, device=device, generator=g) + 0.2
+        bf16 = partial(ops.moe_experts, x, ex.w13.weight, ex.w2.weight, ids, weights, 10.0)
+        four = partial(ops.moe_experts_fp4, x, fp4[0].weight, fp4[0].scale, fp4[1].weight, fp4[1].scale, ids,
+                       weights, 10.0, False)
+        rows.append({"tokens": m, "bf16_ms": time_ms(bf16, device, warmup, iters),
+                     "fp4_ms": time_ms(four, device, warmup, iters)})
+    return rows
+
+
+def time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median milliseconds of one call: CUDA events on a GPU, the wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def step_rows(model, platform, la, context: int, experts: str) -> list[dict]:
+    """Decode steps of every batch at ``context`` through a graph captured now (over the model's experts)."""
+    h = blc.Harness(model, platform, la)
+    rows = []
+    for batch in la.batches:
+        _, _, step = blc.measure(lambda b=batch: h.graph(context, b), la.warmup, la.reps)
+        phases = [h.graph_phases(context, batch) for _ in range(la.reps)]
+        rows.append({"experts": experts, "batch": batch, "context": context, "step_ms": step * 1e3,
+                     "device_ms": statistics.median(p.get("device", float("nan")) for p in phases)})
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--backend", default="nvidia_sm100")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="bench_gpu_decode's small widths (CPU smoke test)")
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    a = ap.parse_args(argv)
+    la = blc.parse_args(["--gpu", "--contexts", str(a.context), "--batches", a.batches, "--chunk", "0",
+                         "--max-model-len", str(a.context + 1), "--reps", str(a.reps), "--backend", a.backend,
+                         "--device", a.device] + ["--small"] * a.small)
+    if a.device == "cpu":
+        la.dtype = "float32"
+    dtype, device, platform = blc.setup(la)
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "backend": a.backend, "dtype": str(dtype).split(".")[-1], "context": a.context,
+                    "model": "bench_gpu_decode-small" if a.small else "v4-flash-4-layers", "commit": blc.git_commit()}
+    with torch.inference_mode():
+        model = blc.flash_model(la, dtype)
+        la.block_size = la.block_size or 128
+        result["ops"] = op_rows(model, la.batches, 3, a.reps)
+        rows = step_rows(model, platform, la, a.context, "bf16")
+        for block in model.weights.layers:
+            ex = block.moe.experts
+            ex.w13, ex.w2 = to_fp4(ex.w13), to_fp4(ex.w2)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows += step_rows(model, platform, la, a.context, "fp4")
+    bf16 = {r["batch"]: r for r in rows if r["experts"] == "bf16"}
+    for r in rows:
+        r["vs_bf16"] = r["step_ms"] / bf16[r["batch"]]["step_ms"]
+    result["steps"] = rows
+    print(f"{'op: tokens':>12} {'bf16 ms':>9} {'fp4 ms':>9} {'fp4/bf16':>9}")
+    for r in result["ops"]:
+        print(f"{r['tokens']:>12} {r['bf16_ms']:>9.3f} {r['fp4_ms']:>9.3f} {r['fp4_ms'] / r['bf16_ms']:>9.2f}")
+    print(f"{'step: experts':>14} {'batch':>5} {'step ms':>9} {'device ms':>9} {'vs bf16':>8}")
+    for r in rows:
+        print(f"{r['experts']:>14} {r['batch']:>5} {r['step_ms']:>9.3f} {r['device_ms']:>9.3f} {r['vs_bf16']:>8.2f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
