@@ -24,16 +24,10 @@ import torch
 
 from deepinfer_core.model.fp4 import E2M1_VALUES, quantize_fp4_block
 from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.model.published_layout import BF16_NAMES, FP4_NAMES, FP8_NAMES
 
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
-
-#: the linears ``inference/model.py`` builds in the default (FP8) dtype; ``wo_a`` is FP8 in the file too
-FP8_NAMES = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight"
-                       r"|\.shared_experts\.w[123]\.weight|^mtp\.\d+\.(e_proj|h_proj)\.weight)$")
-FP4_NAMES = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-BF16_NAMES = re.compile(r"(^embed\.weight|^head\.weight|\.compressor\.(wkv|wgate)\.weight"
-                        r"|\.indexer\.weights_proj\.weight|\.ffn\.gate\.weight)$")
 
 _RENAMES = [
     (re.compile(r"^model\."), ""),
