@@ -1,5 +1,7 @@
 """``deepinfer plan``: what each rank of a parallel layout will allocate (weights, routed experts, KV
-pools), from the config and checkpoint headers alone, without loading the model."""
+pools), from the config and checkpoint headers alone, without loading the model; with ``CONFIG`` (a
+config.json or a folder holding one, no weights needed), the model's footprint: weight bytes as stored
+and as loaded, per rank over ``--devices``, KV per token by layer type, and what fits ``--device-memory``."""
 
 from __future__ import annotations
 
@@ -10,11 +12,59 @@ from deepinfer_core.entrypoints.cli_generate import UsageError, add_engine_argum
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                        help="config.json (or its folder): the footprint from the config alone")
+    parser.add_argument("--devices", type=int, default=1, metavar="N",
+                        help="with CONFIG: ranks the routed experts are spread over (default 1)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                        help="with CONFIG: memory of one device in GB (1e9 bytes): what fits beside the weights")
     add_engine_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per rank instead of a table")
 
 
+def run_footprint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.model.footprint import footprint
+
+    path = Path(args.config)
+    folder = path.parent if path.name == "config.json" else path
+    if not (folder / "config.json").is_file():
+        return fail("plan", f"no config.json at {args.config}")
+    try:
+        cfg = ModelConfig.from_pretrained(folder)
+        memory = None if args.device_memory is None else int(args.device_memory * 1e9)
+        fp = footprint(cfg, getattr(torch, args.dtype) if args.dtype not in (None, "auto") else torch.bfloat16,
+                       args.numerics or "deepseek", args.devices, memory, args.block_size or 128, args.max_model_len)
+    except ValueError as exc:
+        return fail("plan", str(exc))
+    if args.json:
+        print(json.dumps(fp.as_dict()))
+        return 0
+    gb = 1e9
+    print(f"weights: {fp.stored_bytes:,} B as stored ({fp.stored_expert_bytes / gb:.1f} GB routed experts), "
+          f"{fp.loaded_bytes:,} B as loaded ({fp.dequantised_bytes / gb:.1f} GB dequantised)")
+    print(f"per rank over {fp.devices} device(s): {fp.rank_bytes / gb:.2f} GB")
+    print(f"{'layers':>8} {'kind':>8} {'KV B/token':>11} {'window B/token':>15}")
+    for k in fp.kv:
+        print(f"{k.layers:>8} {k.kind:>8} {k.compressed_bytes_per_token:>11.2f} {k.window_bytes_per_token:>15.1f}")
+    print(f"KV per token: {fp.compressed_bytes_per_token:.2f} B (whole sequence); per sequence: "
+          f"{fp.window_bytes_per_seq:,} B window pools (the last sliding_window tokens) + "
+          f"{fp.state_bytes_per_seq:,} B compressor state")
+    if fp.device_memory is not None:
+        print(f"on {fp.device_memory / gb:.0f} GB devices: one sequence of up to {fp.longest_context:,} tokens, "
+              f"or {fp.max_seqs} of {fp.context:,} tokens per rank (activations not counted)")
+    for note in fp.notes:
+        print(note)
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        return run_footprint(args)
     try:
         kwargs = engine_kwargs(args)
     except UsageError as exc:

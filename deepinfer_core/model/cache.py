@@ -88,21 +88,24 @@ def _spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSp
     return spec
 
 
+def layer_bytes_per_block(layer: LayerCacheSpec, spec: KVCacheSpec) -> tuple[int, int]:
+    """(compressed-pool bytes, window-pool bytes) that one block costs in one layer."""
+    comp = 0
+    for branch, indexer in ((layer.compressor, False), (layer.indexer, True)):
+        if branch is not None:
+            comp += spec.compressed_bytes_per_block(branch.rate, indexer)
+            if branch.overlap:  # the boundary records
+                comp += 2 * branch.rate * branch.dim * spec.state_dtype.itemsize
+    return comp, spec.window_bytes_per_block
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                     spec: KVCacheSpec | None = None) -> tuple[int, int]:
     """(compressed-pool bytes, window-pool bytes) that one block costs across all layers, in the layout of
     ``spec`` (default: ``dtype`` entries)."""
     spec = _spec(cfg, block_size, dtype, spec)
-    state_elt = spec.state_dtype.itemsize
-    window = comp = 0
-    for layer in layer_cache_specs(cfg):
-        window += spec.window_bytes_per_block
-        for branch, indexer in ((layer.compressor, False), (layer.indexer, True)):
-            if branch is not None:
-                comp += spec.compressed_bytes_per_block(branch.rate, indexer)
-                if branch.overlap:  # the boundary records
-                    comp += 2 * branch.rate * branch.dim * state_elt
-    return comp, window
+    per_layer = [layer_bytes_per_block(layer, spec) for layer in layer_cache_specs(cfg)]
+    return sum(c for c, _ in per_layer), sum(w for _, w in per_layer)
 
 
 def bytes_per_state_slot(cfg: ModelConfig, dtype: torch.dtype, spec: KVCacheSpec | None = None) -> int:

@@ -66,7 +66,8 @@ def plan_memory(args: Any) -> list[RankMemory]:
     from deepinfer_core.worker.executor import place_ranks
 
     if args.quantization is not None:
-        raise ValueError("the memory plan covers float weights; quantised checkpoints are not planned yet")
+        raise ValueError("the per-rank memory plan covers float weights; for a quantised checkpoint, "
+                         "`deepinfer plan CONFIG` gives its footprint from its config.json")
     path = Path(args.model) if args.model is not None else default_model_path()
     cfg = ModelConfig.from_pretrained(path)
     backend = load_backend(args.backend)
