@@ -8,7 +8,10 @@ at ``--context`` tokens for every batch of ``--batches``; the op rows time ``moe
 median wall time of build + load + replay + sync (``Harness.graph``) and the device time of load + replay
 (``Harness.graph_phases``).
 
-  python benchmarks/bench_fp4_moe.py --out fp4_moe.json                     (an H200)
+  DEEPINFER_NVIDIA_FP4_TRITON=1 python benchmarks/bench_fp4_moe.py --out fp4_moe.json   (an H200)
+
+(the switch makes the Triton FP4 grouped MoE serve ``moe_experts_fp4``; without it the torch body, which
+dequantises each expert, is what the FP4 rows time)
   python benchmarks/bench_fp4_moe.py --small --device cpu --backend cpu_ref (a CPU smoke test)
 """
 
