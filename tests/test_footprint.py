@@ -66,6 +66,12 @@ def test_ranks_hold_the_dense_weights_and_their_share_of_the_experts(checkpoint)
         assert rank == int(one.loaded_bytes - one.loaded_expert_bytes + -(-cfg.n_routed_experts // n) * per_expert)
     with pytest.raises(ValueError, match="devices"):
         footprint(cfg, devices=0)
+    # EPLB's replicas are more slots on each rank: (logical + 2 redundant) / 3 ranks, rounded up
+    spread = footprint(cfg, devices=3, redundant_experts=2).rank_bytes
+    slots = -(-(cfg.n_routed_experts + 2) // 3)
+    assert spread == int(one.loaded_bytes - one.loaded_expert_bytes + slots * per_expert)
+    with pytest.raises(ValueError, match="redundant"):
+        footprint(cfg, redundant_experts=-1)
 
 
 @pytest.mark.parametrize("numerics", ["deepseek", "transformers"])
@@ -96,9 +102,11 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_prints_the_table_and_json(checkpoint, tmp_path):
-    done = _plan(str(checkpoint / "config.json"), "--devices", "2", "--device-memory", "1")
+    done = _plan(str(checkpoint / "config.json"), "--devices", "2", "--device-memory", "1",
+                 "--num-redundant-experts", "2")
     assert done.returncode == 0, done.stderr
     assert "as stored" in done.stdout and "csa" in done.stdout and "on 1 GB devices" in done.stdout
+    assert "with 2 redundant experts" in done.stdout
     done = _plan(str(checkpoint), "--json")
     assert json.loads(done.stdout)["stored_bytes"] == weight_bytes(ModelConfig.from_pretrained(checkpoint),
                                                                    torch.bfloat16, "deepseek")["stored"]

@@ -38,7 +38,8 @@ def run_footprint(args: argparse.Namespace) -> int:
         cfg = ModelConfig.from_pretrained(folder)
         memory = None if args.device_memory is None else int(args.device_memory * 1e9)
         fp = footprint(cfg, getattr(torch, args.dtype) if args.dtype not in (None, "auto") else torch.bfloat16,
-                       args.numerics or "deepseek", args.devices, memory, args.block_size or 128, args.max_model_len)
+                       args.numerics or "deepseek", args.devices, memory, args.block_size or 128, args.max_model_len,
+                       args.num_redundant_experts or 0)
     except ValueError as exc:
         return fail("plan", str(exc))
     if args.json:
@@ -47,7 +48,9 @@ def run_footprint(args: argparse.Namespace) -> int:
     gb = 1e9
     print(f"weights: {fp.stored_bytes:,} B as stored ({fp.stored_expert_bytes / gb:.1f} GB routed experts), "
           f"{fp.loaded_bytes:,} B as loaded ({fp.dequantised_bytes / gb:.1f} GB dequantised)")
-    print(f"per rank over {fp.devices} device(s): {fp.rank_bytes / gb:.2f} GB")
+    print(f"per rank over {fp.devices} device(s)"
+          + (f" with {args.num_redundant_experts} redundant experts" if args.num_redundant_experts else "")
+          + f": {fp.rank_bytes / gb:.2f} GB")
     print(f"{'layers':>8} {'kind':>8} {'KV B/token':>11} {'window B/token':>15}")
     for k in fp.kv:
         print(f"{k.layers:>8} {k.kind:>8} {k.compressed_bytes_per_token:>11.2f} {k.window_bytes_per_token:>15.1f}")

@@ -97,15 +97,20 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str) -> dict[st
 
 
 def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: str = "deepseek", devices: int = 1,
-              device_memory: int | None = None, block_size: int = 128, context: int | None = None) -> Footprint:
+              device_memory: int | None = None, block_size: int = 128, context: int | None = None,
+              redundant_experts: int = 0) -> Footprint:
     """The footprint of ``cfg`` on ``devices`` ranks (expert parallel over them, attention data parallel:
     every rank holds its own KV) of ``device_memory`` bytes each; ``context`` (default: the config's
-    ``max_position_embeddings``) is the sequence length ``max_seqs`` counts."""
+    ``max_position_embeddings``) is the sequence length ``max_seqs`` counts; ``redundant_experts``: EPLB's
+    replicas per MoE layer, spread over the ranks with the logical experts."""
     if devices < 1:
         raise ValueError(f"devices must be at least 1, got {devices}")
+    if redundant_experts < 0:
+        raise ValueError(f"redundant experts must be >= 0, got {redundant_experts}")
     w = weight_bytes(cfg, dtype, numerics)
     per_expert = w["loaded_experts"] / cfg.n_routed_experts
-    rank = w["loaded"] - w["loaded_experts"] + math.ceil(cfg.n_routed_experts / devices) * per_expert
+    slots = math.ceil((cfg.n_routed_experts + redundant_experts) / devices)
+    rank = w["loaded"] - w["loaded_experts"] + slots * per_expert
     spec = KVCacheSpec.default(cfg, block_size, dtype, numerics)
     kinds: dict[str, LayerKV] = {}
     window_blocks = -(-cfg.sliding_window // block_size) + 1
