@@ -5,7 +5,8 @@
 per verification step), the acceptance rate and the acceptance per draft position, and checks that every
 run produced the tokens of the run without speculation.
 
-``--mode speed``: per-user and total tokens/s at each batch size, speculation off vs a fixed k vs
+``--mode speed``: per-user and total tokens/s at each batch size, speculation off (CUDA graphs where the
+backend has them, and eagerly as speculation runs its steps) vs a fixed k vs
 confidence-scheduled, in one run (any backend: ``--backend nvidia_sm100 --dtype bfloat16`` on a GPU).
 ``--force-acceptance P`` replaces verification by accepting each draft with probability P (the output is
 then not the model's; it shows what the scheduler chooses at a given acceptance, e.g. with random weights).
@@ -95,11 +96,13 @@ def speed(args, engine_kw: dict) -> dict:
     if args.force_acceptance is not None:
         force_acceptance(args.force_acceptance)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    modes = [("off", None)] + [(f"k={k}", _spec(k)) for k in args.ks] + [
-        (f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"))]
+    # "off eager": plain decode without CUDA graphs, as speculation's steps run (on the CPU the same as "off")
+    modes = [("off", None, {}), ("off eager", None, {"enforce_eager": True})]
+    modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
+    modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"), {})]
     rows = []
-    for name, spec in modes:
-        llm = LLM(args.model, speculative_config=spec, max_num_seqs=max(args.batch_sizes), **engine_kw)
+    for name, spec, extra in modes:
+        llm = LLM(args.model, speculative_config=spec, max_num_seqs=max(args.batch_sizes), **engine_kw, **extra)
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
