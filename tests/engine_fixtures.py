@@ -108,22 +108,29 @@ def check_every_step(engine: LLMEngine) -> LLMEngine:
     return engine
 
 
-@pytest.fixture
-def make_llm() -> Iterator[Callable[..., LLM]]:
-    """``make_llm(model, **engine_args)`` -> LLM on cpu_ref (block_size 16 unless given), checked every
-    step; at teardown every engine made must be drained with all pools free."""
+def llm_factory(check: Callable = check_every_step, **defaults: Any) -> Iterator[Callable[..., LLM]]:
+    """Yields ``make(model, **engine_args)`` -> LLM on cpu_ref (block_size 16 and ``defaults`` unless
+    given), its engine wrapped by ``check`` to be checked every step; then every engine made must be
+    drained with all pools free."""
     made: list[LLM] = []
 
     def make(model: Path | str | None, **kw: Any) -> LLM:
         kw.setdefault("block_size", BLOCK_SIZE)
-        llm = LLM(None if model is None else str(model), **kw)
-        check_every_step(llm.llm_engine)
+        llm = LLM(None if model is None else str(model), **{**defaults, **kw})
+        check(llm.llm_engine)
         made.append(llm)
         return llm
 
     yield make
     for llm in made:
         assert_drained(llm.llm_engine)
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """``make_llm(model, **engine_args)`` -> LLM on cpu_ref (block_size 16 unless given), checked every
+    step; at teardown every engine made must be drained with all pools free."""
+    yield from llm_factory()
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import engine_fixtures
 import pytest
-from engine_fixtures import BLOCK_SIZE, assert_drained, greedy, make_prompt, run_tokens, token_prompts
+from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import other_token, spec
 from test_spec_decode import (
     CONFIGS,
@@ -70,18 +69,7 @@ def check_async_step(engine) -> None:
 def make_async() -> Iterator[Callable[..., LLM]]:
     """``make_async(model, **engine_args)`` -> an LLM with async scheduling on cpu_ref, checked every step
     and drained at the end."""
-    made: list[LLM] = []
-
-    def make(model, **kw: Any) -> LLM:
-        kw.setdefault("block_size", BLOCK_SIZE)
-        llm = LLM(None if model is None else str(model), async_scheduling=True, **kw)
-        check_async_step(llm.llm_engine)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        assert_drained(llm.llm_engine)
+    yield from engine_fixtures.llm_factory(check_async_step, async_scheduling=True)
 
 
 def worker_oracle(llm: LLM, ref: dict, wrong: Callable[[object, int, int], bool] = lambda s, m, j: False) -> None:
