@@ -8,6 +8,7 @@ tokens and max_tokens landing inside a draft.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import engine_fixtures
 import pytest
@@ -122,15 +123,26 @@ def test_aborts_leave_the_others_unchanged(tiny_path, make_llm):
     engine = llm.llm_engine
     rids = [engine.add_request(None, {"prompt_token_ids": p}, greedy(MAX_TOKENS)) for p in PROMPTS]
     aborted = {rids[1]: 1, rids[5]: 2, rids[9]: 0, rids[15]: 3}
+    check_the_others_unchanged(run_with_aborts(engine, aborted), aborted, rids, ref)
+
+
+def run_with_aborts(engine, aborted: dict[str, int], before_abort: Callable[[], None] = lambda: None) -> dict:
+    """Step ``engine`` to the end, aborting each request of ``aborted`` at its step (``before_abort`` just
+    before); the finished requests' tokens."""
     done, step = {}, 0
     while engine.has_unfinished_requests():
         for rid, at in aborted.items():
             if at == step:
+                before_abort()
                 engine.abort_request(rid)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1
+    return done
+
+
+def check_the_others_unchanged(done: dict, aborted: dict[str, int], rids: list[str], ref: dict) -> None:
     for rid, p in zip(rids, PROMPTS):
         if rid not in aborted:
             assert done[rid] == ref[tuple(p)][:MAX_TOKENS]
