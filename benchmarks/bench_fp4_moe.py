@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_long_context as blc  # noqa: E402
+from bench_fp8 import cuda_time_ms  # noqa: E402
 
 from deepinfer_core.model.fp4 import quantize_fp4_block  # noqa: E402
 from deepinfer_core.model.weights import Linear  # noqa: E402
@@ -65,22 +66,17 @@ def op_rows(model, batches: list[int], warmup: int, iters: int) -> list[dict]:
 
 
 def time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds of one call: CUDA events on a GPU, the wall clock on the CPU."""
+    """Median milliseconds of one call: CUDA events on a GPU (``bench_fp8.cuda_time_ms``), the wall clock
+    on the CPU."""
+    if device.type == "cuda":
+        return cuda_time_ms(fn, warmup, iters)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
