@@ -51,6 +51,38 @@ def test_host_batch_does_not_grow_with_context_but_for_the_block_tables(new):
     assert sum(a.values()) - a["block_tables"] == sum(b.values()) - b["block_tables"]
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("context", [0, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 1000, 16383, 16384])
+def test_window_rows_read_only_the_blocks_the_windows_reach(context, padded):
+    """The window indices of a step come from the window table's last blocks alone: released ones (-1, as
+    the block manager leaves them) and live ones before the window give the same batch, across block and
+    window boundaries; two sequences of different contexts, so that each keeps its own first block."""
+    new = 1 if padded else 3
+
+    def spans(released: bool) -> list[SeqSpan]:
+        out = []
+        for slot, ctx in enumerate((context, context // 2 + 3)):
+            table = list(range(100 * slot, 100 * slot + -(-(ctx + new) // BS) + 1))
+            first = max(0, ctx - WINDOW + 1) // BS
+            window = [-1] * first + table[first:] if released else table
+            out.append(SeqSpan(ctx, new, table, window, slot))
+        return out
+
+    kw = {"pad": GraphPadding(4, {4: 16384 // 4 + 2, 8: 16384 // 8 + 2}, 16392)} if padded else {}
+    a, b = (build_forward_batch([5] * (2 * new), spans(r), SPECS, BS, WINDOW, list(range(2 * new)), **kw)
+            for r in (False, True))
+    for name in ("window_slots", "window_indices"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+    def row(span: SeqSpan, q: int) -> int:
+        return -1 if q < 0 else span.block_table[q // BS] * BS + q % BS
+
+    for t, (span, i) in enumerate((sp, i) for sp in spans(False) for i in range(new)):
+        p = span.context_len + i
+        assert b.window_slots[t] == row(span, p)
+        assert b.window_indices[t].tolist() == [row(span, q) for q in range(p - WINDOW + 1, p + 1)]
+
+
 def test_graph_layout_follows_its_context_bucket():
     """A graph layout's host batch is as large as its context bucket needs, whatever max_model_len is."""
     pads = {c: GraphPadding(4, {4: c // 4, 8: c // 8}, c) for c in (1024, 16384)}

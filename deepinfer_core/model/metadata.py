@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer_core.model.cache import CompressorSpec
@@ -144,19 +145,35 @@ def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
-          rate: int = 1) -> torch.Tensor:
+          rate: int = 1, first: torch.Tensor | None = None) -> torch.Tensor:
     """Pool row of source ``positions`` of sequence ``owner`` (or of the entry whose window starts there);
-    -1 where the position is negative or its block is not resident."""
+    -1 where the position is negative or its block is not resident. With ``first``, column 0 of a
+    sequence's table is its logical block ``first[seq]``."""
     per_block = block_size // rate
-    blocks = (positions // block_size).clamp(0, tables.shape[1] - 1)
-    phys = tables[owner.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions), blocks]
+    owner = owner.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    blocks = positions // block_size
+    if first is not None:
+        blocks = blocks - first[owner]
+    phys = tables[owner, blocks.clamp(0, tables.shape[1] - 1)]
     rows = phys * per_block + (positions // rate) % per_block
-    return torch.where((positions >= 0) & (phys >= 0), rows, torch.full_like(rows, -1))
+    return torch.where((positions >= 0) & (blocks >= 0) & (phys >= 0), rows, torch.full_like(rows, -1))
 
 
 def _table(rows: list[list[int]]) -> torch.Tensor:
-    width = max([len(r) for r in rows] + [1])
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+    """[len(rows), longest] int64, -1 padded (through numpy: a nested list is 8x slower into torch)."""
+    out = np.full((len(rows), max([len(r) for r in rows] + [1])), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return torch.from_numpy(out)
+
+
+def _window_table(spans: list[SeqSpan], sliding_window: int, block_size: int,
+                  extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window pool's block tables from the first block the step's windows reach (the ones before it are
+    released or not read), and that logical block per sequence; ``extra`` empty rows after them."""
+    first = [max(0, s.context_len - sliding_window + 1) // block_size for s in spans] + [0] * extra
+    table = _table([s.window_block_table[f:] for s, f in zip(spans, first)] + [[]] * extra)
+    return table, torch.tensor(first, dtype=torch.long)
 
 
 @dataclass
@@ -201,13 +218,13 @@ def build_forward_batch(
                   torch.tensor([s.state_slot for s in spans], dtype=lo),
                   torch.tensor([s.write_from for s in spans], dtype=lo),
                   _table([s.block_table for s in spans]), owner, ctx[owner] + offset)
-    wtables = _table([s.window_block_table for s in spans])
+    wtables, wfirst = _window_table(spans, sliding_window, block_size)
     window = lay.positions.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
     batch = ForwardBatch(
         input_ids=torch.tensor(token_ids, dtype=lo),
         positions=lay.positions,
-        window_slots=_rows(wtables, owner, lay.positions, block_size),
-        window_indices=_rows(wtables, owner, window, block_size),
+        window_slots=_rows(wtables, owner, lay.positions, block_size, first=wfirst),
+        window_indices=_rows(wtables, owner, window, block_size, first=wfirst),
         logits_indices=torch.tensor(
             logits_indices if logits_indices is not None else [e - 1 for e in starts[1:]], dtype=lo
         ),
@@ -296,7 +313,7 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
     lay = _Layout(ctx, ctx + 1, seq, torch.tensor([s.state_slot for s in spans] + [-1] * extra, dtype=lo),
                   torch.tensor([s.write_from for s in spans] + [0] * extra, dtype=lo),
                   _table([s.block_table for s in spans] + [[]] * extra), seq, ctx)
-    wtables = _table([s.window_block_table for s in spans] + [[]] * extra)
+    wtables, wfirst = _window_table(spans, sliding_window, block_size, extra)
     window = ctx.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
     width = pad.num_blocks(block_size)  # blocks past the candidates' reach are not needed on the device
     tables = torch.full((size, width), -1, dtype=lo)
@@ -304,8 +321,8 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
     batch = ForwardBatch(
         input_ids=torch.tensor(token_ids + [0] * extra, dtype=lo),
         positions=ctx,
-        window_slots=_rows(wtables, seq, ctx, block_size),
-        window_indices=_rows(wtables, seq, window, block_size),
+        window_slots=_rows(wtables, seq, ctx, block_size, first=wfirst),
+        window_indices=_rows(wtables, seq, window, block_size, first=wfirst),
         logits_indices=seq.clone(),
         query_start_loc=list(range(n + 1)),  # the real sequences only: their logits are the first rows
         block_tables=tables,
