@@ -13,7 +13,7 @@ import functools
 import torch
 
 from deepinfer_core.model.fp8 import FP8_DTYPE
-from deepinfer_nvidia_sm100.triton_ops import expert_layout
+from deepinfer_nvidia_sm100.triton_ops import moe_layout
 
 GROUP = 128
 #: aim for this many programs per GEMM before splitting K (an H200 has 132 SMs)
@@ -106,34 +106,27 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     summed in float32."""
     if x.numel() == 0:
         return torch.zeros_like(x)
-    tokens, d = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    k = topk_ids.shape[-1]
-    pairs = tokens * k
-    block_m = 16 if pairs <= 64 else 64
-    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
-    rows = sorted_pairs.shape[0]
+    lay = moe_layout(x, w13, topk_ids, topk_weights)
+    block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
     xq, xs = quantize_act(x if x.stride(-1) == 1 else x.contiguous())
     w13, w2 = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
     hq = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty((rows, _cdiv(inter, GROUP)), dtype=torch.float32, device=x.device)
-    out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).contiguous()
+    out = torch.zeros((lay.pairs, d), dtype=torch.float32, device=x.device)
     fp8_dot, kern = _fp8_dot(x), _k()
     kern.moe_fp8_gate_up_kernel[(rows // block_m, _cdiv(inter, GROUP))](
         xq, xq.stride(0), xs, xs.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
-        sorted_pairs, block_expert, hq, hq.stride(0), hs, hs.stride(0),
-        pairs, k, d, inter, float(swiglu_limit),
+        lay.sorted_pairs, lay.block_expert, hq, hq.stride(0), hs, hs.stride(0),
+        lay.pairs, lay.k, d, inter, float(swiglu_limit),
         BLOCK_M=block_m, FP8_DOT=fp8_dot, num_warps=8 if block_m == 64 else 4,
     )
     kern.moe_fp8_down_kernel[(rows // block_m, _cdiv(d, 64))](
         hq, hq.stride(0), hs, hs.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
-        sorted_pairs, block_expert, weights, out, out.stride(0), pairs, d, inter,
+        lay.sorted_pairs, lay.block_expert, lay.weights, out, out.stride(0), lay.pairs, d, inter,
         BLOCK_M=block_m, BLOCK_N=64, FP8_DOT=fp8_dot, num_warps=4,
     )
-    return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
+    return lay.combine(out, x.dtype)
 
 
 ALL_OPS = {"linear_fp8": linear_fp8, "moe_experts_fp8": moe_experts_fp8}

@@ -40,7 +40,7 @@ import torch
 
 from deepinfer_core.ops import native
 from deepinfer_nvidia_sm100 import hc_ops, triton_ops
-from deepinfer_nvidia_sm100.triton_ops import _cdiv, _k, _pow2, _prec, _rows, expert_layout
+from deepinfer_nvidia_sm100.triton_ops import _cdiv, _k, _pow2, _prec, _rows
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the invariant GEMMs, by operand dtype
 GEMM_TILES = {torch.float32: (32, 64, 32, 4), torch.bfloat16: (64, 64, 64, 4), torch.float16: (64, 64, 64, 4)}
@@ -154,30 +154,9 @@ def moe_experts(
 ) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    tokens, d = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    k = topk_ids.shape[-1]
-    pairs = tokens * k
-    block_m = MOE_BLOCK_M
-    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
-    rows = sorted_pairs.shape[0]
-    x, w13, w2 = _rows(x), _rows(w13), _rows(w2)
-    h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    slots = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).contiguous()
-    block_k = 32 if x.dtype == torch.float32 else 64
-    kern, prec = _k(), _prec(x.dtype)
-    kern.moe_gate_up_kernel[(rows // block_m, _cdiv(inter, 64))](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), sorted_pairs, block_expert, h, h.stride(0),
-        pairs, k, d, inter, float(swiglu_limit),
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
-    )
-    kern.moe_down_kernel[(rows // block_m, _cdiv(d, 64))](
-        h, h.stride(0), w2, w2.stride(0), w2.stride(1), sorted_pairs, block_expert, weights,
-        slots, slots.stride(0), pairs, d, inter,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
-    )
+    lay = triton_ops.moe_layout(x, w13, topk_ids, topk_weights, block_m=MOE_BLOCK_M)
+    slots = triton_ops.moe_slots(x, w13, w2, lay, swiglu_limit)
+    tokens, k, d = lay.tokens, lay.k, lay.d
     out = torch.empty_like(x)
     block_d = min(_pow2(d), 1024)
     _kernels().sum_slots_kernel[(tokens, _cdiv(d, block_d))](slots, out, k, d, BLOCK_D=block_d, num_warps=4)

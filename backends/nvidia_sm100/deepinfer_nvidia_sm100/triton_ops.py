@@ -10,6 +10,7 @@ synchronisation): every size comes from shapes, so the ops can be captured in CU
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -256,6 +257,42 @@ def expert_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs[:rows], block_expert.to(torch.int32)
 
 
+@dataclass
+class MoeLayout:
+    """A grouped MoE call's shapes and its rows sorted by expert (:func:`expert_layout`)."""
+
+    tokens: int
+    d: int
+    inter: int
+    k: int
+    pairs: int  # tokens * k
+    block_m: int
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    weights: torch.Tensor  # [pairs] routing weights, flat
+
+    @property
+    def rows(self) -> int:
+        return self.sorted_pairs.shape[0]
+
+    def combine(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[pairs, d] float32 contributions -> [tokens, d]: a token's k summed in slot order."""
+        return out.view(self.tokens, self.k, self.d).sum(dim=1).to(dtype)
+
+
+def moe_layout(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               block_m: int | None = None) -> MoeLayout:
+    """The layout of one call: ``block_m`` rows per block (default 16 for at most 64 pairs, else 64)."""
+    tokens, d = x.shape
+    num_experts, two_i = w13.shape[0], w13.shape[1]
+    k = topk_ids.shape[-1]
+    pairs = tokens * k
+    block_m = block_m or (16 if pairs <= 64 else 64)
+    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
+    return MoeLayout(tokens, d, two_i // 2, k, pairs, block_m, sorted_pairs, block_expert,
+                     topk_weights.reshape(-1).contiguous())
+
+
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -268,32 +305,29 @@ def moe_experts(
     of rows of one expert; the k contributions of a token are summed in float32 in slot order."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    tokens, d = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    k = topk_ids.shape[-1]
-    pairs = tokens * k
-    block_m = 16 if pairs <= 64 else 64
-    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
-    rows = sorted_pairs.shape[0]
+    lay = moe_layout(x, w13, topk_ids, topk_weights)
+    return lay.combine(moe_slots(x, w13, w2, lay, swiglu_limit), x.dtype)
+
+
+def moe_slots(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, lay: MoeLayout,
+              swiglu_limit: float) -> torch.Tensor:
+    """The [pairs, d] float32 contributions of :func:`moe_experts` before a token's k are summed."""
     x, w13, w2 = _rows(x), _rows(w13), _rows(w2)
-    h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).contiguous()
+    h = torch.empty((lay.rows, lay.inter), dtype=x.dtype, device=x.device)
+    out = torch.zeros((lay.pairs, lay.d), dtype=torch.float32, device=x.device)
     block_k = 32 if x.dtype == torch.float32 else 64
-    limit = float(swiglu_limit)
     kern, prec = _k(), _prec(x.dtype)
-    kern.moe_gate_up_kernel[(rows // block_m, _cdiv(inter, 64))](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), sorted_pairs, block_expert, h, h.stride(0),
-        pairs, k, d, inter, limit,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    kern.moe_gate_up_kernel[(lay.rows // lay.block_m, _cdiv(lay.inter, 64))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), lay.sorted_pairs, lay.block_expert, h, h.stride(0),
+        lay.pairs, lay.k, lay.d, lay.inter, float(swiglu_limit),
+        BLOCK_M=lay.block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
     )
-    kern.moe_down_kernel[(rows // block_m, _cdiv(d, 64))](
-        h, h.stride(0), w2, w2.stride(0), w2.stride(1), sorted_pairs, block_expert, weights,
-        out, out.stride(0), pairs, d, inter,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    kern.moe_down_kernel[(lay.rows // lay.block_m, _cdiv(lay.d, 64))](
+        h, h.stride(0), w2, w2.stride(0), w2.stride(1), lay.sorted_pairs, lay.block_expert, lay.weights,
+        out, out.stride(0), lay.pairs, lay.d, lay.inter,
+        BLOCK_M=lay.block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
     )
-    return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
+    return out
 
 
 # --- FP4 routed experts ----------------------------------------------------------------------------
@@ -350,18 +384,11 @@ def moe_experts_fp4(
     SwiGLU output quantised to E4M3 per 128 with power-of-two scales, multiplied in bfloat16 (exact)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    tokens, d = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    k = topk_ids.shape[-1]
-    pairs = tokens * k
-    block_m = 16 if pairs <= 64 else 64
-    sorted_pairs, block_expert = expert_layout(topk_ids, num_experts, block_m)
-    rows = sorted_pairs.shape[0]
+    lay = moe_layout(x, w13, topk_ids, topk_weights)
+    block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
     x = _rows(x)
     w13, w2 = _rows(w13.view(torch.uint8)), _rows(w2.view(torch.uint8))
     (s13, e8m0_13), (s2, e8m0_2) = _fp4_scales(w13_scale), _fp4_scales(w2_scale)
-    weights = topk_weights.reshape(-1).contiguous()
     kern, rnd, quant_act = _k_fp4(), _ROUND[x.dtype], bool(quant_act)
     if quant_act:
         a = quantize_act_ue8m0(x)
@@ -371,20 +398,21 @@ def moe_experts_fp4(
         block_n, block_k, up_warps = 64, 32 if x.dtype == torch.float32 else 64, 4
     prec = _prec(a.dtype)
     h = torch.empty((rows, inter), dtype=a.dtype, device=x.device)
-    out = torch.zeros((pairs, d), dtype=torch.float32, device=x.device)
+    out = torch.zeros((lay.pairs, d), dtype=torch.float32, device=x.device)
     kern.moe_fp4_gate_up_kernel[(rows // block_m, _cdiv(inter, block_n))](
         a, a.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
-        sorted_pairs, block_expert, weights, h, h.stride(0), pairs, k, d, inter, float(swiglu_limit),
+        lay.sorted_pairs, lay.block_expert, lay.weights, h, h.stride(0), lay.pairs, lay.k, d, inter,
+        float(swiglu_limit),
         SCALE_E8M0=e8m0_13, QUANT_ACT=quant_act, ROUND=rnd,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, num_warps=up_warps,
     )
     kern.moe_fp4_down_kernel[(rows // block_m, _cdiv(d, 64))](
         h, h.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
-        sorted_pairs, block_expert, weights, out, out.stride(0), pairs, d, inter,
+        lay.sorted_pairs, lay.block_expert, lay.weights, out, out.stride(0), lay.pairs, d, inter,
         SCALE_E8M0=e8m0_2, QUANT_ACT=quant_act, ROUND=rnd,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
     )
-    return out.view(tokens, k, d).sum(dim=1).to(x.dtype)
+    return lay.combine(out, x.dtype)
 
 
 ALL_OPS = {
