@@ -1,6 +1,7 @@
 """Running nvidia_sm100's Triton kernels on the CPU under Triton's interpreter, in a fresh process (the
 switches must be set before triton is first imported): the parent's fixture and the worker's op-table
-record, shared by the opt-in kernels' tests (``test_nvidia_fp4_moe.py``, ``test_nvidia_fp8_kv.py``)."""
+record, shared by the FP4 MoE and FP8 KV kernels' tests (``test_nvidia_fp4_moe.py``,
+``test_nvidia_fp8_kv.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Triton FP4 grouped MoE of nvidia_sm100 (``triton_ops.moe_experts_fp4`` over ``fp4_moe_kernels``) on the
 CPU under Triton's interpreter, against the core's native body (the cpu_ref reference of
-``moe_experts_fp4``), and its opt-in registration (``DEEPINFER_NVIDIA_FP4_TRITON=1``).
+``moe_experts_fp4``), and its registration (served by default; ``DEEPINFER_NVIDIA_FP4_TRITON=0`` turns it off).
 
 The kernels run in one fresh process (``nvidia_fp4_moe_worker.py``, which also builds the inputs: see its
 ``moe_case`` for the cases): Triton decides when it is first imported whether it interprets. The
@@ -115,10 +115,10 @@ def test_the_switch_serves_the_kernel_which_conforms(dtype, interpreted):
     assert entry["cases"] == 2 and not entry["failed"], "\n\n".join(entry["failed"])
 
 
-def test_the_kernel_is_opt_in(monkeypatch):
-    """Without the switch the kernel is not registered at all: the registry, and so every op's
-    implementation, is what it was before it existed (the native body serves ``moe_experts_fp4``). With it
-    the kernel serves on the dtypes the Triton kernels take. Decided when the registry and table are built."""
+def test_the_kernel_serves_by_default_and_its_switch_turns_it_off(monkeypatch):
+    """The kernel is registered whatever the switch says; it serves on the dtypes the Triton kernels
+    take unless ``DEEPINFER_NVIDIA_FP4_TRITON=0``, which leaves ``moe_experts_fp4`` to the native body and changes no
+    other op. Read when a table is built."""
     from deepinfer_nvidia_sm100 import capability, registration, triton_ops
 
     from deepinfer_core.plugins import collect_registry, load_backend
@@ -127,25 +127,20 @@ def test_the_kernel_is_opt_in(monkeypatch):
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     assert registration.FP4_TRITON_ENV == FP4_ENV
 
-    def registry(switch):
-        if switch:
-            monkeypatch.setenv(FP4_ENV, "1")
-        else:
+    def labels(switch, dtype):
+        if switch is None:
             monkeypatch.delenv(FP4_ENV, raising=False)
-        return collect_registry(load_backend(BACKEND))
-
-    def labels(reg, dtype):
+        else:
+            monkeypatch.setenv(FP4_ENV, switch)
         return registration.op_labels(reg, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu")))
 
-    def served_by(reg):
-        return [impl.fn for impl in reg.candidates("moe_experts_fp4")]
-
-    off, on = registry(False), registry(True)
-    assert triton_ops.moe_experts_fp4 not in served_by(off) and native.moe_experts_fp4 in served_by(off)
-    assert triton_ops.moe_experts_fp4 in served_by(on)
-    assert {op for op in off.impls if len(off.impls[op]) != len(on.impls[op])} == {"moe_experts_fp4"}
-    off_labels, on_labels = labels(off, torch.bfloat16), labels(on, torch.bfloat16)
-    assert off_labels["moe_experts_fp4"] == "torch" and on_labels["moe_experts_fp4"] == "triton"
-    assert {op for op in off_labels if off_labels[op] != on_labels[op]} == {"moe_experts_fp4"}
-    assert labels(on, torch.float32)["moe_experts_fp4"] == "triton"
-    assert labels(on, torch.float64)["moe_experts_fp4"] == "torch"
+    monkeypatch.delenv(FP4_ENV, raising=False)
+    reg = collect_registry(load_backend(BACKEND))
+    served_by = [impl.fn for impl in reg.candidates("moe_experts_fp4")]
+    assert triton_ops.moe_experts_fp4 in served_by and native.moe_experts_fp4 in served_by
+    default, on, off = (labels(switch, torch.bfloat16) for switch in (None, "1", "0"))
+    assert default["moe_experts_fp4"] == on["moe_experts_fp4"] == "triton"
+    assert off["moe_experts_fp4"] == "torch"
+    assert {op for op in default if default[op] != off[op]} == {"moe_experts_fp4"}
+    assert labels(None, torch.float32)["moe_experts_fp4"] == "triton"
+    assert labels(None, torch.float64)["moe_experts_fp4"] == "torch"

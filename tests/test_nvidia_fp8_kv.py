@@ -1,7 +1,7 @@
 """The Triton ``sparse_attention_fp8`` of nvidia_sm100 (``triton_ops.sparse_attention_fp8`` over
 ``fp8_kv_kernels``: the FP8 KV entries read in place, decoded in registers) on the CPU under Triton's
 interpreter, against the core's native body (the cpu_ref reference of ``sparse_attention_fp8``), and its
-opt-in registration (``DEEPINFER_NVIDIA_FP8_KV_TRITON=1``).
+registration (served by default; ``DEEPINFER_NVIDIA_FP8_KV_TRITON=0`` turns it off).
 
 The kernel runs in one fresh process (``nvidia_fp8_kv_worker.py``, which also builds the inputs: see its
 ``attention_case`` for the cases: a partial scale group, heads and widths that are not powers of two, -1
@@ -116,11 +116,10 @@ def test_the_switch_serves_the_kernel_which_conforms(dtype, interpreted):
     assert entry["cases"] == 2 and not entry["failed"], "\n\n".join(entry["failed"])
 
 
-def test_the_kernel_is_opt_in(monkeypatch):
-    """Without the switch the kernel is not registered at all: the registry, and so every op's
-    implementation, is what it was before it existed (the native body serves ``sparse_attention_fp8``).
-    With it the kernel serves on the dtypes the Triton kernels take. Decided when the registry and table
-    are built."""
+def test_the_kernel_serves_by_default_and_its_switch_turns_it_off(monkeypatch):
+    """The kernel is registered whatever the switch says; it serves on the dtypes the Triton kernels
+    take unless ``DEEPINFER_NVIDIA_FP8_KV_TRITON=0``, which leaves ``sparse_attention_fp8`` to the native
+    body and changes no other op. Read when a table is built."""
     from deepinfer_nvidia_sm100 import capability, registration, triton_ops
 
     from deepinfer_core.plugins import collect_registry, load_backend
@@ -129,28 +128,23 @@ def test_the_kernel_is_opt_in(monkeypatch):
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     assert registration.FP8_KV_TRITON_ENV == FP8_KV_ENV
 
-    def registry(switch):
-        if switch:
-            monkeypatch.setenv(FP8_KV_ENV, "1")
-        else:
+    def labels(switch, dtype):
+        if switch is None:
             monkeypatch.delenv(FP8_KV_ENV, raising=False)
-        return collect_registry(load_backend(BACKEND))
-
-    def labels(reg, dtype):
+        else:
+            monkeypatch.setenv(FP8_KV_ENV, switch)
         return registration.op_labels(reg, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu")))
 
-    def served_by(reg):
-        return [impl.fn for impl in reg.candidates("sparse_attention_fp8")]
-
-    off, on = registry(False), registry(True)
-    assert triton_ops.sparse_attention_fp8 not in served_by(off)
-    assert triton_ops.sparse_attention_fp8 in served_by(on)
-    assert {op for op in off.impls if len(off.impls[op]) != len(on.impls[op])} == {"sparse_attention_fp8"}
-    off_labels, on_labels = labels(off, torch.bfloat16), labels(on, torch.bfloat16)
-    assert off_labels["sparse_attention_fp8"] == "torch" and on_labels["sparse_attention_fp8"] == "triton"
-    assert {op for op in off_labels if off_labels[op] != on_labels[op]} == {"sparse_attention_fp8"}
-    assert labels(on, torch.float32)["sparse_attention_fp8"] == "triton"
-    assert labels(on, torch.float64)["sparse_attention_fp8"] == "torch"
+    monkeypatch.delenv(FP8_KV_ENV, raising=False)
+    reg = collect_registry(load_backend(BACKEND))
+    served_by = [impl.fn for impl in reg.candidates("sparse_attention_fp8")]
+    assert triton_ops.sparse_attention_fp8 in served_by
+    default, on, off = (labels(switch, torch.bfloat16) for switch in (None, "1", "0"))
+    assert default["sparse_attention_fp8"] == on["sparse_attention_fp8"] == "triton"
+    assert off["sparse_attention_fp8"] == "torch"
+    assert {op for op in default if default[op] != off[op]} == {"sparse_attention_fp8"}
+    assert labels(None, torch.float32)["sparse_attention_fp8"] == "triton"
+    assert labels(None, torch.float64)["sparse_attention_fp8"] == "torch"
 
 
 def test_the_launcher_checks_the_entries_and_sends_float64_to_the_native_body():

@@ -33,6 +33,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 KERNEL_DTYPES = DTYPES[:3]
 TRITON_OPS = ["compress_windows", "hc_head", "hc_post", "hc_pre", "indexer_topk", "moe_experts", "rms_norm",
               "rotary_emb", "sparse_attention"]
+#: Triton kernels serving by default too, tested in their own files (test_nvidia_fp4_moe.py, test_nvidia_fp8_kv.py)
+FP4_FP8_KV_OPS = ["moe_experts_fp4", "sparse_attention_fp8"]
 REPO = Path(__file__).resolve().parents[1]
 NATIVE = "deepinfer_core.ops.native"  # the module of the torch bodies below the kernels
 
@@ -311,7 +313,7 @@ def test_ops_are_registered_only_for_this_backend():
         priorities = sorted(i.priority for i in impls)
         assert priorities[0] == 1 and max(priorities) <= 3, op  # a kernel pack at 10 overrides them
     assert INVARIANT < 10
-    assert {op for op, impls in default.items() if len(impls) > 1} == set(TRITON_OPS) | set(FP8_OPS)
+    assert {op for op, impls in default.items() if len(impls) > 1} == {*TRITON_OPS, *FP8_OPS, *FP4_FP8_KV_OPS}
 
 
 def test_cpu_switch_controls_availability_and_device(monkeypatch):
@@ -373,13 +375,14 @@ def test_plan_prefers_kernels_where_they_run(monkeypatch):
 
     monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
-    monkeypatch.delenv("DEEPINFER_NVIDIA_FP8_TRITON", raising=False)
-    monkeypatch.delenv("DEEPINFER_NVIDIA_FP4_TRITON", raising=False)  # opt-in too (test_nvidia_fp4_moe.py)
+    for env in ("DEEPINFER_NVIDIA_FP8_TRITON", "DEEPINFER_NVIDIA_FP4_TRITON", "DEEPINFER_NVIDIA_FP8_KV_TRITON"):
+        monkeypatch.delenv(env, raising=False)
+    default = set(TRITON_OPS) | set(FP4_FP8_KV_OPS)
     chosen = plan(torch.device("cpu"), torch.bfloat16)
-    assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS)  # FP8 kernels: opt-in
+    assert {op for op, impl in chosen.items() if impl == "triton"} == default  # FP8 GEMM kernels: opt-in
     monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TRITON", "1")
     chosen = plan(torch.device("cpu"), torch.bfloat16)
-    assert {op for op, impl in chosen.items() if impl == "triton"} == set(TRITON_OPS) | set(FP8_OPS)
+    assert {op for op, impl in chosen.items() if impl == "triton"} == default | set(FP8_OPS)
     assert set(plan(torch.device("cpu"), torch.float64).values()) == {"torch"}
 
 

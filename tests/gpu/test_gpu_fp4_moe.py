@@ -1,4 +1,4 @@
-"""The Triton FP4 grouped MoE (``triton_ops.moe_experts_fp4``, opt-in with ``DEEPINFER_NVIDIA_FP4_TRITON=1``)
+"""The Triton FP4 grouped MoE (``triton_ops.moe_experts_fp4``; ``DEEPINFER_NVIDIA_FP4_TRITON=0`` turns it off)
 called directly on the GPU at DeepSeek-V4-Flash shapes (hidden 4096, moe_inter 2048, 256 experts top-6;
 1, 64 and 300 tokens: 16- and 64-row blocks), against the core's native body on the same GPU in float32
 on the same (rounded) tokens, and its capture in a CUDA graph.

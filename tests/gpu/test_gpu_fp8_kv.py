@@ -1,5 +1,5 @@
-"""The Triton ``sparse_attention_fp8`` (``triton_ops.sparse_attention_fp8``, opt-in with
-``DEEPINFER_NVIDIA_FP8_KV_TRITON=1``) called directly on the GPU at DeepSeek-V4-Flash decode shapes (64
+"""The Triton ``sparse_attention_fp8`` (``triton_ops.sparse_attention_fp8``;
+``DEEPINFER_NVIDIA_FP8_KV_TRITON=0`` turns it off) called directly on the GPU at DeepSeek-V4-Flash decode shapes (64
 heads x 512, rope 64, 584-byte bf16 entries; batch 1, 16 and 64, each token a window list of 128 and 512
 compressed indices), against the core's native body on the same GPU, and its capture in a CUDA graph.
 

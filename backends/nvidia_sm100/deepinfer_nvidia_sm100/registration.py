@@ -52,28 +52,15 @@ def triton_fp8_applies(ctx: BuildContext) -> bool:
     return os.environ.get(FP8_TRITON_ENV, "") == "1" and triton_applies(ctx)
 
 
-def triton_fp4_enabled() -> bool:
-    """The Triton FP4 grouped MoE (``moe_experts_fp4`` reading the packed experts) is opt-in until it has
-    passed the GPU suite on an H200 (so far it has run only under Triton's interpreter): registered only
-    with the switch on, so that without it the registry is what it was before the kernel existed."""
-    return os.environ.get(FP4_TRITON_ENV, "") == "1"
+def unless_switched_off(env: str) -> Callable[[BuildContext], bool]:
+    """:func:`triton_applies`, unless ``env`` is "0" (read whenever a table is built): the switch of a kernel
+    that serves by default, for comparing it with the native body."""
 
+    def applies(ctx: BuildContext) -> bool:
+        return os.environ.get(env, "") != "0" and triton_applies(ctx)
 
-def triton_fp4_applies(ctx: BuildContext) -> bool:
-    """The switch (read again where a registry outlives a change of it) and :func:`triton_applies`."""
-    return triton_fp4_enabled() and triton_applies(ctx)
-
-
-def triton_fp8_kv_enabled() -> bool:
-    """The Triton ``sparse_attention_fp8`` (reading the FP8 KV entries in place) is opt-in until it has
-    passed the GPU suite on an H200 (so far it has run only under Triton's interpreter): registered only
-    with the switch on, so that without it the registry is what it was before the kernel existed."""
-    return os.environ.get(FP8_KV_TRITON_ENV, "") == "1"
-
-
-def triton_fp8_kv_applies(ctx: BuildContext) -> bool:
-    """The switch (read again where a registry outlives a change of it) and :func:`triton_applies`."""
-    return triton_fp8_kv_enabled() and triton_applies(ctx)
+    applies.__qualname__ = f"triton_applies[{env}!=0]"
+    return applies
 
 
 def invariant_applies(ctx: BuildContext) -> bool:
@@ -102,12 +89,9 @@ def register_all(registry: OpRegistry) -> None:
                           batch_invariant=op in invariant_ops.INVARIANT_BY_CONSTRUCTION)
     for op, fn in fp8_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TRITON, predicate=triton_fp8_applies)
-    if triton_fp4_enabled():
-        for op, fn in triton_ops.FP4_OPS.items():
-            registry.register(op, fn, priority=TRITON, predicate=triton_fp4_applies)
-    if triton_fp8_kv_enabled():
-        for op, fn in triton_ops.FP8_KV_OPS.items():
-            registry.register(op, fn, priority=TRITON, predicate=triton_fp8_kv_applies)
+    for ops, env in ((triton_ops.FP4_OPS, FP4_TRITON_ENV), (triton_ops.FP8_KV_OPS, FP8_KV_TRITON_ENV)):
+        for op, fn in ops.items():
+            registry.register(op, fn, priority=TRITON, predicate=unless_switched_off(env))
     for adapter in external.ADAPTERS:
         registry.register(adapter.op, adapter.fn, priority=LIBRARY, predicate=_adapter_applies(adapter))
     for op, fn in invariant_ops.ALL_OPS.items():

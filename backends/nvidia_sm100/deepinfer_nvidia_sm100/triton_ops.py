@@ -423,7 +423,7 @@ ALL_OPS = {
     "indexer_topk": indexer_topk,
     "moe_experts": moe_experts,
 }
-#: opt-in (``DEEPINFER_NVIDIA_FP4_TRITON=1``, see :mod:`.registration`) until it has run on a GPU
+#: served by default; ``DEEPINFER_NVIDIA_FP4_TRITON=0`` leaves the op to the native body (:mod:`.registration`)
 FP4_OPS = {"moe_experts_fp4": moe_experts_fp4}
 
 
@@ -501,5 +501,5 @@ def sparse_attention_fp8(
     return out
 
 
-#: opt-in (``DEEPINFER_NVIDIA_FP8_KV_TRITON=1``, see :mod:`.registration`) until it has run on a GPU
+#: served by default; ``DEEPINFER_NVIDIA_FP8_KV_TRITON=0`` leaves the op to the native body (:mod:`.registration`)
 FP8_KV_OPS = {"sparse_attention_fp8": sparse_attention_fp8}
