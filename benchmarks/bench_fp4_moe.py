@@ -8,10 +8,10 @@ at ``--context`` tokens for every batch of ``--batches``; the op rows time ``moe
 median wall time of build + load + replay + sync (``Harness.graph``) and the device time of load + replay
 (``Harness.graph_phases``).
 
-  DEEPINFER_NVIDIA_FP4_TRITON=1 python benchmarks/bench_fp4_moe.py --out fp4_moe.json   (an H200)
+  python benchmarks/bench_fp4_moe.py --out fp4_moe.json                     (an H200)
 
-(the switch makes the Triton FP4 grouped MoE serve ``moe_experts_fp4``; without it the torch body, which
-dequantises each expert, is what the FP4 rows time)
+(``DEEPINFER_NVIDIA_FP4_TRITON=0`` times the torch body, which dequantises each expert, instead of the
+Triton FP4 grouped MoE)
   python benchmarks/bench_fp4_moe.py --small --device cpu --backend cpu_ref (a CPU smoke test)
 """
 
