@@ -61,12 +61,12 @@ class CacheUndo:
     def __init__(self, cache: ModelCache, host: ForwardBatch, draft: torch.Tensor, num_layers: int,
                  device: torch.device):
         self.saved: list[_Saved] = []
-        written = _written_rows(host, draft)
+        # each kind's rows go to the device once, not once per layer and pool that reads them
+        written = {kind: [(key, rows.to(device), owner.to(device)) for key, rows, owner in items if rows.numel()]
+                   for kind, items in _written_rows(host, draft).items()}
 
         def save(pool: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor) -> None:
-            if rows.numel():
-                rows, owner = rows.to(device), owner.to(device)
-                self.saved.append(_Saved(pool, rows, owner, pool[rows].clone()))
+            self.saved.append(_Saved(pool, rows, owner, pool[rows].clone()))
 
         for _, rows, owner in written["window"]:
             for layer in range(num_layers):
