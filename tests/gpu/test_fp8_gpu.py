@@ -37,7 +37,9 @@ def table(device):
 
 
 def _weight(g: torch.Generator, *shape: int):
-    return quantize_fp8_block(torch.randn(*shape, generator=g) * shape[-1] ** -0.5)
+    """Random E4M3 weights with their tile scales, made where ``g`` is (256 V4-Flash experts on the CPU took
+    most of the suite's slowest test)."""
+    return quantize_fp8_block(torch.randn(*shape, generator=g, device=g.device) * shape[-1] ** -0.5)
 
 
 def _args64(args):
@@ -96,12 +98,13 @@ def test_linear_fp8_at_v4_flash_shapes(n, k, m, reference, device):
 
 
 def _moe_case(g: torch.Generator, tokens: int, experts: int = 256, top_k: int = 6, d: int = 4096, inter: int = 2048):
-    x = torch.randn(tokens, d, generator=g).bfloat16()
+    dev = g.device
+    x = torch.randn(tokens, d, generator=g, device=dev).bfloat16()
     w13, s13 = _weight(g, experts, 2 * inter, d)
     w2, s2 = _weight(g, experts, d, inter)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(experts, generator=g, device=dev)[:top_k] for _ in range(tokens)])
     ids[0, :2] = -1  # experts of another rank
-    weights = torch.rand(tokens, top_k, generator=g) + 0.2
+    weights = torch.rand(tokens, top_k, generator=g, device=dev) + 0.2
     return x, w13, s13, w2, s2, ids, weights, 10.0
 
 
@@ -109,9 +112,9 @@ def _moe_case(g: torch.Generator, tokens: int, experts: int = 256, top_k: int = 
 def test_moe_experts_fp8_256_experts_top6(tokens, reference, device):
     from deepinfer_nvidia_sm100 import fp8_ops
 
-    args = _moe_case(torch.Generator().manual_seed(tokens), tokens)
-    want = reference.moe_experts_fp8(*_args64(args))
-    got = fp8_ops.moe_experts_fp8(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    args = _moe_case(torch.Generator(device).manual_seed(tokens), tokens)
+    want = reference.moe_experts_fp8(*_args64(tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)))
+    got = fp8_ops.moe_experts_fp8(*args)
     assert got.dtype == torch.bfloat16
     assert_close(got.cpu(), want, dtype=torch.bfloat16, name=f"moe_experts_fp8 {tokens} tokens")
 
