@@ -543,6 +543,7 @@ def test_backend_is_installed_with_its_entry_point():
 def test_op_table_accepts_the_nvidia_functions_directly():
     """The functions are plain callables with the catalogue signatures (the hot path calls them)."""
     registered = _registry_for(BACKEND).impls  # the lowest priority of each op: the native body
-    table = OpTable({op: OpImpl(op, min(impls, key=lambda i: i.priority).fn, 0, "t") for op, impls in registered.items()})
+    table = OpTable({op: OpImpl(op, min(impls, key=lambda i: i.priority).fn, 0, "t")
+                     for op, impls in registered.items()})
     assert set(table.chosen) == set(CATALOGUE)
     assert (REPO / "backends/nvidia_sm100/README.md").is_file()

@@ -129,7 +129,8 @@ def test_the_tiny_checkpoint_has_the_published_names_dtypes_and_packing(publishe
             assert t.dtype == torch.float8_e4m3fn and name.removesuffix(".weight") + ".scale" in tensors, name
     assert tensors["embed.weight"].dtype == torch.bfloat16 and tensors["layers.0.ffn.gate.tid2eid"].dtype == torch.int32
     assert tensors["layers.2.attn.compressor.wkv.weight"].dtype == torch.bfloat16
-    assert tensors["layers.1.hc_attn_fn"].dtype == torch.float32 and tensors["layers.1.attn.attn_sink"].dtype == torch.float32
+    assert tensors["layers.1.hc_attn_fn"].dtype == torch.float32
+    assert tensors["layers.1.attn.attn_sink"].dtype == torch.float32
     config = json.loads((published / "config.json").read_text())
     assert config["quantization_config"]["scale_fmt"] == "ue8m0" and config["expert_dtype"] == "fp4"
 
@@ -341,15 +342,18 @@ def _unquantise(tensors: dict[str, torch.Tensor], name: str) -> None:
      r"layers\.2\.attn\.compressor\.wkv\.weight .*not quantised, but has a block scale"),
     ("scale_without_weight", lambda t: t.update({"layers.2.attn.wq_z.scale": torch.ones(1, 1)}),
      r"layers\.2\.attn\.wq_z\.scale .*without its weight"),
-    ("e5m2_weight", lambda t: t.update({"layers.2.attn.wq_b.weight": t["layers.2.attn.wq_b.weight"].to(torch.float8_e5m2)}),
+    ("e5m2_weight",
+     lambda t: t.update({"layers.2.attn.wq_b.weight": t["layers.2.attn.wq_b.weight"].to(torch.float8_e5m2)}),
      r"layers\.2\.attn\.wq_b\.weight .*dtype torch\.float8_e5m2"),
     ("float_tid2eid", lambda t: t.update({"layers.0.ffn.gate.tid2eid": t["layers.0.ffn.gate.tid2eid"].float()}),
      r"layers\.0\.ffn\.gate\.tid2eid .*int32 or int64"),
     ("unknown_name", lambda t: t.update({"layers.1.attn.wq_c.weight": torch.zeros(4)}),
      r"layers\.1\.attn\.wq_c\.weight \('layers\.1\.attn\.wq_c\.weight' in model\.safetensors\)"),
-    ("expert_out_of_range", lambda t: t.update({"layers.1.ffn.experts.6.w2.weight": t["layers.1.ffn.experts.0.w2.weight"].clone()}),
+    ("expert_out_of_range",
+     lambda t: t.update({"layers.1.ffn.experts.6.w2.weight": t["layers.1.ffn.experts.0.w2.weight"].clone()}),
      r"layers\.1\.ffn\.experts\.6\.w2\.weight .*6 experts"),
-    ("two_names_one_tensor", lambda t: t.update({"layers.1.attn.norm.weight": t["layers.1.attn.kv_norm.weight"].clone()}),
+    ("two_names_one_tensor",
+     lambda t: t.update({"layers.1.attn.norm.weight": t["layers.1.attn.kv_norm.weight"].clone()}),
      r"both the tensor layers\.1\.attn\.kv_norm\.weight"),
     ("missing_expert", lambda t: t.pop("layers.3.ffn.experts.5.w3.weight"), r"layers\.3\.ffn\.experts\.5\.w3\.weight"),
 ])

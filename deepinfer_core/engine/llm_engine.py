@@ -58,7 +58,8 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None  # largest decode batch run from a graph (max_num_seqs)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N (zero-overhead)
     quantization: str | None = None  # "fp8": linear and expert weights in E4M3 with 128x128 block scales
-    numerics: str | None = None  # "deepseek" | "transformers"; None: "deepseek" where config.json has quantization_config
+    #: "deepseek" | "transformers"; None: "deepseek" where config.json has quantization_config
+    numerics: str | None = None
     data_parallel_size: int = 1  # attention data parallel: ranks (processes), each its own scheduler and KV
     enable_expert_parallel: bool = False  # shard the routed experts over the data-parallel ranks
     data_parallel_rank: int | None = None  # set in a rank's process: its engine core (no front-end)

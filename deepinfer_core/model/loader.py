@@ -476,7 +476,10 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
             if e not in experts:
                 continue
             stack_fmt.setdefault(key, set()).add(fmt)
-            rows = slice(0, shapes[key][1]) if which == "w2" else (slice(0, inter) if which == "w1" else slice(inter, 2 * inter))
+            if which == "w2":
+                rows = slice(0, shapes[key][1])
+            else:
+                rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
             items.append(_Item(name, entry, fmt, scale, key, e - experts.start, rows))
             filled.add(f"{key}:{e}:{which}")
         elif merged and name in shapes:
@@ -487,7 +490,8 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
             _check_shape(name, entry, fmt, (cfg.n_routed_experts, *shapes[name][1:]), None, quant)
             stack_fmt[name] = {fmt}
             items.append(_Item(name, entry, fmt, None, name))
-            filled.update(f"{name}:{e}:{w}" for e in experts for w in (("w1", "w3") if name.endswith("w13") else ("w2",)))
+            parts = ("w1", "w3") if name.endswith("w13") else ("w2",)
+            filled.update(f"{name}:{e}:{w}" for e in experts for w in parts)
         elif name in shapes:
             fmt = _fmt_of(name, entry, scale, False, quant)
             _check_shape(name, entry, fmt, shapes[name], scale, quant)
@@ -578,7 +582,8 @@ def read_checkpoint(
     quant = quant_config(cfg)
     experts = range(cfg.n_routed_experts) if experts is None else experts
     if experts.step != 1 or experts.start < 0 or experts.stop > cfg.n_routed_experts or not len(experts):
-        raise ValueError(f"experts must be a non-empty contiguous range within 0..{cfg.n_routed_experts}, got {experts}")
+        raise ValueError(f"experts must be a non-empty contiguous range within 0..{cfg.n_routed_experts}, "
+                         f"got {experts}")
     with_mtp = any(n.startswith("mtp.") and not _IGNORED.search(n) for n in entries)
     shapes = expected_shapes(cfg, with_mtp, len(experts))
     items, stack_fmt = _plan(cfg, entries, shapes, experts, quant)
@@ -668,7 +673,10 @@ def read_checkpoint(
                     target.copy_(tensor)
                     params[key + "_scale"][item.expert, item.rows].copy_(scale)
                 elif layout == "fp8":
-                    q, s = (tensor, scale) if item.fmt == "fp8" else quantize_fp8_block(dequantized(item, tensor, scale, acc))
+                    if item.fmt == "fp8":
+                        q, s = tensor, scale
+                    else:
+                        q, s = quantize_fp8_block(dequantized(item, tensor, scale, acc))
                     tiles = slice(None) if key.endswith(".w2") else slice(item.rows.start // FP8_BLOCK,
                                                                          item.rows.stop // FP8_BLOCK)
                     target.copy_(q)
@@ -785,7 +793,8 @@ def build_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], hook: Any =
             raise CheckpointError(f"block {i}: routed experts' w13 is {ex.w13.format} and w2 {ex.w2.format}; "
                                   "both must have one format")
         if ex.w13.weight.shape[0] != want or ex.w2.weight.shape[0] != want:
-            raise CheckpointError(f"block {i}: the expert stacks hold {ex.w13.weight.shape[0]} experts, expected {want}")
+            raise CheckpointError(f"block {i}: the expert stacks hold {ex.w13.weight.shape[0]} experts, "
+                                  f"expected {want}")
     if hook is not None:
         hook.deepinfer_process_weights(weights=weights, model_config=cfg)
     return weights

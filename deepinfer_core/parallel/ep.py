@@ -52,7 +52,8 @@ class AllToAllDispatcher:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         if self.world == 1:
             return recv.copy_(send)
-        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=getattr(self.comm, "group", None))
+        group = getattr(self.comm, "group", None)
+        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group)
         return recv
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

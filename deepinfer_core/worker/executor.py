@@ -40,7 +40,7 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch the step described by ``scheduler_output``."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 (an optional hook: a single process has nothing to release)
         pass
 
 

@@ -4,8 +4,8 @@ driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_paral
 
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
-``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``rearrange``, ``eplb_stats``, ``memory``,
-``stop``. A rank whose step scheduled nothing runs a
+``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``rearrange``, ``eplb_stats``,
+``memory``, ``stop``. A rank whose step scheduled nothing runs a
 placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
 always meet in the same collectives.
 
@@ -90,7 +90,8 @@ class _RankCore:
         launched = self.executor.num_launched
         outputs = self.engine.step()
         if self.expert_parallel and self.executor.failed is not None:
-            raise RuntimeError("a forward failed; with expert parallel the ranks cannot go on") from self.executor.failed
+            raise RuntimeError("a forward failed; with expert parallel the ranks cannot go on") \
+                from self.executor.failed
         self.num_steps += 1
         if self.executor.num_launched == launched:
             self.num_placeholder_steps += 1

@@ -11,8 +11,8 @@ _RMS_NORM = getattr(F, "rms_norm", None)  # fused (single pass) on torch >= 2.4
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``rms_norm`` as the catalogue defines it, in one fused call instead of five tensor ops.
 
-    Same semantics as ``deepinfer_core.ops.native.rms_norm`` (the reference cpu_ref serves): computed in float32 (float64 stays float64)
-    whatever the input dtype, weight optional, result in ``x.dtype``.
+    Same semantics as ``deepinfer_core.ops.native.rms_norm`` (the reference cpu_ref serves): computed in
+    float32 (float64 stays float64) whatever the input dtype, weight optional, result in ``x.dtype``.
     """
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
