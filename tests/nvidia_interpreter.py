@@ -1,7 +1,7 @@
 """Running nvidia_sm100's Triton kernels on the CPU under Triton's interpreter, in a fresh process (the
 switches must be set before triton is first imported): the parent's fixture and the worker's op-table
-record, shared by the FP4 MoE and FP8 KV kernels' tests (``test_nvidia_fp4_moe.py``,
-``test_nvidia_fp8_kv.py``)."""
+record, and the check of their switches, shared by the FP4 MoE and FP8 KV kernels' tests
+(``test_nvidia_fp4_moe.py``, ``test_nvidia_fp8_kv.py``)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,34 @@ def op_table_record(op: str, dtype: torch.dtype) -> dict:
     except Exception:
         entry["error"] = traceback.format_exc()
     return entry
+
+
+def check_served_by_default_and_switch(monkeypatch, op: str, env: str, kernel):
+    """The kernel of ``op`` is registered whatever ``env`` says; it serves on the dtypes the Triton kernels
+    take unless ``env=0``, which leaves ``op`` to the native body and changes no other op. Read when a
+    table is built. Returns the registry (switch unset)."""
+    from deepinfer_nvidia_sm100 import capability, registration
+
+    from deepinfer_core.ops.registry import BuildContext
+    from deepinfer_core.plugins import collect_registry, load_backend
+
+    monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
+    monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
+
+    def labels(switch, dtype):
+        if switch is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, switch)
+        return registration.op_labels(reg, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu")))
+
+    monkeypatch.delenv(env, raising=False)
+    reg = collect_registry(load_backend(BACKEND))
+    assert kernel in [impl.fn for impl in reg.candidates(op)]
+    default, on, off = (labels(switch, torch.bfloat16) for switch in (None, "1", "0"))
+    assert default[op] == on[op] == "triton"
+    assert off[op] == "torch"
+    assert {o for o in default if default[o] != off[o]} == {op}
+    assert labels(None, torch.float32)[op] == "triton"
+    assert labels(None, torch.float64)[op] == "torch"
+    return reg

@@ -30,11 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 from nvidia_fp4_moe_worker import CASES, act_rows, case_id, moe_case
-from nvidia_interpreter import run_worker, triton_installed
+from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
 from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
 from deepinfer_core.ops import native
-from deepinfer_core.ops.registry import BuildContext
 
 BACKEND = "nvidia_sm100"
 WORKER = Path(__file__).resolve().parent / "nvidia_fp4_moe_worker.py"
@@ -116,31 +115,8 @@ def test_the_switch_serves_the_kernel_which_conforms(dtype, interpreted):
 
 
 def test_the_kernel_serves_by_default_and_its_switch_turns_it_off(monkeypatch):
-    """The kernel is registered whatever the switch says; it serves on the dtypes the Triton kernels
-    take unless ``DEEPINFER_NVIDIA_FP4_TRITON=0``, which leaves ``moe_experts_fp4`` to the native body and changes no
-    other op. Read when a table is built."""
-    from deepinfer_nvidia_sm100 import capability, registration, triton_ops
+    from deepinfer_nvidia_sm100 import registration, triton_ops
 
-    from deepinfer_core.plugins import collect_registry, load_backend
-
-    monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
-    monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     assert registration.FP4_TRITON_ENV == FP4_ENV
-
-    def labels(switch, dtype):
-        if switch is None:
-            monkeypatch.delenv(FP4_ENV, raising=False)
-        else:
-            monkeypatch.setenv(FP4_ENV, switch)
-        return registration.op_labels(reg, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu")))
-
-    monkeypatch.delenv(FP4_ENV, raising=False)
-    reg = collect_registry(load_backend(BACKEND))
-    served_by = [impl.fn for impl in reg.candidates("moe_experts_fp4")]
-    assert triton_ops.moe_experts_fp4 in served_by and native.moe_experts_fp4 in served_by
-    default, on, off = (labels(switch, torch.bfloat16) for switch in (None, "1", "0"))
-    assert default["moe_experts_fp4"] == on["moe_experts_fp4"] == "triton"
-    assert off["moe_experts_fp4"] == "torch"
-    assert {op for op in default if default[op] != off[op]} == {"moe_experts_fp4"}
-    assert labels(None, torch.float32)["moe_experts_fp4"] == "triton"
-    assert labels(None, torch.float64)["moe_experts_fp4"] == "torch"
+    reg = check_served_by_default_and_switch(monkeypatch, "moe_experts_fp4", FP4_ENV, triton_ops.moe_experts_fp4)
+    assert native.moe_experts_fp4 in [impl.fn for impl in reg.candidates("moe_experts_fp4")]

@@ -34,11 +34,10 @@ import pytest
 import torch
 from deepinfer_cpu_ref.ops import ALL_OPS as REF
 from nvidia_fp8_kv_worker import CASES, attention_case, case_id
-from nvidia_interpreter import run_worker, triton_installed
+from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
 from deepinfer_core.model.kv_fp8 import pack_kv_fp8
 from deepinfer_core.ops import native
-from deepinfer_core.ops.registry import BuildContext
 
 BACKEND = "nvidia_sm100"
 WORKER = Path(__file__).resolve().parent / "nvidia_fp8_kv_worker.py"
@@ -117,34 +116,10 @@ def test_the_switch_serves_the_kernel_which_conforms(dtype, interpreted):
 
 
 def test_the_kernel_serves_by_default_and_its_switch_turns_it_off(monkeypatch):
-    """The kernel is registered whatever the switch says; it serves on the dtypes the Triton kernels
-    take unless ``DEEPINFER_NVIDIA_FP8_KV_TRITON=0``, which leaves ``sparse_attention_fp8`` to the native
-    body and changes no other op. Read when a table is built."""
-    from deepinfer_nvidia_sm100 import capability, registration, triton_ops
+    from deepinfer_nvidia_sm100 import registration, triton_ops
 
-    from deepinfer_core.plugins import collect_registry, load_backend
-
-    monkeypatch.setenv("DEEPINFER_NVIDIA_ALLOW_CPU", "1")
-    monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     assert registration.FP8_KV_TRITON_ENV == FP8_KV_ENV
-
-    def labels(switch, dtype):
-        if switch is None:
-            monkeypatch.delenv(FP8_KV_ENV, raising=False)
-        else:
-            monkeypatch.setenv(FP8_KV_ENV, switch)
-        return registration.op_labels(reg, BuildContext(backend=BACKEND, dtype=dtype, device=torch.device("cpu")))
-
-    monkeypatch.delenv(FP8_KV_ENV, raising=False)
-    reg = collect_registry(load_backend(BACKEND))
-    served_by = [impl.fn for impl in reg.candidates("sparse_attention_fp8")]
-    assert triton_ops.sparse_attention_fp8 in served_by
-    default, on, off = (labels(switch, torch.bfloat16) for switch in (None, "1", "0"))
-    assert default["sparse_attention_fp8"] == on["sparse_attention_fp8"] == "triton"
-    assert off["sparse_attention_fp8"] == "torch"
-    assert {op for op in default if default[op] != off[op]} == {"sparse_attention_fp8"}
-    assert labels(None, torch.float32)["sparse_attention_fp8"] == "triton"
-    assert labels(None, torch.float64)["sparse_attention_fp8"] == "torch"
+    check_served_by_default_and_switch(monkeypatch, "sparse_attention_fp8", FP8_KV_ENV, triton_ops.sparse_attention_fp8)
 
 
 def test_the_launcher_checks_the_entries_and_sends_float64_to_the_native_body():
