@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_long_context as blc  # noqa: E402
-from bench_fp8 import cuda_time_ms  # noqa: E402
+from bench_attention import timer  # noqa: E402
 
 from deepinfer_core.model.fp4 import quantize_fp4_block  # noqa: E402
 from deepinfer_core.model.weights import Linear  # noqa: E402
@@ -66,18 +65,9 @@ def op_rows(model, batches: list[int], warmup: int, iters: int) -> list[dict]:
 
 
 def time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds of one call: CUDA events on a GPU (``bench_fp8.cuda_time_ms``), the wall clock
-    on the CPU."""
-    if device.type == "cuda":
-        return cuda_time_ms(fn, warmup, iters)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of one call (``bench_attention.timer``: CUDA events on a GPU, the host clock on
+    the CPU)."""
+    return timer(device, warmup, iters)(fn) / 1e3
 
 
 def step_rows(model, platform, la, context: int, experts: str) -> list[dict]:
