@@ -52,19 +52,45 @@ def test_padded_decode_matches_transformers(make_llm, tiny_path, config):
         assert tokens == hf_argmax(path, prompt, tokens)
 
 
-def test_padded_equals_unpadded_logits(make_llm, tiny_path):
-    """One decode step laid out for a graph of 8 gives the unpadded step's logits and cache writes; the
-    padding rows write only to the trash (steps close compression windows and cross a block end)."""
-    llm = make_llm(tiny_path("tiny"), dtype="float64", max_num_seqs=4, enable_prefix_caching=False)
+# per query length: prompt lengths whose step of q tokens ends a block (16), closes one or two rate-4
+# windows (one at a block start), starts right after a window or block end, or closes nothing
+PADDED_PROMPTS = {1: [15, 14, 27], 2: [15, 14, 31, 16], 3: [14, 13, 25, 29], 4: [13, 16, 24, 30],
+                  5: [12, 16, 23, 32], 8: [9, 16, 21]}
+
+
+def with_blocks_for(spans: list[SeqSpan], q: int, block_size: int, num_blocks: int, num_window_blocks: int):
+    """The spans with ``q`` new tokens each and unused physical blocks appended to their tables, so that
+    every position of the step has its blocks (the engine allocates them before it schedules a step)."""
+    used = {b for s in spans for b in s.block_table}
+    used_window = {b for s in spans for b in s.window_block_table}
+    free = iter(b for b in range(num_blocks) if b not in used)
+    free_window = iter(b for b in range(num_window_blocks) if b not in used_window)
+    out = []
+    for s in spans:
+        need = (s.context_len + q - 1) // block_size + 1
+        table = list(s.block_table) + [next(free) for _ in range(need - len(s.block_table))]
+        window = list(s.window_block_table) + [next(free_window) for _ in range(need - len(s.window_block_table))]
+        out.append(SeqSpan(s.context_len, q, table, window, s.state_slot, s.write_from))
+    return out
+
+
+@pytest.mark.parametrize("q", sorted(PADDED_PROMPTS))
+def test_padded_equals_unpadded_logits(make_llm, tiny_path, q):
+    """One step of ``q`` new tokens per sequence (a decode, or a verification of q - 1 drafts) laid out
+    for a graph of 8 gives the unpadded step's logits, streams and cache writes; the padding rows write
+    only to the trash (steps close compression windows and cross block ends)."""
+    llm = make_llm(tiny_path("tiny"), dtype="float64", max_num_seqs=8, enable_prefix_caching=False)
     engine = llm.llm_engine
-    for i, n in enumerate([15, 14, 27]):  # decode positions 15 (block end), 14, 27 (closes a rate-4 window)
+    prompts = PADDED_PROMPTS[q]
+    for i, n in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": make_prompt(n, seed=i)}, greedy(max_tokens=4))
-    engine.step()  # the prompts in one chunk; the decode token's blocks are already there
+    engine.step()  # the prompts in one chunk
     seqs = list(engine.scheduler.running)
-    spans = [SeqSpan(s.num_computed_tokens, 1, s.block_table, s.window_block_table, s.state_slot, s.write_from)
-             for s in seqs]
-    ids = [s.token_ids[s.num_computed_tokens] for s in seqs]
     model, cache = engine.model, engine.cache
+    spans = with_blocks_for([SeqSpan(s.num_computed_tokens, 1, s.block_table, s.window_block_table, s.state_slot,
+                                     s.write_from) for s in seqs],
+                            q, engine.args.block_size, cache.num_blocks, cache.num_window_blocks)
+    ids = [t for s in seqs for t in [s.token_ids[s.num_computed_tokens]] + make_prompt(q - 1, seed=s.seq_id)]
     specs, bs, window = model.compressor_specs(), engine.args.block_size, model.cfg.sliding_window
     tensors = [(t, bs) for t in cache.window_kv]
     for layer, spec in enumerate(cache.specs):
@@ -74,17 +100,19 @@ def test_padded_equals_unpadded_logits(make_llm, tiny_path):
                 tensors += [(pool[layer], bs // branch.rate)] + [(r, branch.rows) for r in state[layer]]
                 tensors += [(r, branch.rate) for r in bound.get(layer, ())]
     before = [t.clone() for t, _ in tensors]
-    plain, _ = model.forward(build_forward_batch(ids, spans, specs, bs, window), cache)
+    rows = list(range(len(ids)))
+    plain, plain_streams = model.forward(build_forward_batch(ids, spans, specs, bs, window, rows), cache)
     after_plain = [t.clone() for t, _ in tensors]
     for (t, _), b in zip(tensors, before):
         t.copy_(b)
-    pad = GraphPadding(8, {rate: 64 for rate in {s.rate for s in specs}})
-    padded, _ = model.forward(build_forward_batch(ids, spans, specs, bs, window, pad=pad), cache)
-    torch.testing.assert_close(padded[: len(seqs)], plain, rtol=0, atol=1e-12)
+    pad = GraphPadding(8, {rate: 64 for rate in {s.rate for s in specs}}, query_len=q)
+    padded, streams = model.forward(build_forward_batch(ids, spans, specs, bs, window, pad=pad), cache)
+    torch.testing.assert_close(padded[: len(ids)], plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(streams[: len(ids)], plain_streams, rtol=0, atol=1e-12)
     changed = 0
     for (t, trash), a, b in zip(tensors, after_plain, before):
         torch.testing.assert_close(t[:-trash], a[:-trash], rtol=0, atol=1e-12)
         changed += int(not torch.equal(a, b))
     assert changed > len(cache.window_kv)  # the step wrote compressed entries, not just window rows
-    for i in range(3):
+    for i in range(len(prompts)):
         engine.abort_request(str(i))

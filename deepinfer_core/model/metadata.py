@@ -55,13 +55,15 @@ class CompressorMeta:
 
 @dataclass(frozen=True)
 class GraphPadding:
-    """The fixed layout of a captured decode graph: ``num_seqs`` sequences of one new token each, and
-    ``max_entries[rate]`` compressed candidates per query, enough for sequences of ``context`` tokens
-    (the graph's context bucket; None: as long as ``max_entries`` holds)."""
+    """The fixed layout of a captured graph: ``num_seqs`` sequences of ``query_len`` new tokens each (1 for
+    decode, 1 + drafts for a verification), and ``max_entries[rate]`` compressed candidates per query,
+    enough for sequences of ``context`` tokens (the graph's context bucket; None: as long as
+    ``max_entries`` holds)."""
 
     num_seqs: int
     max_entries: dict[int, int]
     context: int | None = None
+    query_len: int = 1
 
     def num_blocks(self, block_size: int) -> int:
         """Columns of the layout's block tables: the blocks its candidates can address."""
@@ -293,40 +295,46 @@ def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) ->
 
 def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: set[CompressorSpec],
                   block_size: int, sliding_window: int, device, pad: GraphPadding) -> ForwardBatch:
-    """One new token per sequence and a fixed count of every kind of index per sequence: ``rows`` ring
-    reads, one window (written to -1 unless it closes now), one block end (likewise), a block table of
-    ``pad.num_blocks`` columns (``max_entries`` candidates are derived from it on the device). Padding
-    sequences have no blocks and state slot -1, so all they write lands in the trash.
+    """``q = pad.query_len`` new tokens per sequence and a fixed count of every kind of index per sequence:
+    ``rows`` ring reads, ``q`` ring writes, the windows and block ends ``q`` tokens can close (each written
+    to -1 unless it closes now), a block table of ``pad.num_blocks`` columns (``max_entries`` candidates
+    are derived from it on the device). Padding sequences have no blocks and state slot -1, so all they
+    write lands in the trash. Every token's logits are computed, real sequences' first.
     """
-    n, size, lo = len(spans), pad.num_seqs, torch.long
-    if n > size or any(s.num_new != 1 for s in spans) or len(token_ids) != n:
-        raise ValueError(f"a graph of {size} sequences runs decode steps of at most {size} sequences, "
-                         "one new token each")
+    n, size, q, lo = len(spans), pad.num_seqs, pad.query_len, torch.long
+    if n > size or any(s.num_new != q for s in spans) or len(token_ids) != n * q:
+        raise ValueError(f"a graph of {size} sequences runs steps of at most {size} sequences, "
+                         f"{q} new token(s) each")
+    for spec in compressor_specs:
+        if q > (2 if spec.overlap else 1) * spec.rate:
+            raise ValueError(f"{q} new tokens per sequence overrun the {spec.rate}-rate compressor's ring")
+    longest = max([s.context_len + q for s in spans] + [0])
     for rate, entries in pad.max_entries.items():
-        longest = max([s.context_len + 1 for s in spans] + [0])
         if longest // rate > entries:
             raise ValueError(f"a sequence of {longest} tokens attends {longest // rate} entries of rate {rate}; "
                              f"this graph layout holds {entries}")
     extra = size - n
     ctx = torch.tensor([s.context_len for s in spans] + [0] * extra, dtype=lo)
     seq = torch.arange(size)
-    lay = _Layout(ctx, ctx + 1, seq, torch.tensor([s.state_slot for s in spans] + [-1] * extra, dtype=lo),
+    owner = seq.repeat_interleave(q)
+    positions = ctx[owner] + torch.arange(size * q) % q
+    lay = _Layout(ctx, ctx + q, seq * q, torch.tensor([s.state_slot for s in spans] + [-1] * extra, dtype=lo),
                   torch.tensor([s.write_from for s in spans] + [0] * extra, dtype=lo),
-                  _table([s.block_table for s in spans] + [[]] * extra), seq, ctx)
+                  _table([s.block_table for s in spans] + [[]] * extra), owner, positions)
     wtables, wfirst = _window_table(spans, sliding_window, block_size, extra)
-    window = ctx.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
+    window = positions.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
     width = pad.num_blocks(block_size)  # blocks past the candidates' reach are not needed on the device
     tables = torch.full((size, width), -1, dtype=lo)
     tables[:, :min(width, lay.tables.shape[1])] = lay.tables[:, :width]
     batch = ForwardBatch(
-        input_ids=torch.tensor(token_ids + [0] * extra, dtype=lo),
-        positions=ctx,
-        window_slots=_rows(wtables, seq, ctx, block_size, first=wfirst),
-        window_indices=_rows(wtables, seq, window, block_size, first=wfirst),
-        logits_indices=seq.clone(),
-        query_start_loc=list(range(n + 1)),  # the real sequences only: their logits are the first rows
+        input_ids=torch.tensor(token_ids + [0] * (extra * q), dtype=lo),
+        positions=positions,
+        window_slots=_rows(wtables, owner, positions, block_size, first=wfirst),
+        window_indices=_rows(wtables, owner, window, block_size, first=wfirst),
+        logits_indices=torch.arange(size * q),
+        query_start_loc=list(range(0, n * q + 1, q)),  # the real sequences only: their logits are the first rows
         block_tables=tables,
-        token_seq=seq.clone(),
+        token_seq=owner.clone(),
         padded_to=size,
         padded_context=pad.context,
     )
@@ -338,31 +346,46 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
 
 def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int):
     size, lo = len(lay.ctx), torch.long
+    q = len(lay.positions) // size
     rows = (2 if overlap else 1) * rate
     within, seq = torch.arange(rate), torch.arange(size)
     read_pos = lay.ctx.unsqueeze(1) - rows + torch.arange(rows)  # [S, rows]; negative ones are never used
-    dummy = size * rows + size
+    dummy = size * rows + size * q
 
-    def source(p: torch.Tensor) -> torch.Tensor:
-        ctx = lay.ctx.unsqueeze(1)
-        old = seq.unsqueeze(1) * rows + p - ctx + rows
-        fresh = size * rows + seq.unsqueeze(1).expand_as(p)
+    def source(s: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Index into cat(ring[ring_read], fresh rows, dummy row) of position ``p`` of sequence ``s``; a
+        position past the step's tokens reads the sequence's last one (only windows that do not close)."""
+        ctx = lay.ctx[s].unsqueeze(1)
+        old = s.unsqueeze(1) * rows + p - ctx + rows
+        fresh = size * rows + s.unsqueeze(1) * q + (p - ctx).clamp(max=q - 1)
         return torch.where(p >= ctx, fresh, torch.where(p >= 0, old, torch.full_like(p, dummy)))
 
-    start = (lay.seq_len - rate).clamp(min=0)
-    closes = (lay.seq_len % rate == 0) & (start >= lay.write_from)
-    slots = _rows(lay.tables, seq, start, block_size, rate)
-    crossed = (lay.seq_len % block_size == 0) & (lay.seq_len > lay.write_from)
-    dst = lay.tables[seq, ((lay.seq_len // block_size) - 1).clamp(0, lay.tables.shape[1] - 1)]
-    return CompressorMeta(
+    # the windows q tokens can close: the last ``per_seq`` ending at or before the sequence's end
+    per_seq = (q - 1) // rate + 1
+    wseq = seq.repeat_interleave(per_seq)
+    win = (lay.seq_len // rate)[wseq] - per_seq + torch.arange(size * per_seq) % per_seq
+    closes = ((win + 1) * rate > lay.ctx[wseq]) & (win >= 0) & (win * rate >= lay.write_from[wseq])
+    start = torch.where(closes, win * rate, (lay.seq_len[wseq] - rate).clamp(min=0))
+    slots = _rows(lay.tables, wseq, start, block_size, rate)
+    meta = CompressorMeta(
         ring_read=(lay.slots.unsqueeze(1) * rows + read_pos % rows).flatten(),
-        cur_idx=source(start.unsqueeze(1) + within),
-        prev_idx=source(start.unsqueeze(1) - rate + within) if overlap else None,
+        cur_idx=source(wseq, start.unsqueeze(1) + within),
+        prev_idx=source(wseq, start.unsqueeze(1) - rate + within) if overlap else None,
         entry_slots=torch.where(closes, slots, torch.full_like(slots, -1)),
         entry_positions=start,
-        ring_write=lay.slots * rows + lay.positions % rows,
-        ring_write_src=seq.clone(),
+        ring_write=lay.slots[lay.owner] * rows + lay.positions % rows,
+        ring_write_src=torch.arange(size * q),
         bias_idx=lay.positions % rate,
-        boundary_src=source(lay.seq_len.unsqueeze(1) - rate + within) if overlap else torch.zeros(0, rate, dtype=lo),
-        boundary_dst=torch.where(crossed, dst, torch.full_like(dst, -1)) if overlap else torch.zeros(0, dtype=lo),
+        boundary_src=torch.zeros(0, rate, dtype=lo),
+        boundary_dst=torch.zeros(0, dtype=lo),
     )
+    if overlap:  # the block ends q tokens can cross
+        per_seq = (q - 1) // block_size + 1
+        bseq = seq.repeat_interleave(per_seq)
+        ends = ((lay.seq_len // block_size)[bseq] - per_seq + 1 + torch.arange(size * per_seq) % per_seq) * block_size
+        crossed = (ends > torch.maximum(lay.ctx, lay.write_from)[bseq]) & (ends > 0)
+        ends = torch.where(crossed, ends, lay.seq_len[bseq])
+        dst = lay.tables[bseq, (ends // block_size - 1).clamp(0, lay.tables.shape[1] - 1)]
+        meta.boundary_src = source(bseq, ends.unsqueeze(1) - rate + within)
+        meta.boundary_dst = torch.where(crossed, dst, torch.full_like(dst, -1))
+    return meta
