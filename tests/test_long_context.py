@@ -142,8 +142,8 @@ def test_graph_buckets_are_chosen_by_context(make_llm, tiny_path):
     assert runners[512].padding_for(_spans(512, 1), [0]) is None  # longer than the largest bucket: eager
     assert runners[4096].padding_for(_spans(512, 1), [0]).context == 1024
     big = runners[4096]
-    assert set(big.inputs) == {(s, c) for s in (1, 2, 4) for c in (64, 128, 256, 512, 1024, 2048, 4096)}
-    for (size, context), static in big.inputs.items():
+    assert set(big.inputs) == {(s, c, 1) for s in (1, 2, 4) for c in (64, 128, 256, 512, 1024, 2048, 4096)}
+    for (size, context, _), static in big.inputs.items():
         assert static.batch.block_tables.shape == (size, context // BS)
         assert static.batch.entry_widths == {4: context // 4, 8: context // 8}
     largest = max(s.packed.numel() for s in big.inputs.values())
@@ -158,11 +158,14 @@ class _Rerun:
 
     def __init__(self, forward, key):
         self.forward, self.key, self.replays = forward, key, 0
-        self.output = forward(key).clone()
+        out = forward(key)
+        self.output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
     def replay(self):
         self.replays += 1
-        self.output.copy_(self.forward(self.key))
+        out = self.forward(self.key)
+        for buffer, new in zip(*((self.output, out) if isinstance(out, tuple) else ((self.output,), (out,)))):
+            buffer.copy_(new)
 
 
 class _RerunPlatform(Platform):
@@ -174,8 +177,8 @@ class _RerunPlatform(Platform):
 
 
 def test_padded_decode_across_context_buckets_matches_transformers(make_llm, tiny_path):
-    """Graphs captured per (size, context bucket) and kept by size, then bucket; each decode step replays
-    the graph of its batch size and longest context, and the tokens are transformers'."""
+    """Graphs captured per (size, context bucket, query length 1); each decode step replays the graph of
+    its batch size and longest context, and the tokens are transformers'."""
     path = tiny_path("tiny")
     llm = make_llm(path, dtype="float64", max_num_seqs=8)
     engine = llm.llm_engine
@@ -183,18 +186,18 @@ def test_padded_decode_across_context_buckets_matches_transformers(make_llm, tin
     runner = engine.runner.graph_runner = GraphRunner(engine.model, engine.cache, [1, 2, 4, 8],
                                                       engine.scheduler_config.max_model_len, BS,
                                                       platform=platform, min_context=16)
-    assert sorted(runner.graphs) == runner.sizes == [1, 2, 4, 8]
-    assert set(runner.graphs[8]) == set(runner.contexts) == {16 << i for i in range(9)}
-    assert platform.captured[0] == (8, 4096)
+    assert set(runner.graphs) == {(n, c, 1) for n in [1, 2, 4, 8] for c in runner.contexts}
+    assert set(runner.contexts) == {16 << i for i in range(9)}
+    assert platform.captured[0] == (8, 4096, 1)
 
     def replayed() -> set[tuple[int, int]]:
-        return {(n, c) for n, by_ctx in runner.graphs.items() for c, g in by_ctx.items() if g.replays}
+        return {(n, c) for (n, c, _), g in runner.graphs.items() if g.replays}
 
     prompts = [make_prompt(n, seed=i) for i, n in enumerate(LONG_PROMPTS)]
     params = [greedy(max_tokens=6 + i) for i in range(len(prompts))]
     alone = [run_tokens(llm, [p], q)[0] for p, q in zip(prompts, params)]  # each its own buckets
     assert replayed() == {(1, c) for c in (16, 32, 64, 128, 256)}
-    for graph in (g for by_ctx in runner.graphs.values() for g in by_ctx.values()):
+    for graph in runner.graphs.values():
         graph.replays = 0
     together = run_tokens(llm, prompts, params)  # the longest sequence picks the bucket
     assert {c for _, c in replayed()} == {128, 256} and {n for n, _ in replayed()} >= {8, 4}

@@ -1,9 +1,12 @@
-"""Decode steps replayed from captured graphs: one graph per (batch size, context) bucket over static inputs.
+"""Decode steps replayed from captured graphs: one graph per (batch size, context, query length) bucket
+over static inputs.
 
-A step of ``n`` decoding sequences whose longest has ``L`` tokens (with the new one) runs the graph of the
-smallest captured size >= ``n`` and the smallest context bucket >= ``L`` (powers of two of tokens, then
-``max_model_len``): its compressed candidates, indexer work and block tables follow the batch's real
-contexts, and ``max_model_len`` only decides how many buckets there are. The rows past ``n`` are padding
+A step of ``n`` sequences of ``q`` new tokens each (1 for decode; 1 + drafts for a speculative
+verification, when the runner is built with that query length) whose longest has ``L`` tokens (with the
+new ones) runs the graph of the smallest captured size >= ``n`` and the smallest context bucket >= ``L``
+(powers of two of tokens, then ``max_model_len``): its compressed candidates, indexer work and block
+tables follow the batch's real contexts, and ``max_model_len`` only decides how many buckets there are.
+The rows past ``n`` are padding
 sequences with no blocks and state slot -1, whose writes land in the cache's trash. All of a step's
 index tensors live in one packed int64 device buffer per graph, filled by a single host-to-device copy
 from one of two (pinned, where the platform has it) staging buffers every graph shares. Capture itself,
@@ -78,67 +81,93 @@ class GraphRunner:
     """Pads decode steps to a captured (batch size, context) bucket and replays that bucket's graph.
 
     With ``capture=False`` (CPU tests) the padded static batch runs eagerly: the same inputs, buffers
-    and padding as a replay, without the graph. ``min_context`` is the smallest context bucket.
+    and padding as a replay, without the graph. ``min_context`` is the smallest context bucket;
+    ``query_lens`` the new tokens per sequence a graph is captured for; ``keep_streams``: the graphs
+    also return the last layer's streams (what the MTP drafter reads), see :meth:`replay_with_streams`.
     """
 
     def __init__(self, model: DeepseekV4Model, cache: ModelCache, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool = True, platform: Platform | None = None,
-                 min_context: int = MIN_CONTEXT_BUCKET):
+                 min_context: int = MIN_CONTEXT_BUCKET, query_lens: tuple[int, ...] = (1,),
+                 keep_streams: bool = False):
         self.model, self.cache, self.block_size = model, cache, block_size
         self.platform = platform or Platform(model.device)
         self.sizes = sorted(sizes)
         self.contexts = context_buckets(max_model_len, block_size, min_context)
+        self.query_lens = sorted(set(query_lens))
+        self.keep_streams = keep_streams
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
-        self.inputs: dict[tuple[int, int], _StaticInputs] = {}  # (size, context bucket) -> its inputs
-        self.graphs: dict[int, dict[int, Graph]] = {}  # size -> context bucket -> its graph
-        for size in reversed(self.sizes):
-            for context in reversed(self.contexts):
-                empty = build_forward_batch([], [], model.compressor_specs(), block_size, model.cfg.sliding_window,
-                                            pad=self.layout(size, context))
-                self.inputs[size, context] = _StaticInputs(empty, self.platform)
+        self.inputs: dict[tuple[int, int, int], _StaticInputs] = {}  # (size, context, query len) -> inputs
+        self.graphs: dict[tuple[int, int, int], Graph] = {}
+        for q in self.query_lens:
+            for size in reversed(self.sizes):
+                for context in reversed(self.contexts):
+                    empty = build_forward_batch([], [], model.compressor_specs(), block_size,
+                                                model.cfg.sliding_window, pad=self.layout(size, context, q))
+                    self.inputs[size, context, q] = _StaticInputs(empty, self.platform)
         self.staging = _Staging(max(s.packed.numel() for s in self.inputs.values()), self.platform)
         if capture:
             self.capture()
 
-    def layout(self, size: int, context: int) -> GraphPadding:
-        return GraphPadding(size, {rate: -(-context // rate) for rate in self.rates}, context)
+    def layout(self, size: int, context: int, query_len: int = 1) -> GraphPadding:
+        return GraphPadding(size, {rate: -(-context // rate) for rate in self.rates}, context, query_len)
 
     def padding_for(self, spans: list[SeqSpan], logits_rows: list[int]) -> GraphPadding | None:
         """The graph layout for this step, or None when it must run eagerly (prefill, too many sequences,
-        a sequence longer than the largest context bucket)."""
+        sequences of unequal or uncaptured query lengths, a sequence longer than the largest context
+        bucket). A step of q > 1 tokens per sequence must want every token's logits."""
         n = len(spans)
-        if not n or n > self.sizes[-1] or any(s.num_new != 1 for s in spans) or logits_rows != list(range(n)):
+        if not n or n > self.sizes[-1]:
             return None
-        longest = max(s.context_len + 1 for s in spans)
+        q = spans[0].num_new
+        if q not in self.query_lens or any(s.num_new != q for s in spans):
+            return None
+        if logits_rows != list(range(n if q == 1 else n * q)):
+            return None
+        longest = max(s.context_len + q for s in spans)
         if longest > self.contexts[-1]:
             return None
         return self.layout(self.sizes[bisect.bisect_left(self.sizes, n)],
-                           self.contexts[bisect.bisect_left(self.contexts, longest)])
+                           self.contexts[bisect.bisect_left(self.contexts, longest)], q)
+
+    @staticmethod
+    def _key(batch: ForwardBatch) -> tuple[int, int, int]:
+        return batch.padded_to, batch.padded_context, batch.num_tokens // batch.padded_to
 
     def load(self, host: ForwardBatch) -> ForwardBatch:
         """Copy a padded host batch into its graph's static inputs; returns the static batch (device views).
 
         Its ``input_ids`` may still be changed in place on the device before :meth:`replay`.
         """
-        static = self.inputs[host.padded_to, host.padded_context]
+        static = self.inputs[self._key(host)]
         self.staging.copy(host, static.packed)
         static.batch.query_start_loc = host.query_start_loc
         return static.batch
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        graph, n = self.graphs.get(batch.padded_to, {}).get(batch.padded_context), len(batch.query_start_loc) - 1
+        """The real sequences' logits rows (all their tokens' when q > 1)."""
+        return self.replay_with_streams(batch)[0]
+
+    def replay_with_streams(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits rows of the real tokens, the streams of every padded row or None without
+        ``keep_streams``). Both may be the graph's output buffers: consume them before the next replay."""
+        graph, rows = self.graphs.get(self._key(batch)), batch.query_start_loc[-1]
         if graph is not None:
             graph.replay()
-            return graph.output[:n]
-        logits, _ = self.model.forward(batch, self.cache)
-        return logits[:n]
+            out = graph.output
+        else:
+            out = self._forward(batch)
+        if not self.keep_streams:
+            return out[:rows], None
+        return out[0][:rows], out[1]
+
+    def _forward(self, batch: ForwardBatch):
+        logits, streams = self.model.forward(batch, self.cache)
+        return (logits, streams) if self.keep_streams else logits
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, context) bucket, largest first into one pool. The capture inputs are
-        padding sequences only, so capturing writes nothing outside the cache's trash."""
-        captured = self.platform.capture_graphs(
-            list(self.inputs), lambda key: self.model.forward(self.inputs[key].batch, self.cache)[0])
-        self.graphs = {}
-        for (size, context), graph in captured.items():
-            self.graphs.setdefault(size, {})[context] = graph
+        """Capture every (size, context, query length) bucket, largest first into one pool. The capture
+        inputs are padding sequences only, so capturing writes nothing outside the cache's trash."""
+        self.graphs = dict(self.platform.capture_graphs(list(self.inputs),
+                                                        lambda key: self._forward(self.inputs[key].batch)))
