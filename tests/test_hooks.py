@@ -185,7 +185,8 @@ def test_hook_deepinfer_register_ops(recorder):
 
 def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder, monkeypatch):
     """On a platform with graphs the ModelRunner asks the backend for its graph runner (with the
-    platform) and decodes through it; on one without, it never asks."""
+    platform; with verification-sized graphs and streams when speculating) and decodes through it; on
+    one without, it never asks."""
     from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
     from deepinfer_core.worker.graph_runner import GraphRunner
 
@@ -194,9 +195,10 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
     class GraphPlatform(recorder.RecordingPlatform):
         supports_graphs = True
 
-    def graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform):
-        asked.append((tuple(capture_sizes), type(platform).__name__))
-        return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, capture=False, platform=platform)
+    def graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens, keep_streams):
+        asked.append((tuple(capture_sizes), type(platform).__name__, tuple(query_lens), keep_streams))
+        return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, capture=False, platform=platform,
+                           query_lens=query_lens, keep_streams=keep_streams)
 
     engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
     assert asked == [] and engine.runner.graph_runner is None
@@ -212,8 +214,10 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
             return GraphPlatform(device)
 
         @hookimpl
-        def deepinfer_graph_runner(self, model, cache, capture_sizes, max_model_len, block_size, platform):
-            return graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform)
+        def deepinfer_graph_runner(self, model, cache, capture_sizes, max_model_len, block_size, platform,
+                                   query_lens, keep_streams):
+            return graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens,
+                                keep_streams)
 
     pack = GraphPack()
     loaded.pm.register(pack, name="graph-pack")
@@ -224,8 +228,14 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
 
         monkeypatch.setattr(OpTable, "syncs_host", lambda self, ops: [])
         engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
-        assert asked == [((1, 2, 4), "GraphPlatform")]
+        assert asked == [((1, 2, 4), "GraphPlatform", (1,), False)]
         assert isinstance(engine.runner.graph_runner, GraphRunner)
+        assert _greedy(engine) == eager
+        asked.clear()
+        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4,
+                                      speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+        assert asked == [((1, 2, 4), "GraphPlatform", (1, 3), True)]
+        assert engine.runner.graph_runner.query_lens == [1, 3]
         assert _greedy(engine) == eager
     finally:
         loaded.pm.unregister(pack)

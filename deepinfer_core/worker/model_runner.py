@@ -65,14 +65,10 @@ class ModelRunner:
                backend: Any, platform: Platform) -> ModelRunner:
         """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``,
         the platform cannot capture, or an op the model runs waits for the host."""
-        spec = getattr(args, "speculative_config", None)
-        if spec is not None:  # verification and drafting run eagerly (see spec_model_runner)
-            from deepinfer_core.spec_decode.config import SpeculativeConfig
-            from deepinfer_core.worker.spec_model_runner import SpecDecodeModelRunner
+        from deepinfer_core.spec_decode.config import SpeculativeConfig
 
-            k = SpeculativeConfig.from_arg(spec).num_speculative_tokens
-            return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, None,
-                                         num_speculative_tokens=k)
+        spec = SpeculativeConfig.from_arg(getattr(args, "speculative_config", None))
+        k = spec.num_speculative_tokens if spec is not None else 0
         graphs = None
         if not args.enforce_eager and platform.supports_graphs:
             syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_fp8))
@@ -86,7 +82,17 @@ class ModelRunner:
                 graphs = backend.hook.deepinfer_graph_runner(
                     model=model, cache=cache, capture_sizes=capture_sizes(max_size),
                     max_model_len=longest, block_size=cache.block_size, platform=platform,
+                    query_lens=(1, 1 + k) if k else (1,), keep_streams=bool(k),
                 )
+        if k:
+            from deepinfer_core.worker.spec_model_runner import SpecDecodeModelRunner
+
+            if graphs is not None and not getattr(graphs, "keep_streams", False):
+                logger.warning("speculative steps run without graphs: the backend's graph runner returns no "
+                               "streams for the MTP drafter")
+                graphs = None
+            return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, graphs,
+                                         num_speculative_tokens=k)
         return cls(model, cache, cache.block_size, sampler, platform, graphs)
 
     # --- one step --------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Every sequence's span of the step is computed in one target forward: prefill chu
 verifications ([last token + drafts], every position's logits kept). Plain rows are sampled as usual;
 verification rows go through the rejection sampler. The rows rejected drafts wrote are then put back
 (``spec_decode/rollback.py``), the MTP block catches up over the kept positions and drafts for the next
-step. Steps run eagerly.
+step. The target forward replays a captured graph when the runner has one for the step's shape: every
+sequence a plain decode, or every one a verification of the same number of drafts
+(``GraphRunner.query_lens``); mixed steps, prefill chunks and the MTP block run eagerly.
 
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
 rollback, and returns; the rest (the new tokens to the host, the MTP catch-up and drafting, which need
@@ -104,12 +106,17 @@ class SpecDecodeModelRunner(ModelRunner):
             elif s.sample:
                 plain.append((i, len(rows)))
                 rows.append(len(ids) - 1)
+        graphs = self.graph_runner
+        pad = graphs.padding_for(spans, rows) if graphs is not None else None
         host = build_forward_batch(ids, spans, self.model.compressor_specs(), self.block_size,
-                                   self.model.cfg.sliding_window, rows)
-        draft_mask = torch.tensor(draft, dtype=torch.bool)
+                                   self.model.cfg.sliding_window, rows, pad=pad)
+        draft_mask = torch.tensor(draft + [False] * (host.num_tokens - len(draft)), dtype=torch.bool)
         undo = CacheUndo(self.cache, host, draft_mask, self.num_layers, self.model.device) if verifies else None
-        batch = host.with_storage(self.platform.upload(host.packed()))
-        logits, streams = self.model.forward(batch, self.cache)
+        if pad is not None:  # the graph's buffers: read (sampled, drafted from) before the next replay
+            logits, streams = graphs.replay_with_streams(graphs.load(host))
+        else:
+            batch = host.with_storage(self.platform.upload(host.packed()))
+            logits, streams = self.model.forward(batch, self.cache)
 
         plain_out = verified = None
         if plain:
