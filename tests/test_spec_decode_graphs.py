@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import engine_fixtures
 import pytest
-from engine_fixtures import greedy, make_prompt, run_tokens
+from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import oracle_drafts, spec
 from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
+from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.worker.graph_runner import GraphRunner
 
 make_llm = engine_fixtures.make_llm
@@ -68,3 +69,55 @@ def test_unequal_drafts_run_eagerly(tiny_path, make_llm):
     outs = run_tokens(llm, prompts, greedy(MAX_TOKENS))
     assert outs == [ref[tuple(p)][:MAX_TOKENS] for p in prompts]
     assert all(q in (1, 4) for _, q in steps)
+
+
+def recorded_drafts(llm) -> list[tuple[int, list[int], list[float]]]:
+    """Every proposal the engine receives: (sequence, drafts, confidences)."""
+    planner, seen = llm.llm_engine.drafts, []
+    offer = planner.offer
+
+    def record(seq, drafts, confidences):
+        seen.append((seq.seq_id, list(drafts), list(confidences)))
+        offer(seq, drafts, confidences)
+
+    planner.offer = record
+    return seen
+
+
+def with_drafting_graphs(llm, k: int, sizes: list[int]) -> list[int]:
+    """Padded MTP drafting for the engine (and padded verification graphs); returns the list of the
+    batch sizes drafted through the padded path."""
+    with_spec_graphs(llm, k, sizes)
+    engine = llm.llm_engine
+    graphs = MtpGraphs(engine.model, engine.cache, sizes, k, capture=False)
+    engine.runner.proposer.graphs = graphs
+    sizes_run = []
+    original = graphs._run
+    graphs._run = lambda size: sizes_run.append(size) or original(size)
+    return sizes_run
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_padded_drafting_equals_eager_drafting(k, make_llm):
+    """The trained default model's MTP layer (real acceptance, so 1 to k + 1 kept positions per step):
+    the padded catch-up and draft steps propose the eager proposer's drafts with its confidences, and
+    the outputs are the ones without speculation."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
+    params = [greedy(20 + 3 * i) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    runs = {}
+    for padded in (False, True):
+        llm = make_llm(None, dtype="float64", block_size=32, **spec(k))
+        sizes_run = with_drafting_graphs(llm, k, [1, 2, 4, 8]) if padded else None
+        seen = recorded_drafts(llm)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        runs[padded] = seen
+    assert len(sizes_run) >= 5 and {8, 4} <= set(sizes_run), sizes_run
+    eager, padded = runs[False], runs[True]
+    first = {run: min(s for s, _, _ in seen) for run, seen in runs.items()}  # sequence ids count on per process
+    assert [(s - first[True], d) for s, d, _ in padded] == [(s - first[False], d) for s, d, _ in eager]
+    for (_, _, a), (_, _, b) in zip(eager, padded):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)

@@ -21,6 +21,7 @@ import torch
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 
 
 @dataclass
@@ -42,12 +43,17 @@ class Proposal:
 
 
 class MtpProposer:
-    def __init__(self, model: DeepseekV4Model, cache: ModelCache, num_speculative_tokens: int):
+    """``graphs``: an :class:`~deepinfer_core.spec_decode.mtp_graph.MtpGraphs` that drafts for steps whose
+    every span drafts from at most k + 1 kept positions; other steps draft eagerly."""
+
+    def __init__(self, model: DeepseekV4Model, cache: ModelCache, num_speculative_tokens: int,
+                 graphs: MtpGraphs | None = None):
         if not model.has_mtp:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with mtp.* weights; this one has "
                              "none (num_nextn_predict_layers / the mtp.0.* tensors)")
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
         self.window = model.cfg.sliding_window
+        self.graphs = graphs
 
     def _batch(self, spans: list[SeqSpan], ids: list[int], rows: list[int]):
         return build_forward_batch(ids, spans, set(), self.cache.block_size, self.window, rows,
@@ -65,6 +71,8 @@ class MtpProposer:
         spans that ask."""
         if not spans:
             return Proposal([], [])
+        if self.graphs is not None and self._graphable(spans):
+            return self._propose_padded(spans, streams)
         seq_spans, ids, rows, out_rows = [], [], [], []
         for span in spans:
             n = len(span.next_ids)
@@ -100,3 +108,29 @@ class MtpProposer:
         draft_ids = torch.stack(tokens, dim=1).tolist()
         confidences = torch.stack(confs, dim=1).tolist()
         return Proposal(draft_ids, confidences)
+
+    def _graphable(self, spans: list[DraftSpan]) -> bool:
+        return (self.graphs.size_for(len(spans)) is not None
+                and all(s.draft and 1 <= len(s.next_ids) <= self.k + 1 for s in spans))
+
+    def _propose_padded(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
+        """The catch-up padded to k + 1 positions per span and the draft steps, through ``self.graphs``."""
+        q = self.k + 1
+        catch, ids, rows, last = [], [], [], []
+        for i, span in enumerate(spans):
+            n = len(span.next_ids)
+            table, window = self._tables(span, span.start + q - 1 + self.k)
+            catch.append(SeqSpan(span.start, q, table, window, -1))
+            ids += span.next_ids + [0] * (q - n)
+            rows += span.rows + [span.rows[-1]] * (q - n)
+            last.append(i * q + n - 1)
+        steps = []
+        for j in range(self.k - 1):
+            step = []
+            for span in spans:
+                p = span.start + len(span.next_ids) + j
+                table, window = self._tables(span, p)
+                step.append(SeqSpan(p, 1, table, window, -1))
+            steps.append(step)
+        drafts, confidences = self.graphs.propose(catch, ids, last, steps, streams, rows)
+        return Proposal(drafts, confidences)

@@ -6,7 +6,8 @@ verification rows go through the rejection sampler. The rows rejected drafts wro
 (``spec_decode/rollback.py``), the MTP block catches up over the kept positions and drafts for the next
 step. The target forward replays a captured graph when the runner has one for the step's shape: every
 sequence a plain decode, or every one a verification of the same number of drafts
-(``GraphRunner.query_lens``); mixed steps, prefill chunks and the MTP block run eagerly.
+(``GraphRunner.query_lens``); mixed steps and prefill chunks run eagerly. Drafting replays
+``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most k + 1 kept positions.
 
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
 rollback, and returns; the rest (the new tokens to the host, the MTP catch-up and drafting, which need
@@ -28,6 +29,7 @@ from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.sampling.sampler import base_seed
+from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
 from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
 from deepinfer_core.spec_decode.rollback import CacheUndo
@@ -74,7 +76,11 @@ class SpecDecodeModelRunner(ModelRunner):
     def __init__(self, *args, num_speculative_tokens: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         self.k = num_speculative_tokens
-        self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens)
+        drafting_graphs = None
+        if self.graph_runner is not None:
+            drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
+                                        capture=bool(self.graph_runner.graphs), platform=self.platform)
+        self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
         self.num_layers = self.model.cfg.num_hidden_layers
         self._pending: _Pending | None = None  # the launched step whose second half has not run yet
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
