@@ -176,6 +176,37 @@ class _RerunPlatform(Platform):
         return {key: _Rerun(forward, key) for key in self.captured}
 
 
+class _KeepOutputPlatform(Platform):
+    """A "capture" that keeps what the forward of each key returned (no replay)."""
+
+    supports_graphs = True
+
+    def capture_graphs(self, keys, forward):
+        return {key: _Kept(forward(key)) for key in sorted(keys, reverse=True)}
+
+
+class _Kept:
+    def __init__(self, output):
+        self.output = output
+
+
+def test_graphs_of_one_query_length_share_their_output_buffers(make_llm, tiny_path):
+    """Every graph's logits (and streams) are views of one buffer per query length, sized for the
+    largest batch, not one vocab-wide buffer per (size, context bucket)."""
+    llm = make_llm(tiny_path("tiny"), dtype="float64", max_num_seqs=8)
+    engine = llm.llm_engine
+    runner = GraphRunner(engine.model, engine.cache, [1, 2, 4, 8], 256, BS, platform=_KeepOutputPlatform(engine.device),
+                         min_context=16, query_lens=(1, 3), keep_streams=True)
+    storages = {}
+    for (size, _, q), graph in runner.graphs.items():
+        logits, streams = graph.output
+        assert logits.shape[0] == streams.shape[0] == size * q
+        storages.setdefault(q, set()).add((logits.untyped_storage().data_ptr(), streams.untyped_storage().data_ptr()))
+    assert {q: len(ptrs) for q, ptrs in storages.items()} == {1: 1, 3: 1}
+    vocab = engine.model_config.vocab_size
+    assert [t.shape for t in runner._outputs[3]][0] == (8 * 3, vocab)
+
+
 def test_padded_decode_across_context_buckets_matches_transformers(make_llm, tiny_path):
     """Graphs captured per (size, context bucket, query length 1); each decode step replays the graph of
     its batch size and longest context, and the tokens are transformers'."""

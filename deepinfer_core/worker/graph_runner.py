@@ -165,9 +165,25 @@ class GraphRunner:
         logits, streams = self.model.forward(batch, self.cache)
         return (logits, streams) if self.keep_streams else logits
 
+    def _shared_forward(self, key: tuple[int, int, int]):
+        """The forward of ``key``'s static inputs with its outputs copied into buffers that every graph of
+        that query length shares (a graph's own outputs stay allocated: one vocab-wide logits buffer per
+        size and context bucket otherwise)."""
+        out = self._forward(self.inputs[key].batch)
+        outs = out if self.keep_streams else (out,)
+        q = key[2]
+        if q not in self._outputs:  # the largest size comes first (and before capture, in a warm-up run)
+            rows = self.sizes[-1] * q
+            self._outputs[q] = tuple(t.new_empty((rows, *t.shape[1:])) for t in outs)
+        views = []
+        for buffer, t in zip(self._outputs[q], outs):
+            buffer[: t.shape[0]].copy_(t)
+            views.append(buffer[: t.shape[0]])
+        return tuple(views) if self.keep_streams else views[0]
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every (size, context, query length) bucket, largest first into one pool. The capture
         inputs are padding sequences only, so capturing writes nothing outside the cache's trash."""
-        self.graphs = dict(self.platform.capture_graphs(list(self.inputs),
-                                                        lambda key: self._forward(self.inputs[key].batch)))
+        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.graphs = dict(self.platform.capture_graphs(list(self.inputs), self._shared_forward))
