@@ -14,6 +14,7 @@ from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import oracle_drafts, spec
 from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
+from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.worker.graph_runner import GraphRunner
 
@@ -58,17 +59,59 @@ def test_verification_graphs_keep_greedy_equal(config, k, tiny_path, make_llm):
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 
-def test_unequal_drafts_run_eagerly(tiny_path, make_llm):
-    """Confidence scheduling gives sequences different draft counts: such steps are not padded, and the
-    output is still the reference's."""
+def count_filled_steps(llm) -> list[int]:
+    """Record the query length of every step the runner pads with filler tokens."""
+    runner, filled = llm.llm_engine.runner, []
+    original = runner._graph_query_len
+
+    def record(scheduled):
+        q = original(scheduled)
+        if q:
+            filled.append(q)
+        return q
+
+    runner._graph_query_len = record
+    return filled
+
+
+def test_unequal_drafts_are_padded_with_fillers(tiny_path, make_llm):
+    """Confidence scheduling gives sequences different draft counts: each span is padded to 1 + k tokens
+    with filler tokens, always rejected and their cache writes put back, and the output is still the
+    reference's."""
     path = tiny_path("tiny")
     prompts = [make_prompt(n, seed=i) for i, n in enumerate([5, 17, 30, 33])]
     ref = reference(make_llm, path, prompts)
     llm = make_llm(path, dtype="float64", max_num_seqs=4, **spec(3, "confidence"))
     steps = with_spec_graphs(llm, 3, [1, 2, 4])
+    filled = count_filled_steps(llm)
+    oracle_drafts(llm, ref, mixed)
     outs = run_tokens(llm, prompts, greedy(MAX_TOKENS))
     assert outs == [ref[tuple(p)][:MAX_TOKENS] for p in prompts]
-    assert all(q in (1, 4) for _, q in steps)
+    assert filled and set(filled) == {4} and all(q in (1, 4) for _, q in steps)
+
+
+def test_plain_requests_ride_in_padded_verification_steps(tiny_path, make_llm):
+    """Requests that cannot speculate (penalties, logprobs) decode one token per step beside verifying
+    ones: the step is padded to 1 + k tokens per sequence and every output equals the run without
+    speculation."""
+    path = tiny_path("tiny_hc4")
+    prompts = [make_prompt(n, seed=i) for i, n in enumerate([3, 15, 16, 29, 31, 47])]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3) if i % 3 == 0
+              else SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2) if i % 3 == 1
+              else greedy(12) for i in range(len(prompts))]
+    plain = make_llm(path, dtype="float64", max_num_seqs=8)
+    ref = plain.generate(token_prompts(prompts), params, use_tqdm=False)
+    llm = make_llm(path, dtype="float64", max_num_seqs=8, **spec(2))
+    with_spec_graphs(llm, 2, [1, 2, 4, 8])
+    filled = count_filled_steps(llm)
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    for a, b in zip(outs, ref):
+        if b.outputs[0].logprobs is not None:
+            for got, want in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert got.keys() == want.keys()
+                assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-9)
+    assert len(filled) >= 3 and set(filled) == {3}
 
 
 def recorded_drafts(llm) -> list[tuple[int, list[int], list[float]]]:

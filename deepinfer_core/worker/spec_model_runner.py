@@ -95,29 +95,39 @@ class SpecDecodeModelRunner(ModelRunner):
             self._accepted.pop(seq_id, None)
             self._drafts.pop(seq_id, None)
         so = dataclasses.replace(so, scheduled=[self._resolve(s) for s in so.scheduled])
+        q = self._graph_query_len(so.scheduled)
         spans, ids, rows, plain, verifies, starts = [], [], [], [], [], []
-        draft = []
+        draft, filler = [], []
         for i, s in enumerate(so.scheduled):
             if s.restore_boundary is not None:
                 self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
-            spans.append(SeqSpan(s.start, len(s.token_ids), s.block_table, s.window_block_table, s.state_slot,
+            extra = q - len(s.token_ids) if q else 0
+            spans.append(SeqSpan(s.start, len(s.token_ids) + extra, *self._tables(s, extra), s.state_slot,
                                  s.write_from))
             starts.append(len(ids))
-            ids.extend(s.token_ids)
+            ids.extend(s.token_ids + [s.token_ids[-1]] * extra)
             n_plain = len(s.token_ids) - s.num_drafts
-            draft += [False] * n_plain + [True] * s.num_drafts
+            draft += [False] * n_plain + [True] * (s.num_drafts + extra)
+            filler += [False] * len(s.token_ids) + [True] * extra
+            last = starts[-1] + len(s.token_ids) - 1  # the span's last real token
             if s.sample and s.num_drafts:
-                verifies.append(_Verify(i, len(rows), self.requests[s.seq_id], s.token_ids[n_plain:]))
-                rows.extend(range(len(ids) - s.num_drafts - 1, len(ids)))
+                verifies.append(_Verify(i, last - s.num_drafts if q else len(rows), self.requests[s.seq_id],
+                                        s.token_ids[n_plain:]))
+                rows.extend(range(last - s.num_drafts, last + 1))
             elif s.sample:
-                plain.append((i, len(rows)))
-                rows.append(len(ids) - 1)
+                plain.append((i, last if q else len(rows)))
+                rows.append(last)
         graphs = self.graph_runner
+        if q:  # every token's logits: a row's index is its token's
+            rows = list(range(len(ids)))
         pad = graphs.padding_for(spans, rows) if graphs is not None else None
         host = build_forward_batch(ids, spans, self.model.compressor_specs(), self.block_size,
                                    self.model.cfg.sliding_window, rows, pad=pad)
         draft_mask = torch.tensor(draft + [False] * (host.num_tokens - len(draft)), dtype=torch.bool)
-        undo = CacheUndo(self.cache, host, draft_mask, self.num_layers, self.model.device) if verifies else None
+        filler_mask = torch.tensor(filler + [False] * (host.num_tokens - len(filler)), dtype=torch.bool)
+        undo = None
+        if verifies or any(filler):
+            undo = CacheUndo(self.cache, host, draft_mask, self.num_layers, self.model.device)
         if pad is not None:  # the graph's buffers: read (sampled, drafted from) before the next replay
             logits, streams = graphs.replay_with_streams(graphs.load(host))
         else:
@@ -134,10 +144,39 @@ class SpecDecodeModelRunner(ModelRunner):
                 bitmask = bitmask[keep]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
             plain_out = self.sampler(logits.index_select(0, index), states, bitmask).to_host(self.platform)
+        fillers = filler_mask.to(logits.device)
         if verifies:
-            verified = self._verify(logits, verifies, undo, draft_mask, starts, so.scheduled)
+            verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled)
+        elif undo is not None:
+            undo.restore(fillers)
         self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified))
         return self._pending
+
+    def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
+        """The tokens per sequence of a graph that runs this step with every span padded by filler tokens
+        (always rejected, their cache writes put back), or None: run it as scheduled. A step qualifies
+        when every span is a sampled decode (its last token and its drafts, no prefill) and spans differ
+        in length."""
+        graphs = self.graph_runner
+        if graphs is None or not scheduled or len(graphs.query_lens) < 2:
+            return None
+        if any(not s.sample or len(s.token_ids) != 1 + s.num_drafts for s in scheduled):
+            return None
+        longest = max(len(s.token_ids) for s in scheduled)
+        if all(len(s.token_ids) == longest for s in scheduled):
+            return None  # already one graph's shape
+        q = next((n for n in graphs.query_lens if n >= longest), None)
+        probe = [SeqSpan(s.start, q, [], [], -1) for s in scheduled] if q else []
+        return q if q and graphs.padding_for(probe, list(range(len(probe) * q))) is not None else None
+
+    def _tables(self, s: ScheduledSeq, extra: int) -> tuple[list[int], list[int]]:
+        """The span's block tables, with -1 for the blocks that only ``extra`` filler tokens reach (their
+        writes go to the trash, never to another position's rows)."""
+        if not extra:
+            return s.block_table, s.window_block_table
+        need = (s.start + len(s.token_ids) + extra - 1) // self.block_size + 1
+        pad = lambda t: list(t) + [-1] * max(0, need - len(t))  # noqa: E731
+        return pad(s.block_table), pad(s.window_block_table)
 
     def _resolve(self, s: ScheduledSeq) -> ScheduledSeq:
         """A span scheduled before its sequence's step before ended: shifted by the drafts that step
@@ -177,9 +216,9 @@ class SpecDecodeModelRunner(ModelRunner):
         return out
 
     def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
-                starts: list[int], scheduled: list[ScheduledSeq]):
+                fillers: torch.Tensor, starts: list[int], scheduled: list[ScheduledSeq]):
         """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
-        drafts are put back."""
+        drafts and by ``fillers`` are put back."""
         device, vocab = logits.device, logits.shape[-1]
         k = max(len(v.drafts) for v in verifies)
         s = len(verifies)
@@ -207,7 +246,7 @@ class SpecDecodeModelRunner(ModelRunner):
             owner[first:first + len(v.drafts)] = i
             offset[first:first + len(v.drafts)] = torch.arange(1, len(v.drafts) + 1)
         owner, offset = owner.to(device), offset.to(device)
-        rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
+        rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)]) | fillers
         undo.restore(rejected)
         return out
 
