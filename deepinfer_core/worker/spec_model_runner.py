@@ -6,7 +6,9 @@ verification rows go through the rejection sampler. The rows rejected drafts wro
 (``spec_decode/rollback.py``), the MTP block catches up over the kept positions and drafts for the next
 step. The target forward replays a captured graph when the runner has one for the step's shape: every
 sequence a plain decode, or every one a verification of the same number of drafts
-(``GraphRunner.query_lens``); mixed steps and prefill chunks run eagerly. Drafting replays
+(``GraphRunner.query_lens``). A decode-only step of unequal spans is padded to the 1 + k graph with
+filler tokens (always rejected; the undo log puts their writes back); steps with prefill chunks run
+eagerly. Drafting replays
 ``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most k + 1 kept positions.
 
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
