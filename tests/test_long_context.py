@@ -288,7 +288,8 @@ class _RecordingPlatform(Platform):
 
 def test_activation_profile_runs_at_the_longest_context(tiny_path):
     """The profile runs a full token budget ending at max_model_len and a decode step of max_num_seqs
-    sequences at max_model_len, from a cache of one chunk's blocks."""
+    sequences at max_model_len (of 1 + k tokens each when speculating), from a cache of one chunk's
+    blocks."""
     from deepinfer_core.model import load_model
 
     model = load_model(tiny_path("tiny"), "cpu_ref", torch.float32)
@@ -299,10 +300,16 @@ def test_activation_profile_runs_at_the_longest_context(tiny_path):
     sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=4000)
     platform = _RecordingPlatform(torch.device("cpu"))
     total = profile_activation_bytes(model, sched, BS, platform)
-    assert platform.calls == 2 and total == 2000 + 8 * 3 * model.cfg.vocab_size * 4
+    vocab_row = model.cfg.vocab_size * 4
+    assert platform.calls == 2 and total == 2000 + 8 * 3 * vocab_row + 3 * vocab_row  # + the graphs' logits
     (chunk, blocks), (decode, _) = seen
     assert chunk.tolist() == list(range(4000 - 64, 4000)) and blocks == 64 // BS + 1
     assert decode.tolist() == [3999] * 3
+    seen.clear()
+    total = profile_activation_bytes(model, sched, BS, platform, query_len=4)  # verifications of 3 drafts
+    assert total == 2000 + 8 * 3 * vocab_row + 3 * (1 + 4) * vocab_row
+    _, (decode, _) = seen
+    assert decode.tolist() == [3996, 3997, 3998, 3999] * 3
 
 
 @pytest.fixture(scope="module")

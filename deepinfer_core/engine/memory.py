@@ -24,11 +24,12 @@ class PoolSizes:
 
 
 def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, block_size: int,
-                             platform: Platform, spec: KVCacheSpec | None = None) -> int:
+                             platform: Platform, spec: KVCacheSpec | None = None, query_len: int = 1) -> int:
     """Peak device memory of the forwards a step can run, beyond weights and cache (what the pools must
     leave free), at the longest context: a full token budget as the last chunk of a ``max_model_len``
-    prompt, plus one decode step of as many sequences as a step holds, each ``max_model_len`` long (the
-    largest decode graph keeps that much in its pool), plus the sampler's per-sequence vocab-sized buffers.
+    prompt, plus one decode step of as many sequences as a step holds, each ``max_model_len`` long with
+    ``query_len`` new tokens (1 + drafts when speculating: the largest decode graph keeps that much in its
+    pool), plus the sampler's per-sequence vocab-sized buffers and the graphs' shared logits buffers.
 
     The profiling cache holds one chunk's blocks, which every block table reuses: the shapes and the work
     of a long context without its KV memory."""
@@ -40,14 +41,16 @@ def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, blo
     specs, window = model.compressor_specs(), model.cfg.sliding_window
     prefill = build_forward_batch([0] * tokens, [SeqSpan(longest - tokens, tokens, table, table, 0)], specs,
                                   block_size, window, None, device)
-    seqs = min(sched.max_num_seqs, tokens)
-    decode = build_forward_batch([0] * seqs, [SeqSpan(longest - 1, 1, table, table, 0)] * seqs, specs,
-                                 block_size, window, None, device)
+    seqs = min(sched.max_num_seqs, max(1, tokens // query_len))
+    decode = build_forward_batch([0] * seqs * query_len,
+                                 [SeqSpan(longest - query_len, query_len, table, table, 0)] * seqs, specs,
+                                 block_size, window, list(range(seqs * query_len)), device)
     peak = platform.peak_memory_of(partial(model.forward, prefill, cache))
     peak += platform.peak_memory_of(partial(model.forward, decode, cache))
     del cache, prefill, decode
     sampler = 8 * sched.max_num_seqs * model.cfg.vocab_size * 4
-    return peak + sampler
+    graph_outputs = sched.max_num_seqs * (1 + (query_len if query_len > 1 else 0)) * model.cfg.vocab_size * 4
+    return peak + sampler + graph_outputs
 
 
 def plan_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype,

@@ -21,6 +21,7 @@ from deepinfer_core.parallel.process_group import init_process_group, world_grou
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
 from deepinfer_core.sampling.sampler import Sampler
+from deepinfer_core.spec_decode.config import SpeculativeConfig
 from deepinfer_core.worker.model_runner import ModelRunner
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 
@@ -88,7 +89,10 @@ class Worker:
         spec = resolve_kv_cache_spec(self.backend.hook, cfg, self.cache_config, self.dtype, self.model.numerics)
         activation = 0
         if self.platform.measures_memory:
-            activation = profile_activation_bytes(self.model, self.scheduler_config, block_size, self.platform, spec)
+            spec_config = SpeculativeConfig.from_arg(getattr(args, "speculative_config", None))
+            query_len = 1 + spec_config.num_speculative_tokens if spec_config is not None else 1
+            activation = profile_activation_bytes(self.model, self.scheduler_config, block_size, self.platform, spec,
+                                                  query_len)
         budget = self.platform.memory_budget(self.cache_config, activation)
         sizes = plan_pools(cfg, self.cache_config, self.scheduler_config, self.dtype, budget, spec)
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
