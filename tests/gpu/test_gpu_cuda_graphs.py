@@ -33,7 +33,7 @@ def test_graphs_follow_eager(name, tiny_path):
     eager, none, _ = _run(tiny_path(name), enforce_eager=True)
     assert none is None
     graphs_out, graphs, replays = _run(tiny_path(name))
-    assert sorted(graphs.graphs) == graphs.sizes == [1, 2, 4, 8, 16]
+    assert sorted({n for n, _, _ in graphs.graphs}) == graphs.sizes == [1, 2, 4, 8, 16]
     assert {16, 8, 4, 2, 1} & set(replays) and len(replays) > 30, replays
     for e, g in zip(eager, graphs_out):
         for step, (te, tg, lp) in enumerate(zip(e.token_ids, g.token_ids, e.logprobs)):
@@ -56,3 +56,34 @@ def test_graph_bucket_padding_and_eager_fallback(tiny_path):
               enforce_eager=True).generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, ref))
     assert same >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_steps_replay_verification_and_drafting_graphs(k):
+    """The trained default model with MTP speculation: verification steps replay the 1 + k graphs (spans
+    with fewer drafts filled up), drafting replays the MTP graphs, and the greedy tokens are those of the
+    eager engine without speculation (all but near-ties in float32)."""
+    text = open("data/heldout_slice.txt").read()
+
+    def make(**kw):
+        return LLM(backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
+
+    plain = make(enforce_eager=True)
+    ids = plain.llm_engine.encode(text)
+    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    runner = llm.llm_engine.runner
+    graphs, drafting = runner.graph_runner, runner.proposer.graphs
+    assert graphs is not None and graphs.query_lens == [1, 1 + k] and drafting is not None and drafting.graphs
+    verified, drafted = [], []
+    replay = graphs.replay_with_streams
+    graphs.replay_with_streams = lambda b: verified.append(b.num_tokens // b.padded_to) or replay(b)
+    propose = drafting.propose
+    drafting.propose = lambda *a: drafted.append(len(a[0])) or propose(*a)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert sum(a == b for a, b in zip(outs, ref)) >= len(prompts) - 1
+    assert verified.count(1 + k) >= 5 and len(drafted) >= 5, (verified, drafted)
+    stats = llm.llm_engine.spec_decode_stats()
+    assert stats["mean_acceptance_length"] > 1.2, stats
