@@ -66,7 +66,7 @@ class CacheUndo:
                    for kind, items in _written_rows(host, draft).items()}
 
         def save(pool: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor) -> None:
-            self.saved.append(_Saved(pool, rows, owner, pool[rows].clone()))
+            self.saved.append(_Saved(pool, rows, owner, pool[rows]))  # advanced indexing copies
 
         for _, rows, owner in written["window"]:
             for layer in range(num_layers):
@@ -92,7 +92,12 @@ class CacheUndo:
                             save(record, rows, owner)
 
     def restore(self, rejected: torch.Tensor) -> None:
-        """Put back every saved row whose writing token is ``rejected`` (bool [T], device)."""
+        """Put back every saved row whose writing token is ``rejected`` (bool [T], device). A row to keep is
+        sent to row -1, the pool's trash, so each pool costs one write (the targets are worked out once
+        per set of rows, which every layer's pools of a kind share)."""
+        targets: dict[int, torch.Tensor] = {}
         for s in self.saved:
-            back = rejected[s.owner].unsqueeze(1)
-            s.pool[s.rows] = torch.where(back, s.values, s.pool[s.rows])
+            target = targets.get(id(s.rows))
+            if target is None:
+                target = targets[id(s.rows)] = torch.where(rejected[s.owner], s.rows, -1)
+            s.pool[target] = s.values
