@@ -16,7 +16,7 @@ from engine_fixtures import make_prompt, token_prompts
 from spec_fixtures import spec
 
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
+from deepinfer_core.spec_decode.rejection_sampler import greedy_verify, rejection_sample, verify_noise
 
 make_llm = engine_fixtures.make_llm
 one_torch_thread = engine_fixtures.one_torch_thread
@@ -68,6 +68,25 @@ def test_greedy_rows_are_exact_match():
                            greedy=torch.tensor([True]))
     assert out.num_accepted.tolist() == [1]  # draft 1 = argmax of row 0; draft 2 != argmax of row 1 (0)
     assert out.output_token_ids.tolist() == [[1, 0, -1]]
+
+
+def test_all_greedy_fast_path_equals_the_rejection_sampler():
+    """``greedy_verify`` (no probabilities, no noise) gives the rejection sampler's greedy verdicts, for
+    drafts right and wrong at every offset and draft counts below K."""
+    gen = torch.Generator().manual_seed(0)
+    s, k, vocab = 64, 3, 11
+    logits = torch.randn(s, k + 1, vocab, generator=gen, dtype=torch.float64)
+    argmax = logits.argmax(dim=-1)
+    wrong = torch.rand(s, k, generator=gen) < 0.3
+    drafts = torch.where(wrong, (argmax[:, :k] + 1) % vocab, argmax[:, :k])
+    num_drafts = torch.randint(0, k + 1, (s,), generator=gen)
+    uniforms, noise = verify_noise(list(range(s)), [0] * s, k + 1, vocab, torch.device("cpu"))
+    slow = rejection_sample(torch.softmax(logits, dim=-1), drafts, num_drafts, uniforms, noise,
+                            greedy=torch.ones(s, dtype=torch.bool))
+    fast = greedy_verify(logits, drafts, num_drafts)
+    assert torch.equal(fast.num_accepted, slow.num_accepted) and torch.equal(fast.output_token_ids,
+                                                                              slow.output_token_ids)
+    assert set(fast.num_accepted.tolist()) == {0, 1, 2, 3}
 
 
 def _top4(llm, prompt):

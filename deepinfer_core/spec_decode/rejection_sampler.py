@@ -74,6 +74,22 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     return VerifyOutput(out, num_accepted)
 
 
+def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                  num_drafts: torch.Tensor) -> VerifyOutput:
+    """``rejection_sample`` when every sequence is greedy: exact match against the argmax of
+    ``target_logits`` [S, K+1, V], no probabilities or noise."""
+    k = target_logits.shape[1] - 1
+    argmax = target_logits.argmax(dim=-1)  # [S, K+1]
+    drafts = draft_token_ids.clamp(min=0)
+    valid = torch.arange(k, device=drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+    num_accepted = ((drafts == argmax[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
+    out = torch.cat([drafts, drafts[:, :1]], dim=1)
+    rows = torch.arange(k + 1, device=out.device).unsqueeze(0)
+    out = torch.where(rows == num_accepted.unsqueeze(1), argmax, out)
+    out = torch.where(rows > num_accepted.unsqueeze(1), torch.full_like(out, -1), out)
+    return VerifyOutput(out, num_accepted)
+
+
 def verify_noise(base_seeds: list[int], first_positions: list[int], num_rows: int, vocab_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(uniforms [S, K], Exp(1) noise [S, K+1, V]) for sequences whose row 0 is output position

@@ -33,7 +33,7 @@ from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
-from deepinfer_core.spec_decode.rejection_sampler import rejection_sample, verify_noise
+from deepinfer_core.spec_decode.rejection_sampler import greedy_verify, rejection_sample, verify_noise
 from deepinfer_core.spec_decode.rollback import CacheUndo
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
 from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput
@@ -234,12 +234,15 @@ class SpecDecodeModelRunner(ModelRunner):
         num_drafts = torch.tensor([len(v.drafts) for v in verifies], dtype=torch.long)
         greedy = torch.tensor([v.state.params.greedy for v in verifies], dtype=torch.bool)
         rows = logits[gather.to(device).flatten()]  # [S * (K + 1), V]
-        params = [v.state.params for v in verifies for _ in range(k + 1)]
-        probs = self._target_probs(rows, params).view(s, k + 1, vocab)
-        uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
-                                       [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
-        out = rejection_sample(probs, drafts.to(device), num_drafts.to(device), uniforms, noise,
-                               greedy=greedy.to(device))
+        if all(v.state.params.greedy for v in verifies):
+            out = greedy_verify(rows.view(s, k + 1, vocab), drafts.to(device), num_drafts.to(device))
+        else:
+            params = [v.state.params for v in verifies for _ in range(k + 1)]
+            probs = self._target_probs(rows, params).view(s, k + 1, vocab)
+            uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
+                                           [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
+            out = rejection_sample(probs, drafts.to(device), num_drafts.to(device), uniforms, noise,
+                                   greedy=greedy.to(device))
         # rejected: a draft token whose offset in its verification is past the accepted ones
         owner = torch.full((len(draft_mask),), -1, dtype=torch.long)
         offset = torch.zeros(len(draft_mask), dtype=torch.long)
