@@ -8,8 +8,8 @@ step. The target forward replays a captured graph when the runner has one for th
 sequence a plain decode, or every one a verification of the same number of drafts
 (``GraphRunner.query_lens``). A decode-only step of unequal spans is padded to the 1 + k graph with
 filler tokens (always rejected; the undo log puts their writes back); steps with prefill chunks run
-eagerly. Drafting replays
-``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most k + 1 kept positions.
+eagerly. Drafting replays ``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most
+k + 1 kept positions.
 
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
 rollback, and returns; the rest (the new tokens to the host, the MTP catch-up and drafting, which need
@@ -146,7 +146,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 bitmask = bitmask[keep]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
             plain_out = self.sampler(logits.index_select(0, index), states, bitmask).to_host(self.platform)
-        fillers = filler_mask.to(logits.device)
+        fillers = filler_mask.to(logits.device) if any(filler) else None
         if verifies:
             verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled)
         elif undo is not None:
@@ -218,7 +218,7 @@ class SpecDecodeModelRunner(ModelRunner):
         return out
 
     def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
-                fillers: torch.Tensor, starts: list[int], scheduled: list[ScheduledSeq]):
+                fillers: torch.Tensor | None, starts: list[int], scheduled: list[ScheduledSeq]):
         """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
         drafts and by ``fillers`` are put back."""
         device, vocab = logits.device, logits.shape[-1]
@@ -251,7 +251,9 @@ class SpecDecodeModelRunner(ModelRunner):
             owner[first:first + len(v.drafts)] = i
             offset[first:first + len(v.drafts)] = torch.arange(1, len(v.drafts) + 1)
         owner, offset = owner.to(device), offset.to(device)
-        rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)]) | fillers
+        rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
+        if fillers is not None:
+            rejected |= fillers
         undo.restore(rejected)
         return out
 
