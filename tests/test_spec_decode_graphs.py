@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import engine_fixtures
 import pytest
+import test_spec_async
 from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import oracle_drafts, spec
+from test_spec_async import expected, worker_oracle
 from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
 from deepinfer_core.sampling.params import SamplingParams
@@ -19,6 +21,7 @@ from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.worker.graph_runner import GraphRunner
 
 make_llm = engine_fixtures.make_llm
+make_async = test_spec_async.make_async
 one_torch_thread = engine_fixtures.one_torch_thread
 tiny_path = engine_fixtures.tiny_path
 
@@ -127,17 +130,17 @@ def recorded_drafts(llm) -> list[tuple[int, list[int], list[float]]]:
     return seen
 
 
-def with_drafting_graphs(llm, k: int, sizes: list[int]) -> list[int]:
-    """Padded MTP drafting for the engine (and padded verification graphs); returns the list of the
-    batch sizes drafted through the padded path."""
-    with_spec_graphs(llm, k, sizes)
+def with_drafting_graphs(llm, k: int, sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Padded MTP drafting for the engine (and padded verification graphs); returns the records of
+    ``with_spec_graphs`` and the list of the batch sizes drafted through the padded path."""
+    steps = with_spec_graphs(llm, k, sizes)
     engine = llm.llm_engine
     graphs = MtpGraphs(engine.model, engine.cache, sizes, k, capture=False)
     engine.runner.proposer.graphs = graphs
     sizes_run = []
     original = graphs._run
     graphs._run = lambda size: sizes_run.append(size) or original(size)
-    return sizes_run
+    return steps, sizes_run
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -153,7 +156,7 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
     runs = {}
     for padded in (False, True):
         llm = make_llm(None, dtype="float64", block_size=32, **spec(k))
-        sizes_run = with_drafting_graphs(llm, k, [1, 2, 4, 8]) if padded else None
+        sizes_run = with_drafting_graphs(llm, k, [1, 2, 4, 8])[1] if padded else None
         seen = recorded_drafts(llm)
         outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
@@ -164,3 +167,18 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
     assert [(s - first[True], d) for s, d, _ in padded] == [(s - first[False], d) for s, d, _ in eager]
     for (_, _, a), (_, _, b) in zip(eager, padded):
         assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_async_speculation_through_graphs(schedule, tiny_path, make_llm, make_async):
+    """Async scheduling (step N+1's spans are placeholders shifted by step N's accepted drafts) with
+    verification and drafting through the padded graph layouts: the reference's tokens, with steps
+    overlapped."""
+    path = tiny_path("tiny")
+    ref = reference(make_llm, path, PROMPTS)
+    llm = make_async(path, dtype="float64", max_num_seqs=16, **spec(3, schedule))
+    steps, sizes_run = with_drafting_graphs(llm, 3, [1, 2, 4, 8, 16])
+    worker_oracle(llm, ref, mixed)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref, PROMPTS)
+    assert [q for _, q in steps].count(4) >= 2 and len(sizes_run) >= 2, (steps, sizes_run)
+    assert llm.llm_engine.counts["overlapped"] > 0
