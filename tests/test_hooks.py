@@ -50,6 +50,30 @@ def test_every_hook_has_a_test_named_after_it():
     assert untested == []
 
 
+def _shipped_hookimpls() -> list[tuple[str, object]]:
+    import importlib
+
+    impls = []
+    for module in ("deepinfer_cpu_ref.plugin", "deepinfer_nvidia_sm100.plugin", "deepinfer_ascend_950.plugin",
+                   "deepinfer_example_kernels.plugin"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        impls += [(f"{module}.{name}", fn) for name, fn in inspect.getmembers(mod, inspect.isfunction)
+                  if hasattr(fn, f"{hookspecs.PROJECT}_impl")]
+    return impls
+
+
+def test_shipped_hookimpls_take_every_argument_without_defaults():
+    """pluggy never passes a hookimpl's defaulted parameters: a default there silently pins the value."""
+    impls = _shipped_hookimpls()
+    assert any(name.startswith("deepinfer_cpu_ref.") for name, _ in impls)
+    defaulted = [f"{name}({p.name})" for name, fn in impls for p in inspect.signature(fn).parameters.values()
+                 if p.default is not inspect.Parameter.empty]
+    assert defaulted == []
+
+
 def test_the_checks_catch_a_hook_without_caller_or_test():
     assert _core_callers("deepinfer_no_such_hook") == []
     assert not any("no_such_hook" in t for t in _test_names())

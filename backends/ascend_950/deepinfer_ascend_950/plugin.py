@@ -210,8 +210,8 @@ def deepinfer_platform(device):
 
 
 @hookimpl
-def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens=(1,),
-                           keep_streams=False):
+def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens,
+                           keep_streams):
     """ACL graphs of the decode step through the core's GraphRunner over :class:`NpuPlatform`."""
     if not platform.supports_graphs or not capture_sizes:
         return None

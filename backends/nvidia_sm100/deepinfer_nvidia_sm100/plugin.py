@@ -169,8 +169,8 @@ def deepinfer_platform(device):
 
 
 @hookimpl
-def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens=(1,),
-                           keep_streams=False):
+def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens,
+                           keep_streams):
     if not platform.supports_graphs or not capture_sizes:
         return None
     from deepinfer_core.worker.graph_runner import GraphRunner
