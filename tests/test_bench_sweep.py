@@ -128,3 +128,8 @@ def test_plot_only_redraws_from_the_json(sweep, tmp_path):
     for name in ("pareto.png", "breakdown.png"):
         assert (redraw_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (redraw_dir / "summary.md").read_text() == (out / "summary.md").read_text()
+
+
+def test_full_width_sweep_on_the_default_cpu_backend_is_refused(capsys):
+    assert cli.main(["bench", "--mode", "sweep", "--batch-sizes", "1"]) != 0
+    assert "--backend nvidia_sm100" in capsys.readouterr().err

@@ -124,6 +124,10 @@ def _sweep_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_sweep_mode(args: argparse.Namespace) -> int:
+    if args.backend == "cpu_ref" and args.device is None and not (args.small or args.plot_only):
+        return fail("bench", f"--mode {args.mode} builds V4-Flash-width weights; on cpu_ref that takes hours: "
+                             "pass a GPU backend (--backend nvidia_sm100), or --small for a CPU smoke test "
+                             "(--device cpu runs it on cpu_ref anyway)")
     try:
         cli = _sweep_cli()
     except UsageError as exc:
