@@ -437,8 +437,9 @@ def test_platform_hook_and_npu_platform(monkeypatch, tmp_path):
 
 
 def test_graph_runner_hook_needs_graph_support():
-    assert plugin.deepinfer_graph_runner(None, None, [1, 2], 64, 16, SimpleNamespace(supports_graphs=False)) is None
-    assert plugin.deepinfer_graph_runner(None, None, [], 64, 16, SimpleNamespace(supports_graphs=True)) is None
+    runner = plugin.deepinfer_graph_runner
+    assert runner(None, None, [1, 2], 64, 16, SimpleNamespace(supports_graphs=False), (1,), False) is None
+    assert runner(None, None, [], 64, 16, SimpleNamespace(supports_graphs=True), (1,), False) is None
 
 
 def test_communicator_is_hccl_on_npus(monkeypatch):
