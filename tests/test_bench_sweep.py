@@ -133,3 +133,19 @@ def test_plot_only_redraws_from_the_json(sweep, tmp_path):
 def test_full_width_sweep_on_the_default_cpu_backend_is_refused(capsys):
     assert cli.main(["bench", "--mode", "sweep", "--batch-sizes", "1"]) != 0
     assert "--backend nvidia_sm100" in capsys.readouterr().err
+
+
+def test_fp8_configs_are_compared_with_their_bf16_config():
+    from benchmarks.gpu_sweep.report import fp8_goals
+
+    def config(steps, tok_s):
+        return {"decode": [{"batch": b, "summary": {"step_ms": ms}} for b, ms in steps.items()],
+                "prefill": [{"chunk": c, "summary": {"tok_s": t}} for c, t in tok_s.items()]}
+
+    report = {"configs": {"graphs": config({1: 4.0, 64: 10.0, 128: 20.0}, {512: 100.0, 2048: 200.0}),
+                          "graphs+fp8": config({1: 4.4, 64: 6.0, 128: 9.0}, {512: 90.0, 2048: 300.0}),
+                          "eager+fp8": config({1: 1.0}, {})}}
+    assert fp8_goals(report) == [
+        "- graphs+fp8: decode step at batch 64 0.60x the bf16 step (goal <= 0.65x at batch 64: met)",
+        "- graphs+fp8: prefill chunk 2048 1.50x the bf16 tokens/s (goal >= 1.3x: met)",
+    ]

@@ -81,6 +81,36 @@ def goals(report: dict[str, Any], max_batch: int = 64, step_goal: float = 1.5,
     return out
 
 
+def fp8_goals(report: dict[str, Any], batch: int = 64, step_goal: float = 0.65, prefill_goal: float = 1.3
+              ) -> list[str]:
+    """Per FP8 config against its bf16 config of the same run: the decode step at ``batch`` (or the largest
+    batch below it) and the largest chunk's prefill tokens/s."""
+    out, configs = [], report["configs"]
+    for name, res in configs.items():
+        base = configs.get(name.removesuffix("+fp8"))
+        if not name.endswith("+fp8") or base is None:
+            continue
+        steps = {r["batch"]: r["summary"]["step_ms"] for r in res["decode"] if r.get("summary", {}).get("step_ms")}
+        ref = {r["batch"]: r["summary"]["step_ms"] for r in base["decode"] if r.get("summary", {}).get("step_ms")}
+        both = [b for b in steps if b in ref and b <= batch]
+        if both:
+            b = max(both)
+            ratio = steps[b] / ref[b]
+            verdict = "met" if ratio <= step_goal else "not met"
+            out.append(f"- {name}: decode step at batch {b} {ratio:.2f}x the bf16 step "
+                       f"(goal <= {step_goal}x at batch {batch}: {verdict})")
+        tok = {r["chunk"]: r["summary"]["tok_s"] for r in res["prefill"] if r.get("summary", {}).get("tok_s")}
+        ref = {r["chunk"]: r["summary"]["tok_s"] for r in base["prefill"] if r.get("summary", {}).get("tok_s")}
+        both = [c for c in tok if c in ref]
+        if both:
+            c = max(both)
+            ratio = tok[c] / ref[c]
+            verdict = "met" if ratio >= prefill_goal else "not met"
+            out.append(f"- {name}: prefill chunk {c} {ratio:.2f}x the bf16 tokens/s "
+                       f"(goal >= {prefill_goal}x: {verdict})")
+    return out
+
+
 def errors(report: dict[str, Any]) -> list[str]:
     out = []
     for name, res in report["configs"].items():
@@ -120,7 +150,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
         lines += _table(["chunk", "config", "tok/s", "chunk ms", "TFLOP/s", "of matmul", "HF tok/s", "engine/HF",
                          "floor ms", "time/floor", "note"], prefill_rows(report))
         lines.append("")
-    met = goals(report)
+    met = goals(report) + fp8_goals(report)
     if met:
         lines += ["## Goals", "", *met, ""]
     errs = errors(report)
