@@ -85,13 +85,15 @@ def fp8_goals(report: dict[str, Any], batch: int = 64, step_goal: float = 0.65, 
               ) -> list[str]:
     """Per FP8 config against its bf16 config of the same run: the decode step at ``batch`` (or the largest
     batch below it) and the largest chunk's prefill tokens/s."""
+    def figures(res: dict[str, Any], part: str, key: str, field: str) -> dict[int, float]:
+        return {r[key]: r["summary"][field] for r in res[part] if r.get("summary", {}).get(field)}
+
     out, configs = [], report["configs"]
     for name, res in configs.items():
         base = configs.get(name.removesuffix("+fp8"))
         if not name.endswith("+fp8") or base is None:
             continue
-        steps = {r["batch"]: r["summary"]["step_ms"] for r in res["decode"] if r.get("summary", {}).get("step_ms")}
-        ref = {r["batch"]: r["summary"]["step_ms"] for r in base["decode"] if r.get("summary", {}).get("step_ms")}
+        steps, ref = (figures(r, "decode", "batch", "step_ms") for r in (res, base))
         both = [b for b in steps if b in ref and b <= batch]
         if both:
             b = max(both)
@@ -99,8 +101,7 @@ def fp8_goals(report: dict[str, Any], batch: int = 64, step_goal: float = 0.65, 
             verdict = "met" if ratio <= step_goal else "not met"
             out.append(f"- {name}: decode step at batch {b} {ratio:.2f}x the bf16 step "
                        f"(goal <= {step_goal}x at batch {batch}: {verdict})")
-        tok = {r["chunk"]: r["summary"]["tok_s"] for r in res["prefill"] if r.get("summary", {}).get("tok_s")}
-        ref = {r["chunk"]: r["summary"]["tok_s"] for r in base["prefill"] if r.get("summary", {}).get("tok_s")}
+        tok, ref = (figures(r, "prefill", "chunk", "tok_s") for r in (res, base))
         both = [c for c in tok if c in ref]
         if both:
             c = max(both)
