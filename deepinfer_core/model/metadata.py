@@ -180,7 +180,7 @@ def _window_table(spans: list[SeqSpan], sliding_window: int, block_size: int,
 
 @dataclass
 class _Layout:
-    """The batch's per-sequence facts as tensors (host side)."""
+    """The batch's per-sequence facts on the host (torch tensors; numpy arrays for the padded layout)."""
 
     ctx: torch.Tensor
     seq_len: torch.Tensor
@@ -299,9 +299,10 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
     ``rows`` ring reads, ``q`` ring writes, the windows and block ends ``q`` tokens can close (each written
     to -1 unless it closes now), a block table of ``pad.num_blocks`` columns (``max_entries`` candidates
     are derived from it on the device). Padding sequences have no blocks and state slot -1, so all they
-    write lands in the trash. Every token's logits are computed, real sequences' first.
+    write lands in the trash. Every token's logits are computed, real sequences' first. Built in numpy:
+    every graph step pays this on the host, and numpy's small-array ops cost a fraction of torch's.
     """
-    n, size, q, lo = len(spans), pad.num_seqs, pad.query_len, torch.long
+    n, size, q = len(spans), pad.num_seqs, pad.query_len
     if n > size or any(s.num_new != q for s in spans) or len(token_ids) != n * q:
         raise ValueError(f"a graph of {size} sequences runs steps of at most {size} sequences, "
                          f"{q} new token(s) each")
@@ -314,78 +315,101 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
             raise ValueError(f"a sequence of {longest} tokens attends {longest // rate} entries of rate {rate}; "
                              f"this graph layout holds {entries}")
     extra = size - n
-    ctx = torch.tensor([s.context_len for s in spans] + [0] * extra, dtype=lo)
-    seq = torch.arange(size)
-    owner = seq.repeat_interleave(q)
-    positions = ctx[owner] + torch.arange(size * q) % q
-    lay = _Layout(ctx, ctx + q, seq * q, torch.tensor([s.state_slot for s in spans] + [-1] * extra, dtype=lo),
-                  torch.tensor([s.write_from for s in spans] + [0] * extra, dtype=lo),
-                  _table([s.block_table for s in spans] + [[]] * extra), owner, positions)
-    wtables, wfirst = _window_table(spans, sliding_window, block_size, extra)
-    window = positions.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
+    ctx = np.array([s.context_len for s in spans] + [0] * extra, dtype=np.int64)
+    seq = np.arange(size)
+    owner = np.repeat(seq, q)
+    positions = ctx[owner] + np.arange(size * q) % q
     width = pad.num_blocks(block_size)  # blocks past the candidates' reach are not needed on the device
-    tables = torch.full((size, width), -1, dtype=lo)
-    tables[:, :min(width, lay.tables.shape[1])] = lay.tables[:, :width]
+    tables = np.full((size, width), -1, dtype=np.int64)
+    for i, s in enumerate(spans):
+        row = s.block_table[:width]
+        tables[i, :len(row)] = row
+    lay = _Layout(ctx, ctx + q, seq * q, np.array([s.state_slot for s in spans] + [-1] * extra, dtype=np.int64),
+                  np.array([s.write_from for s in spans] + [0] * extra, dtype=np.int64), tables, owner, positions)
+    wfirst = np.array([max(0, s.context_len - sliding_window + 1) // block_size for s in spans] + [0] * extra,
+                      dtype=np.int64)
+    wtables = _table([s.window_block_table[f:] for s, f in zip(spans, wfirst.tolist())] + [[]] * extra).numpy()
+    window = positions[:, None] + np.arange(1 - sliding_window, 1)
+    arrays = {
+        "input_ids": np.array(token_ids + [0] * (extra * q), dtype=np.int64),
+        "positions": positions,
+        "window_slots": _rows_np(wtables, owner, positions, block_size, first=wfirst),
+        "window_indices": _rows_np(wtables, owner, window, block_size, first=wfirst),
+        "logits_indices": np.arange(size * q),
+        "block_tables": tables,
+        "token_seq": owner,
+    }
+    t = {k: torch.from_numpy(v) for k, v in arrays.items()}
     batch = ForwardBatch(
-        input_ids=torch.tensor(token_ids + [0] * (extra * q), dtype=lo),
-        positions=positions,
-        window_slots=_rows(wtables, owner, positions, block_size, first=wfirst),
-        window_indices=_rows(wtables, owner, window, block_size, first=wfirst),
-        logits_indices=torch.arange(size * q),
+        **t,
         query_start_loc=list(range(0, n * q + 1, q)),  # the real sequences only: their logits are the first rows
-        block_tables=tables,
-        token_seq=owner.clone(),
         padded_to=size,
         padded_context=pad.context,
     )
     for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
-        batch.compressors[rate, overlap] = _padded_compressor_meta(rate, overlap, lay, block_size)
+        meta = _padded_compressor_meta(rate, overlap, lay, block_size)
+        batch.compressors[rate, overlap] = CompressorMeta(
+            **{k: None if v is None else torch.from_numpy(np.ascontiguousarray(v)) for k, v in meta.items()})
         batch.entry_widths[rate] = pad.max_entries[rate]
     return batch.to(device)
 
 
-def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int):
-    size, lo = len(lay.ctx), torch.long
+def _rows_np(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int, rate: int = 1,
+             first: np.ndarray | None = None) -> np.ndarray:
+    """:func:`_rows` on numpy arrays."""
+    per_block = block_size // rate
+    owner = np.broadcast_to(owner.reshape(-1, *([1] * (positions.ndim - 1))), positions.shape)
+    blocks = positions // block_size
+    if first is not None:
+        blocks = blocks - first[owner]
+    phys = tables[owner, np.minimum(np.maximum(blocks, 0), tables.shape[1] - 1)]
+    rows = phys * per_block + (positions // rate) % per_block
+    return np.where((positions >= 0) & (blocks >= 0) & (phys >= 0), rows, -1)
+
+
+def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) -> dict[str, np.ndarray]:
+    """The fields of the padded layout's :class:`CompressorMeta` (numpy; ``lay`` holds numpy arrays)."""
+    size = len(lay.ctx)
     q = len(lay.positions) // size
     rows = (2 if overlap else 1) * rate
-    within, seq = torch.arange(rate), torch.arange(size)
-    read_pos = lay.ctx.unsqueeze(1) - rows + torch.arange(rows)  # [S, rows]; negative ones are never used
+    within, seq = np.arange(rate), np.arange(size)
+    read_pos = lay.ctx[:, None] - rows + np.arange(rows)  # [S, rows]; negative ones are never used
     dummy = size * rows + size * q
 
-    def source(s: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    def source(s: np.ndarray, p: np.ndarray) -> np.ndarray:
         """Index into cat(ring[ring_read], fresh rows, dummy row) of position ``p`` of sequence ``s``; a
         position past the step's tokens reads the sequence's last one (only windows that do not close)."""
-        ctx = lay.ctx[s].unsqueeze(1)
-        old = s.unsqueeze(1) * rows + p - ctx + rows
-        fresh = size * rows + s.unsqueeze(1) * q + (p - ctx).clamp(max=q - 1)
-        return torch.where(p >= ctx, fresh, torch.where(p >= 0, old, torch.full_like(p, dummy)))
+        ctx = lay.ctx[s][:, None]
+        old = s[:, None] * rows + p - ctx + rows
+        fresh = size * rows + s[:, None] * q + np.minimum(p - ctx, q - 1)
+        return np.where(p >= ctx, fresh, np.where(p >= 0, old, dummy))
 
     # the windows q tokens can close: the last ``per_seq`` ending at or before the sequence's end
     per_seq = (q - 1) // rate + 1
-    wseq = seq.repeat_interleave(per_seq)
-    win = (lay.seq_len // rate)[wseq] - per_seq + torch.arange(size * per_seq) % per_seq
+    wseq = np.repeat(seq, per_seq)
+    win = (lay.seq_len // rate)[wseq] - per_seq + np.arange(size * per_seq) % per_seq
     closes = ((win + 1) * rate > lay.ctx[wseq]) & (win >= 0) & (win * rate >= lay.write_from[wseq])
-    start = torch.where(closes, win * rate, (lay.seq_len[wseq] - rate).clamp(min=0))
-    slots = _rows(lay.tables, wseq, start, block_size, rate)
-    meta = CompressorMeta(
-        ring_read=(lay.slots.unsqueeze(1) * rows + read_pos % rows).flatten(),
-        cur_idx=source(wseq, start.unsqueeze(1) + within),
-        prev_idx=source(wseq, start.unsqueeze(1) - rate + within) if overlap else None,
-        entry_slots=torch.where(closes, slots, torch.full_like(slots, -1)),
-        entry_positions=start,
-        ring_write=lay.slots[lay.owner] * rows + lay.positions % rows,
-        ring_write_src=torch.arange(size * q),
-        bias_idx=lay.positions % rate,
-        boundary_src=torch.zeros(0, rate, dtype=lo),
-        boundary_dst=torch.zeros(0, dtype=lo),
-    )
+    start = np.where(closes, win * rate, np.maximum(lay.seq_len[wseq] - rate, 0))
+    slots = _rows_np(lay.tables, wseq, start, block_size, rate)
+    meta = {
+        "ring_read": (lay.slots[:, None] * rows + read_pos % rows).reshape(-1),
+        "cur_idx": source(wseq, start[:, None] + within),
+        "prev_idx": source(wseq, start[:, None] - rate + within) if overlap else None,
+        "entry_slots": np.where(closes, slots, -1),
+        "entry_positions": start,
+        "ring_write": lay.slots[lay.owner] * rows + lay.positions % rows,
+        "ring_write_src": np.arange(size * q),
+        "bias_idx": lay.positions % rate,
+        "boundary_src": np.zeros((0, rate), dtype=np.int64),
+        "boundary_dst": np.zeros(0, dtype=np.int64),
+    }
     if overlap:  # the block ends q tokens can cross
         per_seq = (q - 1) // block_size + 1
-        bseq = seq.repeat_interleave(per_seq)
-        ends = ((lay.seq_len // block_size)[bseq] - per_seq + 1 + torch.arange(size * per_seq) % per_seq) * block_size
-        crossed = (ends > torch.maximum(lay.ctx, lay.write_from)[bseq]) & (ends > 0)
-        ends = torch.where(crossed, ends, lay.seq_len[bseq])
-        dst = lay.tables[bseq, (ends // block_size - 1).clamp(0, lay.tables.shape[1] - 1)]
-        meta.boundary_src = source(bseq, ends.unsqueeze(1) - rate + within)
-        meta.boundary_dst = torch.where(crossed, dst, torch.full_like(dst, -1))
+        bseq = np.repeat(seq, per_seq)
+        ends = ((lay.seq_len // block_size)[bseq] - per_seq + 1 + np.arange(size * per_seq) % per_seq) * block_size
+        crossed = (ends > np.maximum(lay.ctx, lay.write_from)[bseq]) & (ends > 0)
+        ends = np.where(crossed, ends, lay.seq_len[bseq])
+        dst = lay.tables[bseq, np.minimum(np.maximum(ends // block_size - 1, 0), lay.tables.shape[1] - 1)]
+        meta["boundary_src"] = source(bseq, ends[:, None] - rate + within)
+        meta["boundary_dst"] = np.where(crossed, dst, -1)
     return meta
