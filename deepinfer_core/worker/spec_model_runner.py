@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -222,35 +223,35 @@ class SpecDecodeModelRunner(ModelRunner):
         """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
         drafts and by ``fillers`` are put back."""
         device, vocab = logits.device, logits.shape[-1]
-        k = max(len(v.drafts) for v in verifies)
         s = len(verifies)
-        gather = torch.full((s, k + 1), -1, dtype=torch.long)
-        drafts = torch.zeros((s, k), dtype=torch.long)
-        for i, v in enumerate(verifies):
-            n = len(v.drafts)
-            gather[i, : n + 1] = torch.arange(v.first_row, v.first_row + n + 1)
-            gather[i, n + 1:] = v.first_row + n
-            drafts[i, :n] = torch.tensor(v.drafts)
-        num_drafts = torch.tensor([len(v.drafts) for v in verifies], dtype=torch.long)
-        greedy = torch.tensor([v.state.params.greedy for v in verifies], dtype=torch.bool)
-        rows = logits[gather.to(device).flatten()]  # [S * (K + 1), V]
-        if all(v.state.params.greedy for v in verifies):
-            out = greedy_verify(rows.view(s, k + 1, vocab), drafts.to(device), num_drafts.to(device))
+        num = np.array([len(v.drafts) for v in verifies], dtype=np.int64)
+        k = int(num.max())
+        cols = np.arange(k + 1)
+        first = np.array([v.first_row for v in verifies], dtype=np.int64)
+        gather = first[:, None] + np.minimum(cols, num[:, None])  # past a span's drafts: its last row again
+        drafts = np.zeros((s, k), dtype=np.int64)
+        drafts[cols[:k] < num[:, None]] = [t for v in verifies for t in v.drafts]
+        # each draft token's verification and its offset (1-based) there; -1: not a draft
+        owner = np.full(len(draft_mask), -1, dtype=np.int64)
+        offset = np.zeros(len(draft_mask), dtype=np.int64)
+        first_token = np.array([starts[v.index] + len(scheduled[v.index].token_ids) for v in verifies]) - num
+        within = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
+        tokens = np.repeat(first_token, num) + within
+        owner[tokens], offset[tokens] = np.repeat(np.arange(s), num), within + 1
+        greedy = np.array([v.state.params.greedy for v in verifies], dtype=np.int64)
+        sizes = (gather.size, drafts.size, s, len(owner), len(owner), s)
+        host = np.concatenate([gather.reshape(-1), drafts.reshape(-1), num, owner, offset, greedy])
+        gather_d, drafts_d, num_d, owner, offset, greedy_d = self.platform.upload(torch.from_numpy(host)).split(sizes)
+        drafts_d = drafts_d.view(s, k)
+        rows = logits[gather_d]  # [S * (K + 1), V]
+        if greedy.all():
+            out = greedy_verify(rows.view(s, k + 1, vocab), drafts_d, num_d)
         else:
             params = [v.state.params for v in verifies for _ in range(k + 1)]
             probs = self._target_probs(rows, params).view(s, k + 1, vocab)
             uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
                                            [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
-            out = rejection_sample(probs, drafts.to(device), num_drafts.to(device), uniforms, noise,
-                                   greedy=greedy.to(device))
-        # rejected: a draft token whose offset in its verification is past the accepted ones
-        owner = torch.full((len(draft_mask),), -1, dtype=torch.long)
-        offset = torch.zeros(len(draft_mask), dtype=torch.long)
-        for i, v in enumerate(verifies):
-            first = starts[v.index] + len(scheduled[v.index].token_ids) - len(v.drafts)
-            owner[first:first + len(v.drafts)] = i
-            offset[first:first + len(v.drafts)] = torch.arange(1, len(v.drafts) + 1)
-        owner, offset = owner.to(device), offset.to(device)
+            out = rejection_sample(probs, drafts_d, num_d, uniforms, noise, greedy=greedy_d.bool())
         rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
         if fillers is not None:
             rejected |= fillers
