@@ -93,6 +93,23 @@ def test_unequal_drafts_are_padded_with_fillers(tiny_path, make_llm):
     assert filled and set(filled) == {4} and all(q in (1, 4) for _, q in steps)
 
 
+def test_equal_spans_of_an_uncaptured_length_are_padded(tiny_path, make_llm):
+    """A step whose spans all verify fewer than k drafts (a confidence-scheduled single user) has no
+    graph of its own length: it is padded to 1 + k, and one of a captured length is not."""
+    from deepinfer_core.engine.scheduler_output import ScheduledSeq
+
+    llm = make_llm(tiny_path("tiny"), dtype="float64", max_num_seqs=4, **spec(3, "confidence"))
+    with_spec_graphs(llm, 3, [1, 2, 4])
+
+    def step(*drafts):
+        return [ScheduledSeq(i, 40, [5] * (1 + d), [0], [0], i, 0, None, True, num_drafts=d)
+                for i, d in enumerate(drafts)]
+
+    query_len = llm.llm_engine.runner._graph_query_len
+    assert [query_len(step(2)), query_len(step(1, 1)), query_len(step(2, 1))] == [4, 4, 4]
+    assert [query_len(step(3)), query_len(step(0, 0)), query_len(step(3, 3))] == [None, None, None]
+
+
 def test_plain_requests_ride_in_padded_verification_steps(tiny_path, make_llm):
     """Requests that cannot speculate (penalties, logprobs) decode one token per step beside verifying
     ones: the step is padded to 1 + k tokens per sequence and every output equals the run without

@@ -158,15 +158,15 @@ class SpecDecodeModelRunner(ModelRunner):
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The tokens per sequence of a graph that runs this step with every span padded by filler tokens
         (always rejected, their cache writes put back), or None: run it as scheduled. A step qualifies
-        when every span is a sampled decode (its last token and its drafts, no prefill) and spans differ
-        in length."""
+        when every span is a sampled decode (its last token and its drafts, no prefill) and the spans
+        differ in length or share one no graph is captured for."""
         graphs = self.graph_runner
         if graphs is None or not scheduled or len(graphs.query_lens) < 2:
             return None
         if any(not s.sample or len(s.token_ids) != 1 + s.num_drafts for s in scheduled):
             return None
         longest = max(len(s.token_ids) for s in scheduled)
-        if all(len(s.token_ids) == longest for s in scheduled):
+        if longest in graphs.query_lens and all(len(s.token_ids) == longest for s in scheduled):
             return None  # already one graph's shape
         q = next((n for n in graphs.query_lens if n >= longest), None)
         probe = [SeqSpan(s.start, q, [], [], -1) for s in scheduled] if q else []
