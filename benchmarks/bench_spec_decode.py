@@ -119,15 +119,19 @@ def speed(args, engine_kw: dict) -> dict:
                 verified = stats["num_draft_tokens"] - before["num_draft_tokens"]
                 row.update(mean_acceptance_length=1 + acc / steps if steps else 1.0,
                            drafts_verified_per_step=verified / steps if steps else 0.0)
+                if "gate" in stats:  # confidence scheduling's plain steps (no drafting) among all
+                    plain = stats["gate"]["plain_steps"] - before["gate"]["plain_steps"]
+                    spec_steps = stats["gate"]["speculative_steps"] - before["gate"]["speculative_steps"]
+                    row["plain_step_share"] = plain / max(1, plain + spec_steps)
             rows.append(row)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
     print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
-          f"{'accept len':>10} {'verified/step':>13}")
+          f"{'accept len':>10} {'verified/step':>13} {'plain steps':>11}")
     for r in rows:
         r["speedup"] = r["per_user_tok_s"] / base[r["batch"]]
         print(f"{r['mode']:>16} {r['batch']:>5} {r['per_user_tok_s']:>14.2f} {r['total_tok_s']:>11.2f} "
               f"{r['speedup']:>8.2f} {r.get('mean_acceptance_length', 1.0):>10.2f} "
-              f"{r.get('drafts_verified_per_step', 0.0):>13.2f}")
+              f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
             "force_acceptance": args.force_acceptance, "rows": rows}
 

@@ -99,6 +99,7 @@ class _Step:
     num_tokens: int = 0  # tokens the step computed
     started: float = 0.0  # when it was launched (perf_counter)
     num_drafts: list[int] | None = None  # speculative decoding: drafts verified per sampled sequence
+    speculate: bool = True  # speculative decoding: whether the step drafts (a plain step does not)
 
 
 class LLMEngine:
@@ -255,7 +256,12 @@ class LLMEngine:
 
     def spec_decode_stats(self) -> dict | None:
         """Engine-wide speculative decoding counters (None without speculation)."""
-        return self.drafts.stats.as_dict() if self.drafts is not None else None
+        if self.drafts is None:
+            return None
+        stats = self.drafts.stats.as_dict()
+        if self.drafts.gate is not None:
+            stats["gate"] = self.drafts.gate.as_dict()
+        return stats
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -283,6 +289,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
         prev, self._inflight = self._inflight, None
+        if self.drafts is not None:
+            self.drafts.decide(self.scheduler)
         if prev is not None and self.drafts is not None:  # the draft budgets N+1 would verify
             self.drafts.plan(self.scheduler, self.scheduler_config)
         if prev is not None and not self._can_overlap(prev):
@@ -335,6 +343,8 @@ class LLMEngine:
         of the schedule must not depend on it (``Scheduler.running_fits``, strict): otherwise N is
         finished first.
         """
+        if self.drafts is not None and prev.speculate != self.drafts.speculate:
+            return False  # N+1's placeholders would be of the other kind of step
         live = [s for s in prev.sampled if s.finish_reason is None]
         leaving = {s.seq_id for s in live if self._out_of_room(s)}
         going = [s for s in live if s.seq_id not in leaving]
@@ -391,7 +401,8 @@ class LLMEngine:
         grammars = [seq.grammar for seq in to_sample]
         bitmask = self.structured.bitmask(grammars) if any(g is not None for g in grammars) else None
         finished, self._retired = self._retired, []
-        return SchedulerOutput(items, new, finished, bitmask), to_sample
+        speculate = self.drafts is None or self.drafts.speculate
+        return SchedulerOutput(items, new, finished, bitmask, speculate=speculate), to_sample
 
     def _run(self, scheduled: list[tuple[Sequence, int]], prev: _Step | None = None) -> _Step:
         """Launch a step; its sampled tokens become placeholders until ``_finish``."""
@@ -408,7 +419,7 @@ class LLMEngine:
             seq.output_token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
         return _Step(scheduled, to_sample, positions, output if to_sample else None,
-                     sum(n for _, n in scheduled), started, num_drafts)
+                     sum(n for _, n in scheduled), started, num_drafts, so.speculate)
 
     def _finish_or_fail(self, launched: _Step, touched: dict[str, Request]) -> None:
         try:
@@ -421,8 +432,9 @@ class LLMEngine:
         if launched.output is None:
             return
         out = launched.output.get_output()
+        emitted = 0
         if self.drafts is not None:
-            self.drafts.observe_step(launched.num_tokens, time.perf_counter() - launched.started)
+            self.drafts.observe_step(launched.num_tokens, time.perf_counter() - launched.started, launched.speculate)
         for i, (seq, pos) in enumerate(zip(launched.sampled, launched.positions)):
             if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
                 continue
@@ -435,9 +447,11 @@ class LLMEngine:
                 seq.grammar.dead_end = out.dead_ends[i]
             touched[seq.request_id] = self.requests[seq.request_id]
             if out.new_token_ids is None:
+                emitted += 1
                 self._append(seq, pos, token, out.logprobs[i])
                 continue
             tokens, verified = out.new_token_ids[i], launched.num_drafts[i]
+            emitted += len(tokens)
             if seq.params.max_tokens is not None:  # the worker dropped drafts past it (see ``DraftPlanner.room``)
                 verified = max(0, min(verified, seq.params.max_tokens - pos - 1))
             self.drafts.accept(seq, pos, tokens, self.block_manager, verified, launched.num_drafts[i])
@@ -449,6 +463,11 @@ class LLMEngine:
                     break
             else:
                 self.drafts.offer(seq, out.draft_token_ids[i], out.draft_confidences[i])
+        if self.drafts is not None:
+            decode = len(launched.scheduled) == len(launched.sampled) and (
+                launched.num_tokens == len(launched.sampled) + sum(launched.num_drafts or []))
+            self.drafts.observe_output(launched.speculate, len(launched.sampled) if decode else None, emitted,
+                                       launched.started, time.perf_counter())
 
     def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
         """End ``seqs`` with an error after an exception in their step; the other requests go on."""

@@ -42,6 +42,7 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # workers drop their state
     grammar_bitmask: torch.Tensor | None = None  # host int32, a row per sampled sequence (all ones: none)
+    speculate: bool = True  # speculative decoding: False runs the step as plain decode (no drafting)
 
     @property
     def num_sampled(self) -> int:

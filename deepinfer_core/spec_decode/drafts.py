@@ -16,6 +16,7 @@ from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
 from deepinfer_core.model.cache import layer_cache_specs
 from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler
 from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
+from deepinfer_core.spec_decode.gate import SpeculationGate
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 
 
@@ -24,6 +25,9 @@ class DraftPlanner:
         self.config = config
         self.stats = SpecDecodeStats()
         self.confidence = ConfidenceScheduler() if config.schedule == "confidence" else None
+        # confidence scheduling may also choose plain decode steps (no drafting at all) where those are faster
+        self.gate = SpeculationGate() if self.confidence is not None else None
+        self.speculate = True  # whether the step being scheduled speculates
 
     @classmethod
     def create(cls, value: Any, cfg: ModelConfig, parallel: ParallelConfig) -> DraftPlanner | None:
@@ -62,7 +66,20 @@ class DraftPlanner:
             room = min(room, p.max_tokens - len(seq.output_token_ids) - 1)
         return max(0, min(room, max_model_len - len(seq) - seq.num_unresolved_drafts - 1))
 
+    def decide(self, scheduler: Any) -> bool:
+        """Whether the next step speculates (the gate's choice for its decoding sequences; always
+        without a gate)."""
+        if self.gate is not None:
+            self.speculate = self.gate.decide(sum(seq.num_uncomputed == 1 for seq in scheduler.running))
+        return self.speculate
+
     def plan(self, scheduler: Any, config: SchedulerConfig) -> None:
+        if not self.speculate:  # a plain step, and no stale drafts for the first speculative one after it
+            for seq in scheduler.running:
+                seq.draft_budget = 0
+                if not seq.num_inflight:
+                    seq.draft_token_ids, seq.draft_confidences = [], []
+            return
         rooms = {seq.seq_id: self.room(seq, config.max_model_len) for seq in scheduler.running}
         if self.confidence is None:
             for seq in scheduler.running:
@@ -80,9 +97,19 @@ class DraftPlanner:
 
     # --- after a step ----------------------------------------------------------------------------
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        if self.confidence is not None:
+    def observe_step(self, num_tokens: int, seconds: float, speculated: bool = True) -> None:
+        if self.confidence is not None and speculated:  # the verification cost curve is a speculative step's
             self.confidence.observe_step(num_tokens, seconds)
+
+    def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,
+                       now: float) -> None:
+        """A finished step's output tokens for the gate; ``num_decoding`` None: not an all-decode step."""
+        if self.gate is None:
+            return
+        if num_decoding is None:
+            self.gate.interrupt()
+        else:
+            self.gate.observe(speculated, num_decoding, num_tokens, started, now)
 
     def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager,
                verified: int | None = None, reserved: int = 0) -> None:

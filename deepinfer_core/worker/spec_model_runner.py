@@ -11,6 +11,10 @@ filler tokens (always rejected; the undo log puts their writes back); steps with
 eagerly. Drafting replays ``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most
 k + 1 kept positions.
 
+A plain step (``SchedulerOutput.speculate`` False: the engine's gate found plain decode faster) runs as
+the plain runner runs it, with no drafting: the MTP block's window rows of its positions are left as
+they were, which costs the first drafts after it acceptance, never correctness.
+
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
 rollback, and returns; the rest (the new tokens to the host, the MTP catch-up and drafting, which need
 the accepted counts to lay out their batch) runs when the output is asked for, or when the next step
@@ -93,10 +97,14 @@ class SpecDecodeModelRunner(ModelRunner):
         if self._pending is not None:  # the step before ends first: this one may build on its result
             pending, self._pending = self._pending, None
             pending.get_output()
-        self._update_states(so)
         for seq_id in so.finished_seq_ids:
             self._accepted.pop(seq_id, None)
             self._drafts.pop(seq_id, None)
+        if not so.speculate:  # a plain decode step: no drafting, the plain (async) pipeline
+            for s in so.scheduled:
+                self._accepted[s.seq_id], self._drafts[s.seq_id] = 0, []
+            return super().execute_model(so)
+        self._update_states(so)
         so = dataclasses.replace(so, scheduled=[self._resolve(s) for s in so.scheduled])
         q = self._graph_query_len(so.scheduled)
         spans, ids, rows, plain, verifies, starts = [], [], [], [], [], []

@@ -1,0 +1,80 @@
+"""SpeculationGate: whether a confidence-scheduled engine speculates at all in a step.
+
+The confidence scheduler chooses how many drafts each step verifies, but drafting itself (the MTP
+catch-up and draft steps, the undo log, the host's wait for the accepted counts) costs the same however
+few it verifies. Where that fixed cost outweighs what verification gains (a large batch, a model with
+few layers) the step is better off as a plain decode: no drafts, no MTP, the plain async pipeline.
+
+The gate measures both: output tokens per second of consecutive speculative steps and of consecutive
+plain steps, a running mean per batch-size bucket (powers of two of decoding sequences), and runs the
+faster mode, measuring the other one for ``probe_steps`` steps every ``probe_every``. The first
+``settle_steps`` of a run of one mode are left out of its mean (a switch drains the pipeline, and the
+first speculative steps after plain ones have no drafts yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def bucket(num_seqs: int) -> int:
+    return 1 << max(0, num_seqs - 1).bit_length()
+
+
+@dataclass
+class _Bucket:
+    rate: dict[bool, float] = field(default_factory=dict)  # speculate -> output tokens per second
+    steps: int = 0  # steps decided in this bucket
+
+
+class SpeculationGate:
+    def __init__(self, probe_every: int = 64, probe_steps: int = 8, settle_steps: int = 2, decay: float = 0.7):
+        if probe_steps <= settle_steps:
+            raise ValueError("a probe must outlast the steps left out after a switch")
+        self.probe_every, self.probe_steps, self.settle_steps = probe_every, probe_steps, settle_steps
+        self.decay = decay
+        self.buckets: dict[int, _Bucket] = {}
+        self.counts = {True: 0, False: 0}  # steps run per mode
+        self._run: tuple[bool, int] | None = None  # (mode, bucket) of the current run of steps
+        self._run_length = 0
+        self._last_finish: float | None = None
+
+    def decide(self, num_decoding: int) -> bool:
+        """Whether the next step of ``num_decoding`` decoding sequences speculates."""
+        b = self.buckets.setdefault(bucket(num_decoding), _Bucket())
+        b.steps += 1
+        if True not in b.rate:
+            mode = True
+        elif False not in b.rate:
+            mode = False
+        else:
+            best = b.rate[True] >= b.rate[False]
+            mode = (not best) if b.steps % self.probe_every < self.probe_steps else best
+        self.counts[mode] += 1
+        return mode
+
+    def observe(self, speculated: bool, num_decoding: int, num_tokens: int, started: float, now: float) -> None:
+        """A finished all-decode step: its mode, sequences and output tokens, when it was launched and when
+        it finished. Its time is from the later of its launch and the previous step's finish (steps in
+        flight together overlap; an idle engine's wait is no step's)."""
+        run = (speculated, bucket(num_decoding))
+        if run != self._run:
+            self._run, self._run_length = run, 0
+        self._run_length += 1
+        last, self._last_finish = self._last_finish, now
+        begin = started if last is None else max(last, started)
+        if self._run_length <= self.settle_steps or now <= begin:
+            return
+        rates = self.buckets.setdefault(run[1], _Bucket()).rate
+        sample = num_tokens / (now - begin)
+        old = rates.get(speculated)
+        rates[speculated] = sample if old is None else self.decay * old + (1 - self.decay) * sample
+
+    def interrupt(self) -> None:
+        """A step that is not all decode: the next one's interval is not a decode step's."""
+        self._run, self._run_length, self._last_finish = None, 0, None
+
+    def as_dict(self) -> dict:
+        return {"speculative_steps": self.counts[True], "plain_steps": self.counts[False],
+                "tokens_per_s": {b: {("spec" if m else "plain"): round(r, 1) for m, r in v.rate.items()}
+                                 for b, v in sorted(self.buckets.items())}}

@@ -1,0 +1,135 @@
+"""The speculation gate of confidence scheduling: it measures speculative and plain decode steps per
+batch bucket and runs the faster, probing the other; an engine switching between the two keeps the
+outputs of the run without speculation (float64, sync and async), plain steps draft nothing and run
+the plain runner's pipeline."""
+
+from __future__ import annotations
+
+import engine_fixtures
+import pytest
+import test_spec_async
+from engine_fixtures import greedy, make_prompt, run_tokens
+from spec_fixtures import oracle_drafts, spec
+from test_spec_async import expected, worker_oracle
+from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
+
+from deepinfer_core.spec_decode.gate import SpeculationGate, bucket
+from deepinfer_core.worker.model_runner import ModelRunner
+
+make_llm = engine_fixtures.make_llm
+make_async = test_spec_async.make_async
+one_torch_thread = engine_fixtures.one_torch_thread
+tiny_path = engine_fixtures.tiny_path
+
+
+def feed(gate: SpeculationGate, seqs: int, steps: int, spec_s: float, plain_s: float, tokens_spec: float) -> list:
+    """Run ``steps`` decisions of ``seqs`` sequences, each step finishing after its mode's seconds with
+    ``tokens_spec`` tokens per sequence when speculative (one when plain); returns the modes chosen."""
+    modes, now = [], 0.0
+    for _ in range(steps):
+        mode = gate.decide(seqs)
+        started, now = now, now + (spec_s if mode else plain_s)
+        gate.observe(mode, seqs, round(seqs * (tokens_spec if mode else 1)), started, now)
+        modes.append(mode)
+    return modes
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 63, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, 128]
+
+
+def test_gate_measures_both_modes_then_runs_the_faster_and_probes_the_other():
+    gate = SpeculationGate(probe_every=32, probe_steps=4, settle_steps=1)
+    # speculation: 2 tokens per sequence in 3 ms; plain: 1 token in 1 ms -> plain is faster
+    modes = feed(gate, 64, 200, spec_s=3e-3, plain_s=1e-3, tokens_spec=2)
+    first_plain = modes.index(False)
+    assert all(modes[:first_plain]) and first_plain == 2  # spec until measured (one settle step)
+    rates = gate.buckets[64].rate
+    assert rates[False] == pytest.approx(64 / 1e-3) and rates[True] == pytest.approx(128 / 3e-3)
+    tail = modes[40:]
+    assert tail.count(True) / len(tail) < 0.2  # mostly plain, with probes
+    assert any(tail)  # the slower mode is probed again
+    # the other way round: one user, 2.5 tokens per 1.2 ms against 1 per 1 ms -> speculation
+    modes = feed(gate, 1, 200, spec_s=1.2e-3, plain_s=1e-3, tokens_spec=2.5)
+    assert modes[40:].count(False) / len(modes[40:]) < 0.2
+    assert gate.as_dict()["plain_steps"] > 0 and gate.as_dict()["speculative_steps"] > 0
+
+
+def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():
+    gate = SpeculationGate(settle_steps=2, probe_steps=4)
+    gate.decide(4)
+    for t in (1.0, 2.0):
+        gate.observe(True, 4, 8, t - 1, t)
+    assert True not in gate.buckets[4].rate
+    gate.observe(True, 4, 8, 2.0, 3.0)
+    assert gate.buckets[4].rate[True] == pytest.approx(8.0)
+    gate.observe(True, 4, 8, 9.0, 10.0)  # launched after 6 idle seconds: timed from its launch
+    assert gate.buckets[4].rate[True] == pytest.approx(8.0)
+    gate.observe(True, 4, 16, 9.5, 11.0)  # launched before the one before finished: from that finish
+    assert gate.buckets[4].rate[True] == pytest.approx(0.7 * 8 + 0.3 * 16)
+    gate.interrupt()  # a prefill step: the run starts again, its first steps settle
+    gate.observe(True, 4, 16, 20.0, 21.0)
+    assert gate.buckets[4].rate[True] == pytest.approx(0.7 * 8 + 0.3 * 16)
+    with pytest.raises(ValueError, match="probe"):
+        SpeculationGate(probe_steps=2, settle_steps=2)
+
+
+def alternate_modes(llm, pattern: list[bool]) -> list[bool]:
+    """Make the engine's gate follow ``pattern`` (cycled); returns the modes it ran, in order."""
+    gate, ran = llm.llm_engine.drafts.gate, []
+
+    def decide(num_decoding):
+        mode = pattern[len(ran) % len(pattern)]
+        ran.append(mode)
+        return mode
+
+    gate.decide = decide
+    return ran
+
+
+@pytest.mark.parametrize("pattern", [[True, True, False, False, False], [False, True]])
+def test_switching_between_plain_and_speculative_steps_keeps_greedy_equal(pattern, tiny_path, make_llm,
+                                                                          monkeypatch):
+    """A speculative step right after a plain one has no drafts to verify (a plain step leaves none
+    behind); the one after it does."""
+    path = tiny_path("tiny")
+    ref = reference(make_llm, path, PROMPTS)
+    llm = make_llm(path, dtype="float64", max_num_seqs=16, **spec(3, "confidence"))
+    ran = alternate_modes(llm, pattern)
+    drafted, plain = [], []
+    proposer = llm.llm_engine.runner.proposer
+    propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda spans, streams: drafted.append(1) or propose(spans, streams))
+    execute = ModelRunner.execute_model
+    monkeypatch.setattr(ModelRunner, "execute_model", lambda self, so: plain.append(so.speculate) or execute(self, so))
+    oracle_drafts(llm, ref, mixed)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == [ref[tuple(p)][:MAX_TOKENS] for p in PROMPTS]
+    assert True in ran and False in ran
+    assert len(drafted) == ran.count(True)  # plain steps never reach the drafter
+    assert plain and not any(plain) and len(plain) == ran.count(False)  # they run the plain runner's step
+    accepted = llm.llm_engine.spec_decode_stats()["num_accepted_tokens"]
+    assert (accepted > 0) == (pattern[:2] == [True, True])
+
+
+def test_async_engine_switches_modes_with_the_pipeline_drained(tiny_path, make_llm, make_async):
+    path = tiny_path("tiny")
+    ref = reference(make_llm, path, PROMPTS)
+    llm = make_async(path, dtype="float64", max_num_seqs=16, **spec(3, "confidence"))
+    ran = alternate_modes(llm, [True] * 3 + [False] * 4)
+    worker_oracle(llm, ref, mixed)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref, PROMPTS)
+    assert True in ran and False in ran
+    assert llm.llm_engine.counts["overlapped"] > 0
+
+
+def test_a_long_run_with_the_real_gate_keeps_greedy_equal(tiny_path, make_llm):
+    """Measured, not forced: the gate tries both modes and probes, the outputs stay the reference's."""
+    path = tiny_path("tiny_hc4")
+    prompts = [make_prompt(n, seed=i) for i, n in enumerate([7, 20, 33])]
+    ref = reference(make_llm, path, prompts, max_tokens=40)
+    llm = make_llm(path, dtype="float64", max_num_seqs=4, **spec(2, "confidence"))
+    llm.llm_engine.drafts.gate = SpeculationGate(probe_every=8, probe_steps=3, settle_steps=1)
+    oracle_drafts(llm, ref, mixed)
+    assert run_tokens(llm, prompts, greedy(36)) == [ref[tuple(p)][:36] for p in prompts]
+    gate = llm.llm_engine.spec_decode_stats()["gate"]
+    assert gate["speculative_steps"] > 0 and gate["plain_steps"] > 0
