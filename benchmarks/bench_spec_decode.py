@@ -78,6 +78,9 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
 
     def forced(target_probs, draft_token_ids, num_drafts, uniforms, noise, draft_probs=None, greedy=None):
         out = exact(target_probs, draft_token_ids, num_drafts, uniforms, noise, draft_probs, greedy)
+        return force(out, draft_token_ids, num_drafts)
+
+    def force(out, draft_token_ids, num_drafts):
         s, k = draft_token_ids.shape
         passed = (torch.rand(s, k, generator=gen) < rate).to(num_drafts.device)
         passed &= torch.arange(k, device=num_drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
@@ -89,7 +92,14 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
         tokens = torch.where(rows > n.unsqueeze(1), torch.full_like(tokens, -1), tokens)
         return rejection_sampler.VerifyOutput(tokens, n)
 
+    exact_greedy = rejection_sampler.greedy_verify
+
+    def forced_greedy(target_logits, draft_token_ids, num_drafts):
+        out = exact_greedy(target_logits, draft_token_ids, num_drafts)
+        return force(out, draft_token_ids, num_drafts)
+
     spec_model_runner.rejection_sample = forced
+    spec_model_runner.greedy_verify = forced_greedy  # the path of all-greedy batches
 
 
 def speed(args, engine_kw: dict) -> dict:
