@@ -189,21 +189,27 @@ class RandomModel:
     """transformers' model with random weights, its config saved to a temporary folder, and the deepinfer
     model sharing its tensors."""
 
-    def __init__(self, a, device: torch.device, dtype: torch.dtype):
+    def __init__(self, a, device: torch.device, dtype: torch.dtype, mtp: bool = False):
         from transformers import DeepseekV4ForCausalLM
 
         from deepinfer_core.config import ModelConfig
+        from deepinfer_core.testing.tiny_model import mtp_block_config
 
         t0 = time.perf_counter()
         self.hf_config = make_config(a)
+        if mtp:  # one MTP block (``mtp.0.*``), random like the rest: what speculative decoding drafts with
+            self.hf_config.num_nextn_predict_layers = 1
         prev_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # build directly in the target dtype on the target device (no fp32 copy)
         try:
             with torch.device(device):
                 self.hf_model = DeepseekV4ForCausalLM(self.hf_config).to(dtype)
+                self.mtp_block = DeepseekV4ForCausalLM(mtp_block_config(self.hf_config)).to(dtype) if mtp else None
         finally:
             torch.set_default_dtype(prev_dtype)
         randomize(self.hf_model, self.hf_config, a.std, a.seed)
+        if mtp:
+            randomize(self.mtp_block, self.mtp_block.config, a.std, a.seed + 1)
         self.hf_model.eval()
         sync(device)
         self.init_s = time.perf_counter() - t0
@@ -216,9 +222,41 @@ class RandomModel:
     def deepinfer_model(self, quantize=None):
         """A deepinfer model on the same tensors; ``quantize(params, cfg)`` converts its params first."""
         params = convert_params(self.hf_model, self.cfg, self.dtype)
+        if self.mtp_block is not None:
+            params.update(self._mtp_params())
         if quantize is not None:
             quantize(params, self.cfg)
         return build_deepinfer_model(self.cfg, params, self.a.backend, self.dtype, self.device)
+
+    @torch.no_grad()
+    def _mtp_params(self) -> dict[str, torch.Tensor]:
+        """The MTP block's params in the engine's names: its transformers layer, hc head, e/h projections
+        and norms (DeepSeek's ``mtp.0.*`` layout, as the tiny checkpoints write it)."""
+        from deepinfer_core.model.loader import _stack_shared_experts, canonical_name, expected_shapes, parameter_dtype
+
+        raw = {}
+        for key, value in self.mtp_block.state_dict().items():
+            if key.startswith("model.layers.0."):
+                raw["mtp.0." + key[len("model.layers.0."):]] = value
+            elif key.startswith("model.hc_head."):
+                raw["mtp.0.hc_head_" + key.rsplit(".hc_", 1)[1]] = value
+        d = self.cfg.hidden_size
+        gen = torch.Generator(device=self.device).manual_seed(self.a.seed + 2)
+        for proj in ("e_proj", "h_proj"):
+            raw[f"mtp.0.{proj}.weight"] = torch.randn(d, d, generator=gen, device=self.device) / math.sqrt(d)
+        for norm in ("enorm", "hnorm", "norm"):
+            raw[f"mtp.0.{norm}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=gen, device=self.device)
+        shapes = {n: s for n, s in expected_shapes(self.cfg, with_mtp=True).items() if n.startswith("mtp.")}
+        params = {}
+        for key, value in raw.items():
+            name = canonical_name(key)
+            if name in shapes or name.endswith(("shared_experts.w1.weight", "shared_experts.w3.weight")):
+                params[name] = value.to(parameter_dtype(name, self.dtype))
+        missing = sorted(set(shapes) - set(params))
+        if missing:
+            raise RuntimeError(f"random MTP block incomplete: missing {missing[:5]}")
+        _stack_shared_experts(params, self.cfg.moe_intermediate_size, lambda n: parameter_dtype(n, self.dtype))
+        return params
 
     def cleanup(self) -> None:
         self._tmp.cleanup()

@@ -35,6 +35,9 @@ def _spec(k: int, schedule: str = "fixed") -> dict:
 
 
 def _prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
+    if llm.llm_engine.tokenizer is None:  # random weights: random prompts
+        gen = torch.Generator().manual_seed(n * 7919 + length)
+        return torch.randint(2, llm.llm_engine.model_config.vocab_size, (n, length), generator=gen).tolist()
     ids = llm.llm_engine.encode(HELDOUT.read_text())
     stride = max(1, (len(ids) - length) // max(1, n))
     return [ids[i * stride: i * stride + length] for i in range(n)]
@@ -111,8 +114,10 @@ def speed(args, engine_kw: dict) -> dict:
     modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
     modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"), {})]
     rows = []
+    make = _random_llm_factory(args, engine_kw) if args.random else (
+        lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
     for name, spec, extra in modes:
-        llm = LLM(args.model, speculative_config=spec, max_num_seqs=max(args.batch_sizes), **engine_kw, **extra)
+        llm = make(spec, max_num_seqs=max(args.batch_sizes), **extra)
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
@@ -146,6 +151,36 @@ def speed(args, engine_kw: dict) -> dict:
             "force_acceptance": args.force_acceptance, "rows": rows}
 
 
+def _random_llm_factory(args, engine_kw: dict):
+    """Engines over one random model at V4-Flash widths (``--small``: tiny widths) with an MTP block, built
+    once on the target device; its drafts are accepted at random (``--force-acceptance``)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import bench_gpu_decode as bgd
+
+    device = engine_kw.get("device") or ("cuda" if args.backend != "cpu_ref" else "cpu")
+    argv = ["--backend", args.backend, "--device", device, "--layers", str(args.layers),
+            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.max_tokens + 8)]
+    if engine_kw.get("dtype"):
+        argv += ["--dtype", engine_kw["dtype"]]
+    a = bgd.parse_args(argv + ["--small"] * args.small)
+    rm = bgd.RandomModel(a, torch.device(device), getattr(torch, a.dtype), mtp=True)
+
+    def make(spec, **kw) -> LLM:
+        engine = bgd.make_engine(rm.deepinfer_model(), rm.cfg_dir, backend=args.backend, seed=a.seed,
+                                 speculative_config=spec, **kw)
+        return LLM.from_engine(engine)
+
+    return make
+
+
+def _model_name(args) -> str:
+    if args.random:
+        return f"random {'tiny' if args.small else 'V4-Flash'}-width, {args.layers} layers + MTP"
+    return args.model or "default"
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -164,6 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], metavar="B,B,...")
     ap.add_argument("--force-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--random", action="store_true",
+                    help="speed mode on random weights at V4-Flash widths with an MTP block instead of a "
+                         "checkpoint (pair with --force-acceptance)")
+    ap.add_argument("--layers", type=int, default=4, help="--random: decoder layers (default 4)")
+    ap.add_argument("--small", action="store_true", help="--random: tiny widths (a CPU smoke test)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")
@@ -177,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine_kw[name] = getattr(args, name)
     result = acceptance(args, engine_kw) if args.mode == "acceptance" else speed(args, engine_kw)
     report = {"benchmark": "spec_decode", "mode": args.mode, "backend": args.backend, "dtype": dtype,
-              "model": args.model or "default", "torch": torch.__version__,
+              "model": _model_name(args), "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")

@@ -1,4 +1,6 @@
-"""benchmarks/bench_spec_decode.py: forced acceptance reaches the all-greedy verification path too."""
+"""benchmarks/bench_spec_decode.py: forced acceptance reaches the all-greedy verification path too, and
+the speed mode runs on random tiny-width weights with an MTP block (what the H200 run does at V4-Flash
+widths)."""
 
 from __future__ import annotations
 
@@ -33,3 +35,14 @@ def test_forced_acceptance_covers_greedy_verification(bsd, rate, accepted):
     assert out.num_accepted.tolist() == accepted
     for row, n, d in zip(out.output_token_ids.tolist(), accepted, drafts.tolist()):
         assert row[:n] == d[:n] and row[n] == 7 and all(t == -1 for t in row[n + 1:])
+
+
+def test_speed_mode_on_random_weights_with_an_mtp_block(bsd, tmp_path):
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1",
+                       "--batch-sizes", "2", "--max-tokens", "6", "--prompt-len", "12", "--force-acceptance", "1.0",
+                       "--threads", "1", "--no-warmup", "--json-out", str(tmp_path / "spec.json")])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "off eager", "k=1", "confidence k=1"}
+    assert rows["k=1"]["mean_acceptance_length"] == pytest.approx(2.0)  # every draft accepted
+    assert report["model"].startswith("random tiny-width, 2 layers")
+    assert (tmp_path / "spec.json").read_text().startswith("{")

@@ -27,8 +27,18 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, backend=backend, dtype=dtype, **engine_args))
-        self._router = OutputRouter(self.llm_engine)
+        self._attach(LLMEngine(EngineArgs(model=model, backend=backend, dtype=dtype, **engine_args)))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """The offline API over an engine built elsewhere (a preloaded model, a benchmark's random one)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        self._router = OutputRouter(engine)
         self._ids = itertools.count()
 
     def reset_prefix_cache(self) -> None:

@@ -187,7 +187,8 @@ def build_tiny_checkpoint(path: str | Path, name: str = "tiny", seed: int = 0, w
     return path
 
 
-def _mtp_block_config(config):
+def mtp_block_config(config):
+    """A one-layer transformers config whose layer has the shapes of ``config``'s MTP block."""
     from transformers import DeepseekV4Config
 
     fields = {k: v for k, v in config.to_dict().items() if k in DeepseekV4Config.__dataclass_fields__}
@@ -200,7 +201,7 @@ def _add_mtp(path: Path, config, gen: torch.Generator) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV4ForCausalLM
 
-    block = DeepseekV4ForCausalLM(_mtp_block_config(config))
+    block = DeepseekV4ForCausalLM(mtp_block_config(config))
     _randomize(block, block.config, gen)
     with __import__("tempfile").TemporaryDirectory() as tmp:
         block.save_pretrained(tmp)
@@ -231,7 +232,7 @@ def load_hf_mtp_reference(path: str | Path, dtype: torch.dtype = torch.float64):
 
     path = Path(path)
     tensors = load_file(str(path / "model.safetensors"))
-    config = _mtp_block_config(AutoConfig.from_pretrained(str(path)))
+    config = mtp_block_config(AutoConfig.from_pretrained(str(path)))
     config._experts_implementation = "eager"
     ref = {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"], "head.weight": tensors["head.weight"]}
     for key, value in tensors.items():
