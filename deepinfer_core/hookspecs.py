@@ -113,7 +113,7 @@ def deepinfer_process_weights(weights: ModelWeights, model_config: ModelConfig) 
 @hookspec(firstresult=True)
 def deepinfer_graph_runner(
     model: Any, cache: Any, capture_sizes: list[int], max_model_len: int, block_size: int, platform: Platform,
-    query_lens: tuple[int, ...], keep_streams: bool,
+    query_lens: tuple[int, ...], keep_streams: bool, prologue: Any,
 ) -> Any:
     """Capture the decode forward of ``model`` over ``cache`` at each of ``capture_sizes`` sequences (each
     size once per context bucket up to ``max_model_len`` and per new tokens per sequence in
@@ -121,7 +121,10 @@ def deepinfer_graph_runner(
     it (usually :class:`deepinfer_core.worker.graph_runner.GraphRunner` over ``platform``'s graphs), or
     ``None`` to always run eagerly. ``query_lens`` is ``(1,)`` without speculative decoding and
     ``(1, 1 + k)`` with k drafts; ``keep_streams``: the runner's ``replay_with_streams`` must return the
-    last layer's streams too (the MTP drafter reads them).
+    last layer's streams too (the MTP drafter reads them); ``prologue``: None, or
+    ``prologue(static_batch, query_len, shared=...)`` to run inside each graph before the forward (the
+    speculative runner's undo log; ``GraphRunner(prologue=...)`` does it, a runner that ignores it leaves
+    the undo log to the host).
 
     Called by the ModelRunner when graphs are allowed (not ``enforce_eager``), ``platform.supports_graphs``
     and no op the model runs is registered ``syncs_host``."""

@@ -438,8 +438,8 @@ def test_platform_hook_and_npu_platform(monkeypatch, tmp_path):
 
 def test_graph_runner_hook_needs_graph_support():
     runner = plugin.deepinfer_graph_runner
-    assert runner(None, None, [1, 2], 64, 16, SimpleNamespace(supports_graphs=False), (1,), False) is None
-    assert runner(None, None, [], 64, 16, SimpleNamespace(supports_graphs=True), (1,), False) is None
+    assert runner(None, None, [1, 2], 64, 16, SimpleNamespace(supports_graphs=False), (1,), False, None) is None
+    assert runner(None, None, [], 64, 16, SimpleNamespace(supports_graphs=True), (1,), False, None) is None
 
 
 def test_communicator_is_hccl_on_npus(monkeypatch):

@@ -18,6 +18,7 @@ from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
+from deepinfer_core.spec_decode.rollback import CacheUndo, GraphUndo
 from deepinfer_core.worker.graph_runner import GraphRunner
 
 make_llm = engine_fixtures.make_llm
@@ -26,22 +27,24 @@ one_torch_thread = engine_fixtures.one_torch_thread
 tiny_path = engine_fixtures.tiny_path
 
 
-def with_spec_graphs(llm, k: int, sizes: list[int]) -> list[tuple[int, int]]:
-    """Give the engine's speculative runner padded graphs for 1 and 1 + k new tokens; returns the list
-    that records (batch size, query length) of every step run through them."""
+def with_spec_graphs(llm, k: int, sizes: list[int], undo_in_graph: bool = True) -> list[tuple[int, int]]:
+    """Give the engine's speculative runner padded graphs for 1 and 1 + k new tokens (saving the undo
+    log inside them, as the engine's own do, unless ``undo_in_graph`` is False); returns the list that
+    records (batch size, query length) of every step run through them."""
     engine = llm.llm_engine
+    prologue = GraphUndo(engine.cache, engine.model.cfg.num_hidden_layers) if undo_in_graph else None
     runner = GraphRunner(engine.model, engine.cache, sizes, engine.scheduler_config.max_model_len,
                          engine.args.block_size, capture=False, query_lens=(1, 1 + k), keep_streams=True,
-                         min_context=16)
+                         min_context=16, prologue=prologue)
     engine.runner.graph_runner = runner
     steps = []
-    original = runner.replay_with_streams
+    original = runner.replay_step
 
     def record(batch):
         steps.append((batch.padded_to, batch.num_tokens // batch.padded_to))
         return original(batch)
 
-    runner.replay_with_streams = record
+    runner.replay_step = record
     return steps
 
 
@@ -60,6 +63,29 @@ def test_verification_graphs_keep_greedy_equal(config, k, tiny_path, make_llm):
     assert len(verified) >= 2 and 16 in verified, steps
     stats = llm.llm_engine.spec_decode_stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def test_undo_log_of_padded_steps_is_saved_inside_the_graph(tiny_path, make_llm, monkeypatch):
+    """Padded verification steps save every token's rows in the graph's prologue: the host builds no undo
+    log for them (only for the eager steps, those with prefill chunks), and the output is the reference's."""
+    path = tiny_path("tiny_hc4")
+    ref = reference(make_llm, path, PROMPTS)
+    llm = make_llm(path, dtype="float64", max_num_seqs=16, **spec(2))
+    steps = with_spec_graphs(llm, 2, [1, 2, 4, 8, 16])
+    host_logs, graph_logs = [], []
+    init = CacheUndo.__init__
+
+    def counted_init(self, cache, host, *args, **kwargs):
+        (host_logs if host is not None else graph_logs).append(1)
+        init(self, cache, host, *args, **kwargs)
+
+    monkeypatch.setattr(CacheUndo, "__init__", counted_init)
+    oracle_drafts(llm, ref, mixed)
+    outs = run_tokens(llm, PROMPTS, greedy(MAX_TOKENS))
+    assert outs == [ref[tuple(p)][:MAX_TOKENS] for p in PROMPTS]
+    verified = [q for _, q in steps if q == 3]
+    assert len(graph_logs) == len(verified) >= 2
+    assert len(host_logs) < len(graph_logs)
 
 
 def count_filled_steps(llm) -> list[int]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from engine_fixtures import greedy, make_prompt
 from spec_fixtures import oracle_drafts, spec
+from test_spec_decode_graphs import with_spec_graphs
 
 make_llm = engine_fixtures.make_llm
 one_torch_thread = engine_fixtures.one_torch_thread
@@ -54,10 +55,12 @@ def run_steps(engine, prompt, steps):
 @pytest.mark.parametrize("config", ["tiny", "tiny_hc1"])
 @pytest.mark.parametrize("prompt_len", [12, 13, 14, 15, 16])
 @pytest.mark.parametrize("accepted", range(K + 1))
-def test_rejected_drafts_leave_no_trace(config, prompt_len, accepted, tiny_path, make_llm):
+@pytest.mark.parametrize("verify", ["eager", "graph"])
+def test_rejected_drafts_leave_no_trace(config, prompt_len, accepted, verify, tiny_path, make_llm):
     """Prompt lengths 12..16 put the verified positions [P, P+3] across position 15/16: the end of
     compression windows (rates 4 and 8; 2 and 4 for tiny_hc1) and of the first 16-token block; with
-    ``accepted`` drafts kept the rejection lands at every offset around it."""
+    ``accepted`` drafts kept the rejection lands at every offset around it. ``graph``: the verification
+    runs the padded graph layout, whose prologue saves every token's rows (the undo log of CUDA graphs)."""
     path = tiny_path(config)
     prompt = make_prompt(prompt_len, seed=prompt_len)
     ref_llm = make_llm(path, dtype="float64", batch_invariant=True)
@@ -68,7 +71,9 @@ def test_rejected_drafts_leave_no_trace(config, prompt_len, accepted, tiny_path,
     llm = make_llm(path, dtype="float64", batch_invariant=True, **spec(K))
     oracle_drafts(llm, {tuple(prompt): ref}, lambda seq, m, j: j >= accepted)
     engine = llm.llm_engine
+    steps = with_spec_graphs(llm, K, [1, 2]) if verify == "graph" else None
     seq = run_steps(engine, prompt, 2)  # prefill (draws drafts), then one verification
+    assert steps is None or steps == [(1, 1 + K)]
     assert engine.spec_decode_stats()["num_accepted_tokens"] == accepted
     assert seq.output_token_ids == plain_seq.output_token_ids == ref[: accepted + 2]
     assert seq.num_computed_tokens == plain_seq.num_computed_tokens == prompt_len + accepted + 1

@@ -29,7 +29,8 @@ def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, blo
     leave free), at the longest context: a full token budget as the last chunk of a ``max_model_len``
     prompt, plus one decode step of as many sequences as a step holds, each ``max_model_len`` long with
     ``query_len`` new tokens (1 + drafts when speculating: the largest decode graph keeps that much in its
-    pool), plus the sampler's per-sequence vocab-sized buffers and the graphs' shared logits buffers.
+    pool), plus the sampler's per-sequence vocab-sized buffers, the graphs' shared logits buffers and, when
+    speculating, the undo log buffers of the verification graphs.
 
     The profiling cache holds one chunk's blocks, which every block table reuses: the shapes and the work
     of a long context without its KV memory."""
@@ -47,10 +48,16 @@ def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, blo
                                  block_size, window, list(range(seqs * query_len)), device)
     peak = platform.peak_memory_of(partial(model.forward, prefill, cache))
     peak += platform.peak_memory_of(partial(model.forward, decode, cache))
+    undo = 0
+    if query_len > 1:  # the verification graphs' undo log buffers, sized for the largest batch
+        from deepinfer_core.spec_decode.rollback import CacheUndo
+
+        saved = CacheUndo.every_token(cache, decode, model.cfg.num_hidden_layers).saved
+        undo = sum(s.values.nbytes for s in saved) * -(-sched.max_num_seqs // seqs)
     del cache, prefill, decode
     sampler = 8 * sched.max_num_seqs * model.cfg.vocab_size * 4
     graph_outputs = sched.max_num_seqs * (1 + (query_len if query_len > 1 else 0)) * model.cfg.vocab_size * 4
-    return peak + sampler + graph_outputs
+    return peak + sampler + graph_outputs + undo
 
 
 def plan_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype,

@@ -55,18 +55,47 @@ def _written_rows(host: ForwardBatch, draft: torch.Tensor) -> dict[str, _Rows]:
     return out
 
 
-class CacheUndo:
-    """The undo log of one verification step over ``cache`` (the main model's layers only)."""
+def _every_written_row(batch: ForwardBatch) -> dict[str, _Rows]:
+    """:func:`_written_rows` for every token of ``batch`` (on its device), in shapes fixed by the batch's
+    layout: what a captured graph saves. Rows no token writes (a window that does not close, a block end
+    not crossed) are -1, the trash."""
+    out: dict[str, list] = {"window": [], "entries": [], "ring": [], "boundary": []}
+    device = batch.positions.device
+    out["window"].append((None, batch.window_slots, torch.arange(batch.num_tokens, device=device)))
+    for key, meta in batch.compressors.items():
+        rate, fresh_base = key[0], meta.ring_read.shape[0]
+        if meta.entry_slots.numel():
+            out["entries"].append((key, meta.entry_slots, meta.cur_idx[:, -1] - fresh_base))
+        out["ring"].append((key, meta.ring_write, meta.ring_write_src))
+        if meta.boundary_dst.numel():
+            rows = meta.boundary_dst.unsqueeze(1) * rate + torch.arange(rate, device=device)
+            rows = torch.where(meta.boundary_dst.unsqueeze(1) >= 0, rows, -1).flatten()
+            owner = (meta.boundary_src[:, -1] - fresh_base).repeat_interleave(rate)
+            out["boundary"].append((key, rows, owner))
+    return out
 
-    def __init__(self, cache: ModelCache, host: ForwardBatch, draft: torch.Tensor, num_layers: int,
-                 device: torch.device):
+
+class CacheUndo:
+    """The undo log of one verification step over ``cache`` (the main model's layers only): the rows the
+    draft tokens of ``host`` (a host batch) write. :meth:`every_token` saves every token's rows instead,
+    from a batch on the device and without the host: what a verification graph captures."""
+
+    def __init__(self, cache: ModelCache, host: ForwardBatch | None, draft: torch.Tensor | None, num_layers: int,
+                 device: torch.device | None = None, written: dict[str, _Rows] | None = None,
+                 buffers: list[torch.Tensor] | None = None):
         self.saved: list[_Saved] = []
-        # each kind's rows go to the device once, not once per layer and pool that reads them
-        written = {kind: [(key, rows.to(device), owner.to(device)) for key, rows, owner in items if rows.numel()]
-                   for kind, items in _written_rows(host, draft).items()}
+        if written is None:  # each kind's rows go to the device once, not once per layer and pool that reads them
+            written = {kind: [(key, rows.to(device), owner.to(device)) for key, rows, owner in items if rows.numel()]
+                       for kind, items in _written_rows(host, draft).items()}
 
         def save(pool: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor) -> None:
-            self.saved.append(_Saved(pool, rows, owner, pool[rows]))  # advanced indexing copies
+            values = pool[rows]  # advanced indexing copies (row -1: the trash)
+            if buffers is not None:  # into the caller's buffers, in order (shared by every graph of one query length)
+                i = len(self.saved)
+                if i == len(buffers):
+                    buffers.append(torch.empty_like(values))
+                values = buffers[i][: rows.shape[0]].copy_(values)
+            self.saved.append(_Saved(pool, rows, owner, values))
 
         for _, rows, owner in written["window"]:
             for layer in range(num_layers):
@@ -91,6 +120,13 @@ class CacheUndo:
                         for record in boundaries[layer]:
                             save(record, rows, owner)
 
+    @classmethod
+    def every_token(cls, cache: ModelCache, batch: ForwardBatch, num_layers: int,
+                    buffers: list[torch.Tensor] | None = None) -> CacheUndo:
+        """The rows every token of ``batch`` writes, saved without the host (capturable); with ``buffers``
+        the values go to those tensors (appended when missing: the largest batch must come first)."""
+        return cls(cache, None, None, num_layers, written=_every_written_row(batch), buffers=buffers)
+
     def restore(self, rejected: torch.Tensor) -> None:
         """Put back every saved row whose writing token is ``rejected`` (bool [T], device). A row to keep is
         sent to row -1, the pool's trash, so each pool costs one write (the targets are worked out once
@@ -101,3 +137,20 @@ class CacheUndo:
             if target is None:
                 target = targets[id(s.rows)] = torch.where(rejected[s.owner], s.rows, -1)
             s.pool[target] = s.values
+
+
+class GraphUndo:
+    """The verification graphs' prologue (``GraphRunner(prologue=...)``): every token's cache rows saved
+    inside the graph, before its forward, so that the host neither lays them out nor launches the copies.
+    Inside a capture the values go to buffers every graph of one query length shares (the largest batch
+    is captured first); decode graphs (query length 1) save nothing."""
+
+    def __init__(self, cache: ModelCache, num_layers: int):
+        self.cache, self.num_layers = cache, num_layers
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, batch: ForwardBatch, query_len: int, shared: bool) -> CacheUndo | None:
+        if query_len == 1:
+            return None
+        buffers = self.buffers.setdefault(query_len, []) if shared else None
+        return CacheUndo.every_token(self.cache, batch, self.num_layers, buffers)

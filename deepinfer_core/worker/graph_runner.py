@@ -16,6 +16,8 @@ streams and events come from the backend's :class:`~deepinfer_core.platform.Plat
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,19 +85,22 @@ class GraphRunner:
     With ``capture=False`` (CPU tests) the padded static batch runs eagerly: the same inputs, buffers
     and padding as a replay, without the graph. ``min_context`` is the smallest context bucket;
     ``query_lens`` the new tokens per sequence a graph is captured for; ``keep_streams``: the graphs
-    also return the last layer's streams (what the MTP drafter reads), see :meth:`replay_with_streams`.
+    also return the last layer's streams (what the MTP drafter reads), see :meth:`replay_with_streams`;
+    ``prologue(batch, query_len, shared)``: runs before the forward, inside the graph, its result returned
+    by :meth:`replay_step` (``shared``: inside a capture, where it may write buffers every graph shares).
     """
 
     def __init__(self, model: DeepseekV4Model, cache: ModelCache, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool = True, platform: Platform | None = None,
                  min_context: int = MIN_CONTEXT_BUCKET, query_lens: tuple[int, ...] = (1,),
-                 keep_streams: bool = False):
+                 keep_streams: bool = False, prologue: Callable[[ForwardBatch, int, bool], Any] | None = None):
         self.model, self.cache, self.block_size = model, cache, block_size
         self.platform = platform or Platform(model.device)
         self.sizes = sorted(sizes)
         self.contexts = context_buckets(max_model_len, block_size, min_context)
         self.query_lens = sorted(set(query_lens))
         self.keep_streams = keep_streams
+        self.prologue = prologue
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
         self.inputs: dict[tuple[int, int, int], _StaticInputs] = {}  # (size, context, query len) -> inputs
         self.graphs: dict[tuple[int, int, int], Graph] = {}
@@ -151,27 +156,31 @@ class GraphRunner:
     def replay_with_streams(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits rows of the real tokens, the streams of every padded row or None without
         ``keep_streams``). Both may be the graph's output buffers: consume them before the next replay."""
-        graph, rows = self.graphs.get(self._key(batch)), batch.query_start_loc[-1]
+        return self.replay_step(batch)[:2]
+
+    def replay_step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """:meth:`replay_with_streams` and the prologue's result (None without one)."""
+        key = self._key(batch)
+        graph, rows = self.graphs.get(key), batch.query_start_loc[-1]
         if graph is not None:
             graph.replay()
-            out = graph.output
+            logits, streams, pre = graph.output
         else:
-            out = self._forward(batch)
-        if not self.keep_streams:
-            return out[:rows], None
-        return out[0][:rows], out[1]
+            logits, streams, pre = self._forward(batch, key[2], shared=False)
+        return logits[:rows], streams, pre
 
-    def _forward(self, batch: ForwardBatch):
+    def _forward(self, batch: ForwardBatch, query_len: int, shared: bool):
+        pre = self.prologue(batch, query_len, shared) if self.prologue is not None else None
         logits, streams = self.model.forward(batch, self.cache)
-        return (logits, streams) if self.keep_streams else logits
+        return logits, streams if self.keep_streams else None, pre
 
     def _shared_forward(self, key: tuple[int, int, int]):
         """The forward of ``key``'s static inputs with its outputs copied into buffers that every graph of
         that query length shares (a graph's own outputs stay allocated: one vocab-wide logits buffer per
         size and context bucket otherwise)."""
-        out = self._forward(self.inputs[key].batch)
-        outs = out if self.keep_streams else (out,)
         q = key[2]
+        logits, streams, pre = self._forward(self.inputs[key].batch, q, shared=True)
+        outs = (logits, streams) if self.keep_streams else (logits,)
         if q not in self._outputs:  # the largest size comes first (and before capture, in a warm-up run)
             rows = self.sizes[-1] * q
             self._outputs[q] = tuple(t.new_empty((rows, *t.shape[1:])) for t in outs)
@@ -179,7 +188,7 @@ class GraphRunner:
         for buffer, t in zip(self._outputs[q], outs):
             buffer[: t.shape[0]].copy_(t)
             views.append(buffer[: t.shape[0]])
-        return tuple(views) if self.keep_streams else views[0]
+        return views[0], views[1] if self.keep_streams else None, pre
 
     @torch.inference_mode()
     def capture(self) -> None:

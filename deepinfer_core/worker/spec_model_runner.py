@@ -137,10 +137,14 @@ class SpecDecodeModelRunner(ModelRunner):
         draft_mask = torch.tensor(draft + [False] * (host.num_tokens - len(draft)), dtype=torch.bool)
         filler_mask = torch.tensor(filler + [False] * (host.num_tokens - len(filler)), dtype=torch.bool)
         undo = None
-        if verifies or any(filler):
+        in_graph = pad is not None and getattr(graphs, "prologue", None) is not None  # the graph saves the rows
+        if (verifies or any(filler)) and not in_graph:
             undo = CacheUndo(self.cache, host, draft_mask, self.num_layers, self.model.device)
         if pad is not None:  # the graph's buffers: read (sampled, drafted from) before the next replay
-            logits, streams = graphs.replay_with_streams(graphs.load(host))
+            if in_graph:
+                logits, streams, undo = graphs.replay_step(graphs.load(host))
+            else:
+                logits, streams = graphs.replay_with_streams(graphs.load(host))
         else:
             batch = host.with_storage(self.platform.upload(host.packed()))
             logits, streams = self.model.forward(batch, self.cache)

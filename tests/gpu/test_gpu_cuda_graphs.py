@@ -61,8 +61,8 @@ def test_graph_bucket_padding_and_eager_fallback(tiny_path):
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_steps_replay_verification_and_drafting_graphs(k):
     """The trained default model with MTP speculation: verification steps replay the 1 + k graphs (spans
-    with fewer drafts filled up), drafting replays the MTP graphs, and the greedy tokens are those of the
-    eager engine without speculation (all but near-ties in float32)."""
+    with fewer drafts filled up, the undo log saved inside them), drafting replays the MTP graphs, and the
+    greedy tokens are those of the eager engine without speculation (all but near-ties in float32)."""
     text = open("data/heldout_slice.txt").read()
 
     def make(**kw):
@@ -77,9 +77,10 @@ def test_speculative_steps_replay_verification_and_drafting_graphs(k):
     runner = llm.llm_engine.runner
     graphs, drafting = runner.graph_runner, runner.proposer.graphs
     assert graphs is not None and graphs.query_lens == [1, 1 + k] and drafting is not None and drafting.graphs
+    assert graphs.prologue is not None  # the verification graphs save the undo log
     verified, drafted = [], []
-    replay = graphs.replay_with_streams
-    graphs.replay_with_streams = lambda b: verified.append(b.num_tokens // b.padded_to) or replay(b)
+    replay = graphs.replay_step
+    graphs.replay_step = lambda b: verified.append(b.num_tokens // b.padded_to) or replay(b)
     propose = drafting.propose
     drafting.propose = lambda *a: drafted.append(len(a[0])) or propose(*a)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

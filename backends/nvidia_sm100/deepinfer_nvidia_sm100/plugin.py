@@ -170,13 +170,13 @@ def deepinfer_platform(device):
 
 @hookimpl
 def deepinfer_graph_runner(model, cache, capture_sizes, max_model_len, block_size, platform, query_lens,
-                           keep_streams):
+                           keep_streams, prologue):
     if not platform.supports_graphs or not capture_sizes:
         return None
     from deepinfer_core.worker.graph_runner import GraphRunner
 
     return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, platform=platform,
-                       query_lens=query_lens, keep_streams=keep_streams)
+                       query_lens=query_lens, keep_streams=keep_streams, prologue=prologue)
 
 
 @hookimpl
