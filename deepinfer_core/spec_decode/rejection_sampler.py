@@ -67,11 +67,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     sampled = (residual / noise.to(residual.dtype)).argmax(dim=-1)  # [S, K+1]
     if greedy is not None:
         sampled = torch.where(greedy.unsqueeze(1), argmax, sampled)
-    out = torch.cat([drafts, drafts[:, :1]], dim=1)
-    rows = torch.arange(k1, device=out.device).unsqueeze(0)
-    out = torch.where(rows == num_accepted.unsqueeze(1), sampled, out)
-    out = torch.where(rows > num_accepted.unsqueeze(1), torch.full_like(out, -1), out)
-    return VerifyOutput(out, num_accepted)
+    return _output(drafts, num_accepted, sampled)
 
 
 def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -83,9 +79,14 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     drafts = draft_token_ids.clamp(min=0)
     valid = torch.arange(k, device=drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
     num_accepted = ((drafts == argmax[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
+    return _output(drafts, num_accepted, argmax)
+
+
+def _output(drafts: torch.Tensor, num_accepted: torch.Tensor, replacements: torch.Tensor) -> VerifyOutput:
+    """Each row's accepted drafts, then its replacement token ``replacements[:, num_accepted]``, then -1."""
     out = torch.cat([drafts, drafts[:, :1]], dim=1)
-    rows = torch.arange(k + 1, device=out.device).unsqueeze(0)
-    out = torch.where(rows == num_accepted.unsqueeze(1), argmax, out)
+    rows = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
+    out = torch.where(rows == num_accepted.unsqueeze(1), replacements, out)
     out = torch.where(rows > num_accepted.unsqueeze(1), torch.full_like(out, -1), out)
     return VerifyOutput(out, num_accepted)
 
