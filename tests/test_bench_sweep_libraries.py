@@ -191,7 +191,7 @@ def test_bench_sweep_runs_every_set_in_its_own_process_and_merges(tmp_path, monk
     assert merged["baseline"] == "none" and list(merged["sets"]) == ["none", "flash_mla"]
     none, flash = merged["sets"]["none"], merged["sets"]["flash_mla"]
     assert none["hidden"] == ["flash_mla", "deep_gemm", "deep_ep"] and flash["hidden"] == ["deep_gemm", "deep_ep"]
-    assert none["found"]["flash_mla"] == f"hidden (found at {site / 'flash_mla' / '__init__.py'})"
+    assert none["found"]["flash_mla"] == "hidden (installed)"
     assert flash["found"]["flash_mla"] == "0.0+dummy"
     assert flash["found"]["deep_gemm"].startswith("hidden")
     for s in (none, flash):

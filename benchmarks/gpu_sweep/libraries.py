@@ -196,8 +196,7 @@ def library_status(known: Sequence[str] = KNOWN_LIBRARIES) -> dict[str, str]:
             spec = PathFinder.find_spec(name)
         except Exception:
             spec = None
-        where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), None))
-        out[name] = f"hidden (found at {where})" if where else "hidden (not installed)"
+        out[name] = "hidden (installed)" if spec is not None else "hidden (not installed)"
     return out
 
 
