@@ -55,6 +55,29 @@ def test_gate_measures_both_modes_then_runs_the_faster_and_probes_the_other():
     assert gate.as_dict()["plain_steps"] > 0 and gate.as_dict()["speculative_steps"] > 0
 
 
+def probe_starts(modes: list[bool], slower: bool) -> list[int]:
+    return [i for i in range(1, len(modes)) if modes[i] == slower and modes[i - 1] != slower]
+
+
+def test_gate_probes_less_often_while_the_faster_mode_stays_the_same():
+    gate = SpeculationGate(probe_every=16, probe_steps=4, settle_steps=1, max_probe_every=64)
+    modes = feed(gate, 64, 600, spec_s=3e-3, plain_s=1e-3, tokens_spec=2)
+    starts = probe_starts(modes, True)
+    assert modes[:4] == [True, True, False, False] and starts[0] == 4 + 16  # both measured, then 16 plain
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[0] == 4 + 32  # the interval doubles after each probe that left plain the faster
+    assert set(gaps[1:]) == {4 + 64}  # up to max_probe_every
+    assert gate.as_dict()["probe_every"] == {64: 64}
+    # now speculation is the faster one: the next probe finds out, and the interval starts again
+    modes = feed(gate, 64, 200, spec_s=1e-3, plain_s=1e-3, tokens_spec=3)
+    first_spec = modes.index(True)
+    assert first_spec <= 64 and all(modes[first_spec:first_spec + 4 + 16])  # the probe, then 16 of the new best
+    assert modes[first_spec + 4 + 16:first_spec + 4 + 16 + 4] == [False] * 4
+    assert gate.buckets[64].best is True
+    with pytest.raises(ValueError, match="max_probe_every"):
+        SpeculationGate(probe_every=64, max_probe_every=32)
+
+
 def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():
     gate = SpeculationGate(settle_steps=2, probe_steps=4)
     gate.decide(4)

@@ -7,9 +7,11 @@ few layers) the step is better off as a plain decode: no drafts, no MTP, the pla
 
 The gate measures both: output tokens per second of consecutive speculative steps and of consecutive
 plain steps, a running mean per batch-size bucket (powers of two of decoding sequences), and runs the
-faster mode, measuring the other one for ``probe_steps`` steps every ``probe_every``. The first
-``settle_steps`` of a run of one mode are left out of its mean (a switch drains the pipeline, and the
-first speculative steps after plain ones have no drafts yet).
+faster mode, measuring the other one for ``probe_steps`` steps after ``probe_every`` of the faster. A
+probe that leaves the faster mode as it was doubles the bucket's interval, up to ``max_probe_every``
+(probing costs the steps it runs in the slower mode); one that changes it starts again from
+``probe_every``. The first ``settle_steps`` of a run of one mode are left out of its mean (a switch
+drains the pipeline, and the first speculative steps after plain ones have no drafts yet).
 """
 
 from __future__ import annotations
@@ -25,13 +27,20 @@ def bucket(num_seqs: int) -> int:
 class _Bucket:
     rate: dict[bool, float] = field(default_factory=dict)  # speculate -> output tokens per second
     steps: int = 0  # steps decided in this bucket
+    best: bool | None = None  # the faster mode when the current interval began
+    interval: int = 0  # steps of the faster mode between probes
+    next_probe: int = 0  # the step at which the next probe begins
 
 
 class SpeculationGate:
-    def __init__(self, probe_every: int = 64, probe_steps: int = 8, settle_steps: int = 2, decay: float = 0.7):
+    def __init__(self, probe_every: int = 64, probe_steps: int = 8, settle_steps: int = 2, decay: float = 0.7,
+                 max_probe_every: int = 1024):
         if probe_steps <= settle_steps:
             raise ValueError("a probe must outlast the steps left out after a switch")
+        if max_probe_every < probe_every:
+            raise ValueError("max_probe_every must be at least probe_every")
         self.probe_every, self.probe_steps, self.settle_steps = probe_every, probe_steps, settle_steps
+        self.max_probe_every = max_probe_every
         self.decay = decay
         self.buckets: dict[int, _Bucket] = {}
         self.counts = {True: 0, False: 0}  # steps run per mode
@@ -48,10 +57,17 @@ class SpeculationGate:
         elif False not in b.rate:
             mode = False
         else:
-            best = b.rate[True] >= b.rate[False]
-            mode = (not best) if b.steps % self.probe_every < self.probe_steps else best
+            mode = self._choose(b)
         self.counts[mode] += 1
         return mode
+
+    def _choose(self, b: _Bucket) -> bool:
+        best = b.rate[True] >= b.rate[False]
+        if b.best is None or b.steps >= b.next_probe + self.probe_steps:  # an interval begins
+            same = b.best == best
+            b.interval = min(2 * b.interval, self.max_probe_every) if same else self.probe_every
+            b.best, b.next_probe = best, b.steps + b.interval
+        return (not b.best) if b.steps >= b.next_probe else b.best
 
     def observe(self, speculated: bool, num_decoding: int, num_tokens: int, started: float, now: float) -> None:
         """A finished all-decode step: its mode, sequences and output tokens, when it was launched and when
@@ -76,5 +92,6 @@ class SpeculationGate:
 
     def as_dict(self) -> dict:
         return {"speculative_steps": self.counts[True], "plain_steps": self.counts[False],
+                "probe_every": {b: v.interval for b, v in sorted(self.buckets.items()) if v.interval},
                 "tokens_per_s": {b: {("spec" if m else "plain"): round(r, 1) for m, r in v.rate.items()}
                                  for b, v in sorted(self.buckets.items())}}
