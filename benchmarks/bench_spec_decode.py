@@ -181,6 +181,15 @@ def _model_name(args) -> str:
     return args.model or "default"
 
 
+def _engine_kw(args, float64: bool = False) -> dict:
+    """The LLM's backend, dtype (``--dtype``; float64 by default where ``float64``), device and block size."""
+    kw = {"backend": args.backend, "dtype": args.dtype or ("float64" if float64 else None)}
+    for name in ("device", "block_size"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return kw
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -210,11 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = args.dtype or ("float64" if args.mode == "acceptance" else None)
-    engine_kw = {"backend": args.backend, "dtype": dtype}
-    for name in ("device", "block_size"):
-        if getattr(args, name) is not None:
-            engine_kw[name] = getattr(args, name)
+    engine_kw = _engine_kw(args, float64=args.mode == "acceptance")
+    dtype = engine_kw["dtype"]
     result = acceptance(args, engine_kw) if args.mode == "acceptance" else speed(args, engine_kw)
     report = {"benchmark": "spec_decode", "mode": args.mode, "backend": args.backend, "dtype": dtype,
               "model": _model_name(args), "torch": torch.__version__,

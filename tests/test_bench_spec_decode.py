@@ -46,3 +46,23 @@ def test_speed_mode_on_random_weights_with_an_mtp_block(bsd, tmp_path):
     assert rows["k=1"]["mean_acceptance_length"] == pytest.approx(2.0)  # every draft accepted
     assert report["model"].startswith("random tiny-width, 2 layers")
     assert (tmp_path / "spec.json").read_text().startswith("{")
+
+
+def test_step_profile_times_the_speculative_step_and_puts_every_function_back(bsd, tmp_path):
+    import profile_spec_step
+
+    from deepinfer_core.engine.llm_engine import LLMEngine
+
+    step, tolist = LLMEngine.step, torch.Tensor.tolist
+    report = profile_spec_step.main(["--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+                                     "--max-tokens", "6", "--prompt-len", "12", "--force-acceptance", "1.0",
+                                     "--threads", "1", "--json-out", str(tmp_path / "profile.json")])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "k=1"}
+    off, spec = rows["off"], rows["k=1"]
+    assert "MtpProposer.propose" not in off["ms_per_step"] and "ModelRunner.execute_model" in off["ms_per_step"]
+    assert spec["calls_per_step"]["MtpProposer.propose"] == pytest.approx(1.0)
+    assert spec["tokens_per_step"] > off["tokens_per_step"]  # every draft accepted
+    assert spec["ms_per_step"]["LLMEngine.step"] >= spec["ms_per_step"]["SpecDecodeModelRunner.execute_model"]
+    assert LLMEngine.step is step and torch.Tensor.tolist is tolist
+    assert (tmp_path / "profile.json").read_text().startswith("{")

@@ -1,0 +1,164 @@
+"""Where a decode step's host time goes, with speculation off and on: inclusive host milliseconds per step
+of the engine's, the runners' and the drafter's main functions, and of the host's waits for the device
+(``Tensor.tolist`` / ``item``, the copies that end a step).
+
+Each function is wrapped with a wall-clock timer; nothing is synchronised beyond what the engine itself
+does, so a wait shows up where the engine waits. The time of a function includes the functions it calls
+(the rows overlap). Models as in ``bench_spec_decode.py``: the embedded trained model, or ``--random``
+(V4-Flash widths, an MTP block, ``--force-acceptance``).
+
+GPU:  python benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda --ks 1,3 --batch-sizes 1,8
+CPU:  python benchmarks/profile_spec_step.py --batch-sizes 1 --ks 1 --max-tokens 8 --json-out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_spec_decode as spec_bench  # noqa: E402
+
+#: (module, attribute path) of every timed function; a module's own name for an imported function is
+#: patched where it is called from
+TIMED = [
+    ("deepinfer_core.engine.llm_engine", "LLMEngine.step"),
+    ("deepinfer_core.engine.llm_engine", "LLMEngine._finish"),
+    ("deepinfer_core.engine.scheduler", "Scheduler.schedule"),
+    ("deepinfer_core.worker.model_runner", "ModelRunner.execute_model"),
+    ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner.execute_model"),
+    ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._verify"),
+    ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._complete"),
+    ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._draft"),
+    ("deepinfer_core.worker.spec_model_runner", "build_forward_batch"),
+    ("deepinfer_core.worker.model_runner", "build_forward_batch"),
+    ("deepinfer_core.spec_decode.mtp_graph", "build_forward_batch"),
+    ("deepinfer_core.spec_decode.mtp_proposer", "build_forward_batch"),
+    ("deepinfer_core.spec_decode.mtp_proposer", "MtpProposer.propose"),
+    ("deepinfer_core.spec_decode.mtp_graph", "MtpGraphs.propose"),
+    ("deepinfer_core.spec_decode.rollback", "CacheUndo.restore"),
+    ("deepinfer_core.worker.graph_runner", "GraphRunner.load"),
+    ("deepinfer_core.worker.graph_runner", "GraphRunner.replay"),
+    ("deepinfer_core.worker.graph_runner", "GraphRunner.replay_with_streams"),
+    ("deepinfer_core.worker.graph_runner", "GraphRunner.replay_step"),
+    ("deepinfer_core.model.deepseek_v4", "DeepseekV4Model.forward"),
+    ("deepinfer_core.model.deepseek_v4", "DeepseekV4Model.mtp_forward"),
+]
+WAITS = ("tolist", "item")  # torch.Tensor methods that wait for the device
+
+
+class Timers:
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+                self.calls[name] += 1
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn))
+
+    def install(self) -> None:
+        for module, path in TIMED:
+            owner = importlib.import_module(module)
+            *outer, attr = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            label = path if outer else f"{module.rsplit('.', 1)[-1]}.{path}"
+            self.wrap(owner, attr, label)
+        for attr in WAITS:
+            self.wrap(torch.Tensor, attr, f"Tensor.{attr} (waits)")
+
+    def uninstall(self) -> None:
+        for owner, attr, fn in reversed(self._undo):
+            setattr(owner, attr, fn)
+        self._undo.clear()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def profile(args) -> dict:
+    if args.force_acceptance is not None:
+        spec_bench.force_acceptance(args.force_acceptance)
+    params = spec_bench.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine_kw = spec_bench._engine_kw(args)
+    make = spec_bench._random_llm_factory(args, engine_kw) if args.random else (
+        lambda spec, **kw: spec_bench.LLM(args.model, speculative_config=spec, **engine_kw, **kw))
+    modes = [("off", None)] + [(f"k={k}", spec_bench._spec(k)) for k in args.ks]
+    timers, rows = Timers(), []
+    for name, spec in modes:
+        llm = make(spec, max_num_seqs=max(args.batch_sizes))
+        for batch in args.batch_sizes:
+            prompts = spec_bench._prompts(llm, batch, args.prompt_len)
+            spec_bench._generate(llm, prompts, params)  # warm-up: the same shapes
+            timers.reset()
+            timers.install()
+            try:
+                _, seconds = spec_bench._generate(llm, prompts, params)
+            finally:
+                timers.uninstall()
+            steps = timers.calls["LLMEngine.step"]
+            per_step = {k: 1e3 * v / steps for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])}
+            rows.append({"mode": name, "batch": batch, "seconds": seconds, "steps": steps,
+                         "tokens_per_step": batch * args.max_tokens / steps,
+                         "ms_per_step": per_step, "calls_per_step": {k: timers.calls[k] / steps for k in per_step}})
+    for r in rows:
+        print(f"\n{r['mode']} batch {r['batch']}: {r['steps']} steps, {1e3 * r['seconds'] / r['steps']:.3f} ms "
+              f"per step, {r['tokens_per_step']:.2f} tokens per step")
+        print(f"  {'function':<44} {'ms/step':>8} {'calls/step':>10}")
+        for k, ms in r["ms_per_step"].items():
+            print(f"  {k:<44} {ms:>8.3f} {r['calls_per_step'][k]:>10.2f}")
+    return {"benchmark": "profile_spec_step", "backend": args.backend, "model": spec_bench._model_name(args),
+            "torch": torch.__version__, "max_tokens": args.max_tokens, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded trained model)")
+    ap.add_argument("--backend", default="cpu_ref")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--ks", type=spec_bench._ints, default=[1, 3], metavar="K,K,...")
+    ap.add_argument("--batch-sizes", type=spec_bench._ints, default=[1, 8], metavar="B,B,...")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--force-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--random", action="store_true", help="random V4-Flash-width weights with an MTP block")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json-out", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = profile(args)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
