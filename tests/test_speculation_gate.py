@@ -5,6 +5,8 @@ the plain runner's pipeline."""
 
 from __future__ import annotations
 
+import itertools
+
 import engine_fixtures
 import pytest
 import test_spec_async
@@ -78,6 +80,45 @@ def test_gate_probes_less_often_while_the_faster_mode_stays_the_same():
         SpeculationGate(probe_every=64, max_probe_every=32)
 
 
+def feed_stale(gate: SpeculationGate, seqs: int, steps: int, spec_s: float, plain_s: float, fresh_tokens: float,
+               stale_tokens: float, window: int, made: float = 0) -> list:
+    """Like :func:`feed`, with drafts that accept less (``stale_tokens`` per sequence and step, against
+    ``fresh_tokens``) until a speculative run has made ``window`` tokens per sequence since a plain step
+    (``made`` at the start: the sequences decoded plainly before)."""
+    modes, now = [], 0.0
+    for _ in range(steps):
+        mode = gate.decide(seqs)
+        fresh = made >= window
+        tokens = (fresh_tokens if fresh else stale_tokens) if mode else 1
+        made = made + tokens if mode else 0
+        started, now = now, now + (spec_s if mode else plain_s)
+        gate.observe(mode, seqs, round(seqs * tokens), started, now, fresh=fresh)
+        modes.append(mode)
+    return modes
+
+
+def test_gate_judges_speculation_by_the_steps_drafting_from_fresh_mtp_rows():
+    """One user: 2.4 tokens per 1.2 ms when the MTP rows are fresh (2x plain decode), 1 per 1.2 ms in the 16
+    tokens after plain steps, which the sequences start in. Counting stale steps, speculation looks
+    slower than plain at first, and every probe of it after plain steps looks so again."""
+    args = dict(seqs=1, steps=600, spec_s=1.2e-3, plain_s=1e-3, fresh_tokens=2.4, stale_tokens=1.0, window=16)
+    gate = SpeculationGate(probe_every=32, probe_steps=4, settle_steps=1, max_tokens_per_step=4)
+    assert feed_stale(gate, **args)[100:].count(True) / 500 > 0.9
+    naive = SpeculationGate(probe_every=32, probe_steps=4, settle_steps=1, max_tokens_per_step=4)
+    observe = naive.observe
+    naive.observe = lambda *a, fresh=True: observe(*a)  # every step counted, as if always fresh
+    assert feed_stale(naive, **args)[100:].count(True) / 500 < 0.2
+
+
+def test_a_speculative_step_slower_than_its_best_case_ends_the_probe_at_once():
+    """4 tokens per sequence at most, in 5x a plain step's time: speculation cannot win, fresh or not."""
+    gate = SpeculationGate(probe_every=16, probe_steps=4, settle_steps=1, max_tokens_per_step=4, max_stale_steps=64)
+    modes = feed_stale(gate, 64, 400, spec_s=5e-3, plain_s=1e-3, fresh_tokens=3.0, stale_tokens=1.0, window=10**6)
+    probes = [len(list(run)) for mode, run in itertools.groupby(modes[8:]) if mode]
+    assert probes and max(probes) <= 4  # no waiting for fresh rows that never come
+    assert gate.buckets[64].ceiling == pytest.approx(64 * 4 / 5e-3)
+
+
 def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():
     gate = SpeculationGate(settle_steps=2, probe_steps=4)
     gate.decide(4)
@@ -108,6 +149,23 @@ def alternate_modes(llm, pattern: list[bool]) -> list[bool]:
 
     gate.decide = decide
     return ran
+
+
+def test_speculative_steps_after_plain_ones_are_stale_for_a_window(tiny_path, make_llm):
+    path = tiny_path("tiny")
+    llm = make_llm(path, dtype="float64", max_num_seqs=16, **spec(3, "confidence"))
+    alternate_modes(llm, [False] * 3 + [True] * 40)
+    gate, seen = llm.llm_engine.drafts.gate, []
+    window = llm.llm_engine.drafts.window
+    observe = gate.observe
+    gate.observe = lambda speculated, *a, fresh=True: seen.append((speculated, fresh)) or observe(speculated, *a,
+                                                                                                   fresh=fresh)
+    prompt = make_prompt(5, 0)
+    run_tokens(llm, [prompt], greedy(3 + window + 12))
+    spec_steps = [fresh for speculated, fresh in seen if speculated]
+    assert window > 0 and spec_steps and not spec_steps[0]  # right after the plain ones
+    assert spec_steps[-1]  # a window later
+    assert spec_steps == sorted(spec_steps)  # stale, then fresh for good
 
 
 @pytest.mark.parametrize("pattern", [[True, True, False, False, False], [False, True]])

@@ -467,7 +467,7 @@ class LLMEngine:
             decode = len(launched.scheduled) == len(launched.sampled) and (
                 launched.num_tokens == len(launched.sampled) + sum(launched.num_drafts or []))
             self.drafts.observe_output(launched.speculate, len(launched.sampled) if decode else None, emitted,
-                                       launched.started, time.perf_counter())
+                                       launched.started, time.perf_counter(), launched.sampled)
 
     def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
         """End ``seqs`` with an error after an exception in their step; the other requests go on."""

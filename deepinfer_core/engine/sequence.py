@@ -56,6 +56,7 @@ class Sequence:
         self.num_scheduled_drafts = 0
         self.inflight_drafts = 0  # drafts of the newest launched step, unknown whether accepted until it ends
         self.spec_stats = None  # SpecDecodeStats of this sequence, when the engine speculates
+        self.mtp_stale_until = 0  # drafts read MTP rows a plain step left unwritten below this length
 
     @property
     def text(self) -> str:

@@ -21,12 +21,15 @@ from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 
 
 class DraftPlanner:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, window: int = 0):
         self.config = config
+        self.window = window  # the MTP block's sliding window: what a plain step leaves stale
         self.stats = SpecDecodeStats()
         self.confidence = ConfidenceScheduler() if config.schedule == "confidence" else None
         # confidence scheduling may also choose plain decode steps (no drafting at all) where those are faster
-        self.gate = SpeculationGate() if self.confidence is not None else None
+        self.gate = None
+        if self.confidence is not None:
+            self.gate = SpeculationGate(max_tokens_per_step=1 + config.num_speculative_tokens)
         self.speculate = True  # whether the step being scheduled speculates
 
     @classmethod
@@ -47,7 +50,7 @@ class DraftPlanner:
                              f"{cap + 1} rows)")
         if parallel.data_parallel_size > 1:
             raise ValueError("speculative decoding is not available with data_parallel_size > 1 yet")
-        return cls(config)
+        return cls(config, window=cfg.sliding_window or 0)
 
     # --- before scheduling -----------------------------------------------------------------------
 
@@ -77,6 +80,7 @@ class DraftPlanner:
         if not self.speculate:  # a plain step, and no stale drafts for the first speculative one after it
             for seq in scheduler.running:
                 seq.draft_budget = 0
+                seq.mtp_stale_until = len(seq) + self.window
                 if not seq.num_inflight:
                     seq.draft_token_ids, seq.draft_confidences = [], []
             return
@@ -102,14 +106,16 @@ class DraftPlanner:
             self.confidence.observe_step(num_tokens, seconds)
 
     def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,
-                       now: float) -> None:
-        """A finished step's output tokens for the gate; ``num_decoding`` None: not an all-decode step."""
+                       now: float, seqs: list[Sequence] = ()) -> None:
+        """A finished step's output tokens for the gate; ``num_decoding`` None: not an all-decode step;
+        ``seqs``: its sequences (a speculative step is fresh when none drafted from rows a plain step left)."""
         if self.gate is None:
             return
         if num_decoding is None:
             self.gate.interrupt()
         else:
-            self.gate.observe(speculated, num_decoding, num_tokens, started, now)
+            fresh = all(len(seq) >= seq.mtp_stale_until for seq in seqs)
+            self.gate.observe(speculated, num_decoding, num_tokens, started, now, fresh=fresh)
 
     def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager,
                verified: int | None = None, reserved: int = 0) -> None:
