@@ -116,8 +116,9 @@ def speed(args, engine_kw: dict) -> dict:
     rows = []
     make = _random_llm_factory(args, engine_kw) if args.random else (
         lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
+    sched = {"async_scheduling": True} if args.async_scheduling else {}
     for name, spec, extra in modes:
-        llm = make(spec, max_num_seqs=max(args.batch_sizes), **extra)
+        llm = make(spec, max_num_seqs=max(args.batch_sizes), **sched, **extra)
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
@@ -147,7 +148,7 @@ def speed(args, engine_kw: dict) -> dict:
         print(f"{r['mode']:>16} {r['batch']:>5} {r['per_user_tok_s']:>14.2f} {r['total_tok_s']:>11.2f} "
               f"{r['speedup']:>8.2f} {r.get('mean_acceptance_length', 1.0):>10.2f} "
               f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
-    return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
+    return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
             "force_acceptance": args.force_acceptance, "rows": rows}
 
 
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "checkpoint (pair with --force-acceptance)")
     ap.add_argument("--layers", type=int, default=4, help="--random: decoder layers (default 4)")
     ap.add_argument("--small", action="store_true", help="--random: tiny widths (a CPU smoke test)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="speed: every mode schedules step N+1 while step N runs (default: synchronous)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")

@@ -108,7 +108,7 @@ def profile(args) -> dict:
     modes = [("off", None)] + [(f"k={k}", spec_bench._spec(k)) for k in args.ks]
     timers, rows = Timers(), []
     for name, spec in modes:
-        llm = make(spec, max_num_seqs=max(args.batch_sizes))
+        llm = make(spec, max_num_seqs=max(args.batch_sizes), **({"async_scheduling": True} if args.async_scheduling else {}))
         for batch in args.batch_sizes:
             prompts = spec_bench._prompts(llm, batch, args.prompt_len)
             spec_bench._generate(llm, prompts, params)  # warm-up: the same shapes
@@ -130,7 +130,8 @@ def profile(args) -> dict:
         for k, ms in r["ms_per_step"].items():
             print(f"  {k:<44} {ms:>8.3f} {r['calls_per_step'][k]:>10.2f}")
     return {"benchmark": "profile_spec_step", "backend": args.backend, "model": spec_bench._model_name(args),
-            "torch": torch.__version__, "max_tokens": args.max_tokens, "rows": rows}
+            "torch": torch.__version__, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--random", action="store_true", help="random V4-Flash-width weights with an MTP block")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")
     args = ap.parse_args(argv)

@@ -42,7 +42,7 @@ def test_speed_mode_on_random_weights_with_an_mtp_block(bsd, tmp_path):
                        "--batch-sizes", "2", "--max-tokens", "6", "--prompt-len", "12", "--force-acceptance", "1.0",
                        "--threads", "1", "--no-warmup", "--json-out", str(tmp_path / "spec.json")])
     rows = {r["mode"]: r for r in report["rows"]}
-    assert set(rows) == {"off", "off eager", "k=1", "confidence k=1"}
+    assert set(rows) == {"off", "off eager", "k=1", "confidence k=1"} and report["async_scheduling"] is False
     assert rows["k=1"]["mean_acceptance_length"] == pytest.approx(2.0)  # every draft accepted
     assert report["model"].startswith("random tiny-width, 2 layers")
     assert (tmp_path / "spec.json").read_text().startswith("{")
@@ -66,3 +66,15 @@ def test_step_profile_times_the_speculative_step_and_puts_every_function_back(bs
     assert spec["ms_per_step"]["LLMEngine.step"] >= spec["ms_per_step"]["SpecDecodeModelRunner.execute_model"]
     assert LLMEngine.step is step and torch.Tensor.tolist is tolist
     assert (tmp_path / "profile.json").read_text().startswith("{")
+
+
+def test_speed_mode_schedules_asynchronously_when_asked(bsd, monkeypatch):
+    from deepinfer_core.engine import llm_engine
+
+    seen = []
+    init = llm_engine.LLMEngine.__init__
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__",
+                        lambda self, args, *a, **kw: seen.append(args.async_scheduling) or init(self, args, *a, **kw))
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+                       "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup", "--async-scheduling"])
+    assert report["async_scheduling"] is True and seen and all(seen)
