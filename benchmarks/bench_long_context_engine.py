@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode graphs")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--numerics", choices=("deepseek", "transformers"), default=None,
+                    help="deepseek: DeepSeek's FP8 KV entries (default: the checkpoint's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--label", default=None, help="what this run measures (default: the git commit)")
@@ -113,7 +115,7 @@ class Bench:
                            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                            enable_prefix_caching=True, enforce_eager=a.enforce_eager,
                            async_scheduling=a.async_scheduling, gpu_memory_utilization=a.gpu_memory_utilization,
-                           seed=a.seed)
+                           seed=a.seed, numerics=a.numerics)
         if a.block_size:
             engine_args["block_size"] = a.block_size
         if a.gpu:
@@ -341,7 +343,7 @@ def run(a: argparse.Namespace) -> dict:
             backend=a.backend, dtype=a.dtype, model=b.model_summary,
             engine=dict(max_model_len=engine.scheduler_config.max_model_len, max_num_batched_tokens=chunk,
                         max_num_seqs=a.max_num_seqs, block_size=engine.cache_config.block_size,
-                        enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
+                        enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling, numerics=a.numerics,
                         decode_graphs=engine.runner.graph_runner is not None,
                         gpu_memory_utilization=a.gpu_memory_utilization),
             model_s=b.model_s, engine_init_s=b.engine_init_s, warmup=warm,

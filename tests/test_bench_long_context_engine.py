@@ -74,3 +74,17 @@ def test_markdown_table(report):
     assert "| prompt tokens | steps | prefill s | tok/s | max RSS MB |" in text
     assert f"| hit | {HISTORY + TURN} | {HISTORY} |" in text
     assert "peak host memory (ru_maxrss)" in text
+
+
+def test_deepseek_numerics_measure_the_fp8_kv_entries(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_long_context_engine as ble
+
+    plain, fp8 = (ble.main(["--prompt-lens", "256", "--history-len", str(HISTORY), "--turn-len", str(TURN),
+                            "--max-model-len", "8192", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "2",
+                            *extra, "--out", str(tmp_path / f"r{len(extra)}.json")])
+                  for extra in ([], ["--numerics", "deepseek"]))
+    assert fp8["engine"]["numerics"] == "deepseek" and plain["kv"]["layout"] != fp8["kv"]["layout"]
+    kv = fp8["kv"]
+    assert kv["measured_total_bytes"] == kv["computed_total_bytes"]
+    assert kv["compressed_bytes_per_token"] < plain["kv"]["compressed_bytes_per_token"]  # FP8 entries are smaller
