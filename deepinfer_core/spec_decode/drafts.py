@@ -114,7 +114,7 @@ class DraftPlanner:
         if num_decoding is None:
             self.gate.interrupt()
         else:
-            fresh = all(len(seq) >= seq.mtp_stale_until for seq in seqs)
+            fresh = not speculated or all(len(seq) >= seq.mtp_stale_until for seq in seqs)
             self.gate.observe(speculated, num_decoding, num_tokens, started, now, fresh=fresh)
 
     def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager,
