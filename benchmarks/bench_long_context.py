@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu", action="store_true", help="4 layers at V4-Flash widths, random weights, graphs captured")
     ap.add_argument("--small", action="store_true", help="with --gpu: bench_gpu_decode's small widths (a CPU "
                     "smoke test of the GPU path)")
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="DeepSeek's FP8 KV entries (numerics='deepseek''s cache layout; the rest of the model as is)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--label", default=None, help="what this run measures (default: the git commit)")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -113,7 +115,7 @@ class Harness:
         longest = max(a.contexts) + max(a.chunk, 1) + 1
         self.blocks = -(-longest // self.bs)
         spec = resolve_kv_cache_spec(load_backend(a.backend).hook, model.cfg, CacheConfig(block_size=self.bs),
-                                     model.dtype)
+                                     model.dtype, "deepseek" if a.kv_fp8 else "transformers")
         self.cache = ModelCache(model.cfg, self.blocks, self.blocks, max(a.batches), self.bs, model.dtype,
                                 model.device, spec=spec)
         self.specs, self.window = model.compressor_specs(), model.cfg.sliding_window
@@ -243,6 +245,7 @@ def main(argv=None) -> dict:
         dtype=str(dtype).split(".")[-1],
         model=("bench_gpu_decode-small" if a.small else "v4-flash-4-layers") if a.gpu else "tiny",
         block_size=a.block_size, max_model_len=a.max_model_len, threads=torch.get_num_threads(),
+        kv_layout=h.cache.kv_spec.layout,
         graph_init_s=getattr(h, "graph_init_s", None), rows=rows,
     )
     print()
