@@ -18,8 +18,8 @@ Plain steps leave the MTP block's window rows of their positions unwritten, so d
 a sequence has gone a window past its last plain step. The yield is therefore measured only on steps
 the engine says were ``fresh``, while any speculative step measures the cost. A probe of speculation
 re-measures its cost and keeps the last yield; it waits for fresh steps (up to ``max_stale_steps`` more)
-only every ``fresh_probe_every``-th probe, or while no yield is known, and never where speculation loses
-even at ``max_tokens_per_step`` (1 + k) tokens per sequence.
+only every ``fresh_probe_every``-th probe, or while no yield is known. Where speculation loses even at
+``max_tokens_per_step`` (1 + k) tokens per sequence, a probe ends one sample past its settling steps.
 """
 
 from __future__ import annotations
@@ -100,12 +100,17 @@ class SpeculationGate:
 
     def _choose(self, b: _Bucket, spec: float) -> bool:
         best = spec >= b.rate(False)
-        if b.best is None or (b.steps >= b.next_probe + self.probe_steps and self._probed(b)):
+        if b.best is None or (b.steps >= b.next_probe + self._probe_length(b) and self._probed(b)):
             same = b.best == best  # an interval begins
             b.interval = min(2 * b.interval, self.max_probe_every) if same else self.probe_every
             b.best, b.next_probe, b.probe_samples = best, b.steps + b.interval, 0
             b.probes += not best
         return (not b.best) if b.steps >= b.next_probe else b.best
+
+    def _probe_length(self, b: _Bucket) -> int:
+        """Steps a probe runs at least: one sample past the settling steps where speculation's cost alone
+        rules it out (its best case lost before the probe and still does), else ``probe_steps``."""
+        return self.settle_steps + 1 if b.best is False and self._loses_anyway(b) else self.probe_steps
 
     def _probed(self, b: _Bucket) -> bool:
         """Whether the probe running has measured the slower mode enough."""
