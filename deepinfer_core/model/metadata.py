@@ -148,17 +148,9 @@ def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
           rate: int = 1, first: torch.Tensor | None = None) -> torch.Tensor:
-    """Pool row of source ``positions`` of sequence ``owner`` (or of the entry whose window starts there);
-    -1 where the position is negative or its block is not resident. With ``first``, column 0 of a
-    sequence's table is its logical block ``first[seq]``."""
-    per_block = block_size // rate
-    owner = owner.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
-    blocks = positions // block_size
-    if first is not None:
-        blocks = blocks - first[owner]
-    phys = tables[owner, blocks.clamp(0, tables.shape[1] - 1)]
-    rows = phys * per_block + (positions // rate) % per_block
-    return torch.where((positions >= 0) & (blocks >= 0) & (phys >= 0), rows, torch.full_like(rows, -1))
+    """:func:`_rows_np` on the host batch's torch tensors."""
+    return torch.from_numpy(_rows_np(tables.numpy(), owner.numpy(), positions.numpy(), block_size, rate,
+                                     None if first is None else first.numpy()))
 
 
 def _table(rows: list[list[int]]) -> torch.Tensor:
@@ -356,7 +348,9 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
 
 def _rows_np(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int, rate: int = 1,
              first: np.ndarray | None = None) -> np.ndarray:
-    """:func:`_rows` on numpy arrays."""
+    """Pool row of source ``positions`` of sequence ``owner`` (or of the entry whose window starts there);
+    -1 where the position is negative or its block is not resident. With ``first``, column 0 of a
+    sequence's table is its logical block ``first[seq]``."""
     per_block = block_size // rate
     owner = np.broadcast_to(owner.reshape(-1, *([1] * (positions.ndim - 1))), positions.shape)
     blocks = positions // block_size
