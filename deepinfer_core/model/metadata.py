@@ -32,6 +32,15 @@ class SeqSpan:
         return self.context_len + self.num_new
 
 
+def pad_tables(block_table: list[int], window_block_table: list[int], last: int, block_size: int
+               ) -> tuple[list[int], list[int]]:
+    """Both block tables padded with -1 up to position ``last``, so that a position past the blocks a
+    sequence holds writes to the trash, never to another position's rows."""
+    need = last // block_size + 1
+    return ([*block_table, *[-1] * (need - len(block_table))],
+            [*window_block_table, *[-1] * (need - len(window_block_table))])
+
+
 @dataclass
 class CompressorMeta:
     """Indices for one compressor kind (rate, overlap) in one step.

@@ -20,7 +20,7 @@ import torch
 
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 
 
@@ -61,9 +61,7 @@ class MtpProposer:
 
     def _tables(self, span: DraftSpan, last: int) -> tuple[list[int], list[int]]:
         """Block tables padded with -1 up to position ``last``, so that no position maps to another's row."""
-        need = last // self.cache.block_size + 1
-        pad = lambda t: t + [-1] * max(0, need - len(t))  # noqa: E731
-        return pad(list(span.block_table)), pad(list(span.window_block_table))
+        return pad_tables(span.block_table, span.window_block_table, last, self.cache.block_size)
 
     @torch.inference_mode()
     def propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:

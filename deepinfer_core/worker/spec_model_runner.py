@@ -34,7 +34,7 @@ import torch
 
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
-from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
@@ -189,9 +189,7 @@ class SpecDecodeModelRunner(ModelRunner):
         writes go to the trash, never to another position's rows)."""
         if not extra:
             return s.block_table, s.window_block_table
-        need = (s.start + len(s.token_ids) + extra - 1) // self.block_size + 1
-        pad = lambda t: list(t) + [-1] * max(0, need - len(t))  # noqa: E731
-        return pad(s.block_table), pad(s.window_block_table)
+        return pad_tables(s.block_table, s.window_block_table, s.start + len(s.token_ids) + extra - 1, self.block_size)
 
     def _resolve(self, s: ScheduledSeq) -> ScheduledSeq:
         """A span scheduled before its sequence's step before ended: shifted by the drafts that step
