@@ -466,6 +466,99 @@ def test_deep_gemm_fp8_adapters_match_the_reference(reference):
         assert torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0) > 0.9999
 
 
+def _fake_masked_fp8_gemm(a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
+    """DeepGEMM's masked grouped FP8 GEMM: d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T (dequantised);
+    the rows past ``masked_m[g]`` are not computed (NaN here, so that nothing may read them)."""
+    from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block
+
+    assert masked_m.dtype == torch.int32 and expected_m >= 1 and a[0].dim() == 3 and a[1].dim() == 3
+    for g in range(a[0].shape[0]):
+        m = int(masked_m[g])
+        d[g, m:] = float("nan")
+        if m:
+            x = dequantize_act_fp8(a[0][g, :m], a[1][g, :m], dtype=torch.float64)
+            d[g, :m] = (x @ dequantize_fp8_block(b[0][g], b[1][g], dtype=torch.float64).T).to(d.dtype)
+
+
+def test_deep_gemm_masked_fp8_moe_matches_the_reference(reference):
+    from deepinfer_nvidia_sm100 import external
+
+    for case in conf.make_cases("moe_experts_fp8", "tiny", torch.bfloat16):
+        got = external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *case.args)
+        args64 = [a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in case.args]
+        want = reference.moe_experts_fp8(*args64)
+        assert not torch.isnan(got).any(), case.name
+        assert (got.double() - want).abs().max() <= 0.02 * want.abs().max(), case.name
+        assert torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0) > 0.9999
+
+
+def test_masked_layout_gives_each_routed_pair_its_own_row_of_its_experts_slab():
+    from deepinfer_nvidia_sm100.external import masked_layout
+
+    g = torch.Generator().manual_seed(0)
+    tokens, k, groups = 13, 4, 6
+    ids = torch.stack([torch.randperm(groups + 2, generator=g)[:k] for _ in range(tokens)]) - 1  # -1 and 6: not local
+    weights = torch.rand(tokens, k, generator=g)
+    dest, masked_m, merged = masked_layout(ids, weights, groups, tokens)
+    flat = ids.reshape(-1)
+    local = (flat >= 0) & (flat < groups)
+    assert masked_m.dtype == torch.int32
+    assert masked_m.tolist() == [int((flat == e).sum()) for e in range(groups)]
+    assert (dest[~local] == groups * tokens).all() and torch.equal(merged, weights.reshape(-1))
+    kept = dest[local]
+    assert len(set(kept.tolist())) == len(kept)  # no two pairs share a row
+    assert ((kept // tokens) == flat[local]).all()  # in their expert's slab
+    for e in range(groups):  # its first masked_m rows, in the pairs' order
+        assert (dest[flat == e] % tokens).tolist() == list(range(int(masked_m[e])))
+
+
+def test_masked_layout_computes_a_tokens_repeated_expert_once_with_the_weights_summed():
+    from deepinfer_nvidia_sm100.external import masked_layout
+
+    tokens, groups = 3, 4
+    ids = torch.tensor([[2, 2, 2], [1, 3, 1], [0, 1, 2]])  # 4 pairs on expert 2, more than the 3 tokens
+    weights = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    dest, masked_m, merged = masked_layout(ids, weights, groups, tokens)
+    assert masked_m.tolist() == [1, 2, 2, 1]  # at most `tokens` rows per expert
+    trash = groups * tokens
+    assert dest.view(tokens, 3)[:, 1:].tolist()[0] == [trash, trash] and int(dest.view(tokens, 3)[1, 2]) == trash
+    assert torch.allclose(merged.view(tokens, 3), torch.tensor([[0.6, 0, 0], [1.0, 0.5, 0], [0.7, 0.8, 0.9]]))
+
+
+def test_deep_gemm_masked_fp8_moe_with_repeated_experts_matches_the_reference(reference):
+    from deepinfer_nvidia_sm100 import external
+
+    x, w13, s13, w2, s2, ids, weights, limit = external._moe_fp8_check_inputs(torch.device("cpu"))
+    ids = ids.clone()
+    ids[4] = ids[4, 0]  # one expert three times
+    ids[5, 1] = ids[5, 2]
+    got = external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, x, w13, s13, w2, s2, ids, weights, limit)
+    want = reference.moe_experts_fp8(x.double(), w13, s13, w2, s2, ids, weights.double(), limit)
+    assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_deep_gemm_fp8_moe_takes_the_masked_layout_for_decode_sizes(monkeypatch, reference):
+    from types import SimpleNamespace
+
+    from deepinfer_nvidia_sm100 import external
+
+    calls = []
+    masked = lambda *a, **kw: calls.append("masked") or _fake_masked_fp8_gemm(*a, **kw)  # noqa: E731
+    contiguous = lambda *a: calls.append("contiguous") or _fake_fp8_gemm(*a)  # noqa: E731
+    monkeypatch.setattr(external, "_masked_fp8_gemm", lambda: masked)
+    monkeypatch.setattr(external, "_library", lambda name: SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=contiguous))
+    monkeypatch.setattr(external, "_deep_gemm_alignment", lambda: 8)
+    for tokens in (external.MASKED_MAX_TOKENS, external.MASKED_MAX_TOKENS + 1):
+        calls.clear()
+        args = external._moe_fp8_check_inputs(torch.device("cpu"), tokens=tokens)
+        got = external.deep_gemm_moe_experts_fp8(*args)
+        want = reference.moe_experts_fp8(*[a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
+                                           else a for a in args])
+        assert calls == ["masked" if tokens <= external.MASKED_MAX_TOKENS else "contiguous"] * 2
+        assert got.shape == (tokens, args[0].shape[1])
+        assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()  # the self-check's inputs, bf16 out
+
+
 def test_adapters_decline_without_their_library_or_a_gpu():
     from deepinfer_nvidia_sm100 import external
 

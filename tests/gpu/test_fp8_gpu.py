@@ -119,6 +119,42 @@ def test_moe_experts_fp8_256_experts_top6(tokens, reference, device):
     assert_close(got.cpu(), want, dtype=torch.bfloat16, name=f"moe_experts_fp8 {tokens} tokens")
 
 
+def _deep_gemm_moe(table):
+    from deepinfer_nvidia_sm100 import external
+
+    if table.chosen["moe_experts_fp8"].fn is not external.deep_gemm_moe_experts_fp8:
+        pytest.skip("DeepGEMM does not serve moe_experts_fp8 here (not installed, or its self-check failed)")
+    return external.deep_gemm_moe_experts_fp8
+
+
+@pytest.mark.parametrize("tokens", [1, 12, 64, 80], ids=["masked1", "masked12", "masked64", "contiguous80"])
+def test_deep_gemm_moe_experts_fp8_256_experts_top6(tokens, table, reference, device):
+    """Up to MASKED_MAX_TOKENS tokens the masked grouped GEMM, above it the contiguous one."""
+    moe = _deep_gemm_moe(table)
+    args = _moe_case(torch.Generator(device).manual_seed(tokens), tokens)
+    want = reference.moe_experts_fp8(*_args64(tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)))
+    got = moe(*args)
+    assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
+    assert_close(got.cpu(), want, dtype=torch.bfloat16, name=f"deep_gemm moe_experts_fp8 {tokens} tokens")
+
+
+def test_deep_gemm_masked_moe_captures_in_a_cuda_graph(table, device):
+    moe = _deep_gemm_moe(table)
+    g = torch.Generator(device).manual_seed(5)
+    args = list(_moe_case(g, 16))
+    eager = moe(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(*args)
+    args[0].copy_(torch.randn(args[0].shape, generator=g, device=device).bfloat16())
+    args[5].copy_(torch.stack([torch.randperm(256, generator=g, device=device)[:6] for _ in range(16)]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, moe(*args))  # new tokens and routing, read from the same buffers
+    assert not torch.equal(captured, eager)
+
+
 def test_fp8_ops_capture_in_a_cuda_graph(device):
     from deepinfer_nvidia_sm100 import fp8_ops
 

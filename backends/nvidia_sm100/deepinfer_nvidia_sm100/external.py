@@ -12,7 +12,9 @@ with the core's native body.
 * DeepGEMM ``fp8_gemm_nt((a, sfa), (b, sfb), d)`` (a [M, K] E4M3 with float32 scales [M, ceil(K/128)],
   b [N, K] E4M3 with [ceil(N/128), ceil(K/128)], d [M, N] bfloat16) serves ``linear_fp8`` and
   ``m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, m_indices)`` (b [G, N, K] with scales
-  [G, ceil(N/128), ceil(K/128)]) serves ``moe_experts_fp8``, both in bfloat16 with K a multiple of 128.
+  [G, ceil(N/128), ceil(K/128)]) serves ``moe_experts_fp8`` above :data:`MASKED_MAX_TOKENS` tokens,
+  ``m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)`` (a [G, M, K], d [G, M, N],
+  ``masked_m[g]`` rows of group g computed) up to it, all in bfloat16 with K a multiple of 128.
   Activations are quantised here with the catalogue's recipe; the library's bfloat16 output rounds
   gate/up before the SwiGLU, which the catalogue keeps in float32 (within bfloat16 tolerance).
 
@@ -255,6 +257,73 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
 
 
+#: MoE calls of at most this many tokens (decode steps) take the masked grouped GEMM: a [tokens]-row slab per
+#: expert of which only the expert's own rows are computed, laid out on the device (CUDA-graph safe); the
+#: contiguous layout pads every expert to the library's M alignment (128 rows), which at 256 experts and
+#: a decode batch multiplies the rows computed by up to 256 x 128 / (tokens x k)
+MASKED_MAX_TOKENS = 64
+
+
+def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: int, max_m: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row of every ``token * k + slot`` pair in a flat [groups * max_m + 1] slab: expert * max_m + its rank
+    among the expert's pairs, or the last row (trash) for an id outside ``[0, groups)``; pairs per expert
+    [groups] int32; the pairs' weights, flat). A slot repeating an id of an earlier slot of its token (a
+    hash table may repeat one) goes to the trash, its weight added to that slot's: so no expert has more
+    than ``max_m = tokens`` pairs."""
+    tokens, k = topk_ids.shape[0], topk_ids.shape[-1]
+    ids = topk_ids.reshape(tokens, k)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [T, slot, earlier slot]
+    first = same.int().argmax(dim=-1)  # the first slot of each slot's id
+    weights = torch.zeros_like(topk_weights.reshape(tokens, k), dtype=torch.float32)
+    weights.scatter_add_(1, first, topk_weights.reshape(tokens, k).float())
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < groups) & (first == torch.arange(k, device=ids.device)).reshape(-1)
+    key = torch.where(valid, flat, groups)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(groups + 1, dtype=torch.long, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    starts = counts.cumsum(0) - counts
+    rank = torch.empty_like(key)
+    rank[order] = torch.arange(len(key), device=flat.device) - starts[key[order]]
+    dest = torch.where(valid, key * max_m + rank, groups * max_m)
+    return dest, counts[:groups].to(torch.int32), weights.reshape(-1)
+
+
+def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, slab_rows: int,
+                  groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 rows ``q`` and their scales ``s``, row ``source[i]`` to slab row ``dest[i]``: ([groups, M, K],
+    [groups, M, K / 128]) views of slabs of ``slab_rows`` (+1 trash) rows; unfilled scales are 0."""
+    qs = torch.empty((slab_rows + 1, q.shape[1]), dtype=q.dtype, device=q.device)
+    ss = torch.zeros((slab_rows + 1, s.shape[1]), dtype=s.dtype, device=s.device)
+    qs.view(torch.uint8)[dest] = q.view(torch.uint8)[source]  # no index_put for float8 on every build
+    ss[dest] = s[source]
+    return qs[:slab_rows].view(groups, -1, q.shape[1]), ss[:slab_rows].view(groups, -1, s.shape[1])
+
+
+def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                  swiglu_limit) -> torch.Tensor:
+    """``moe_experts_fp8`` through an ``m_grouped_fp8_gemm_nt_masked``-like callable ``gemm((a, sfa), (b, sfb),
+    d, masked_m, expected_m)`` with a [G, tokens, K] slab per operand (for tests too)."""
+    tokens, d = x.shape
+    k = topk_ids.shape[-1]
+    groups, n13 = w13.shape[0], w13.shape[1]
+    rows = groups * tokens
+    dest, masked_m, weights = masked_layout(topk_ids, topk_weights, groups, tokens)
+    expected_m = max(1, -(-tokens * k // groups))
+    token = torch.arange(tokens * k, device=x.device) // k
+    pair = torch.arange(tokens * k, device=x.device)
+    gate_up = torch.empty((groups, tokens, n13), dtype=torch.bfloat16, device=x.device)
+    gemm(_scatter_rows(*quantize_act_fp8(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
+         masked_m, expected_m)
+    kept = dest.clamp(max=rows - 1)  # trash pairs read some row; their weight is masked below
+    h = quantize_act_fp8(native.swiglu(gate_up.view(rows, n13)[kept].float(), swiglu_limit))
+    down = torch.empty((groups, tokens, d), dtype=torch.bfloat16, device=x.device)
+    gemm(_scatter_rows(*h, pair, dest, rows, groups), (w2, w2_scale.float()), down, masked_m, expected_m)
+    contrib = down.view(rows, d)[kept].float() * weights.unsqueeze(-1)
+    contrib = torch.where((dest < rows).unsqueeze(-1), contrib, 0.0)
+    return contrib.view(tokens, k, d).sum(dim=1).to(x.dtype)
+
+
 def deep_gemm_linear_fp8(x, weight, weight_scale):
     """``linear_fp8`` through ``deep_gemm.fp8_gemm_nt`` (bfloat16 activations, K a multiple of 128)."""
     if x.numel() == 0:
@@ -263,12 +332,22 @@ def deep_gemm_linear_fp8(x, weight, weight_scale):
 
 
 def deep_gemm_moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit):
-    """``moe_experts_fp8`` through ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (bfloat16)."""
+    """``moe_experts_fp8`` through ``deep_gemm.m_grouped_fp8_gemm_nt_masked`` up to
+    :data:`MASKED_MAX_TOKENS` tokens, ``m_grouped_fp8_gemm_nt_contiguous`` above (bfloat16)."""
     if x.numel() == 0:
         return torch.zeros_like(x)
-    gemm = _library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous
-    return deep_gemm_moe_fp8_with(gemm, _deep_gemm_alignment(), x, w13, w13_scale, w2, w2_scale, topk_ids,
-                                  topk_weights, swiglu_limit)
+    args = (x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+    if x.shape[0] <= MASKED_MAX_TOKENS:
+        return deep_gemm_moe_fp8_masked_with(_masked_fp8_gemm(), *args)
+    return deep_gemm_moe_fp8_with(_library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(),
+                                  *args)
+
+
+@functools.cache
+def _masked_fp8_gemm() -> Callable:
+    """DeepGEMM's masked grouped FP8 GEMM with float32 scales kept as they are (Hopper's recipe)."""
+    gemm = _library("deep_gemm").m_grouped_fp8_gemm_nt_masked
+    return functools.partial(gemm, disable_ue8m0_cast=True)
 
 
 def _gemm_dims(model_config: Any, feature: str) -> dict[str, int]:
@@ -281,7 +360,11 @@ def _gemm_dims(model_config: Any, feature: str) -> dict[str, int]:
     return {name: n for name, n in dims.items() if n}
 
 
-def _deep_gemm_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
+def _deep_gemm_usable(feature: str, check: str, *more: tuple[str, str]
+                      ) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
+    """Usable when every (feature, check) pair is: the library has the feature, its self-check passes."""
+    pairs = [(feature, check), *more]
+
     def usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
         device = capability.as_device(device)
         cap = capability.device_capability(device)
@@ -296,10 +379,13 @@ def _deep_gemm_usable(feature: str, check: str) -> Callable[[Any, Any, Any, bool
             dims = _gemm_dims(model_config, feature)
             if any(n % FP8_BLOCK for n in dims.values()):
                 return False, f"model widths {dims} are not all multiples of {FP8_BLOCK}"
-        if not capability.library_feature("deep_gemm", feature):
-            return False, f"deep_gemm with {feature} is not importable"
-        if self_check:
-            return _self_check(check, str(device))
+        for name, _ in pairs:
+            if not capability.library_feature("deep_gemm", name):
+                return False, f"deep_gemm with {name} is not importable"
+        for _, name in pairs if self_check else ():
+            ok, reason = _self_check(name, str(device))
+            if not ok:
+                return ok, reason
         return True, ""
 
     return usable
@@ -313,8 +399,11 @@ def _linear_fp8_check_inputs(device: torch.device):
     return x.bfloat16().to(device), w.to(device), s.to(device)
 
 
-def _moe_fp8_check_inputs(device: torch.device):
+def _moe_fp8_check_inputs(device: torch.device, tokens: int | None = None):
     x, w13, w2, ids, weights, limit = _moe_check_inputs(torch.device("cpu"))
+    if tokens is not None:  # more tokens than the check's: the same ones again, routed the same
+        reps = -(-tokens // x.shape[0])
+        x, ids, weights = (t.repeat(reps, *([1] * (t.dim() - 1)))[:tokens] for t in (x, ids, weights))
     q13, s13 = quantize_fp8_block(w13.float())
     q2, s2 = quantize_fp8_block(w2.float())
     args = (x, q13, s13, q2, s2, ids, weights, limit)
@@ -328,7 +417,9 @@ _CHECKS: dict[str, tuple[str, Callable, Callable]] = {
     "flash_mla": ("sparse_attention", flash_mla_sparse_attention, _attention_check_inputs),
     "deep_gemm": ("moe_experts", deep_gemm_moe_experts, _moe_check_inputs),
     "deep_gemm_fp8": ("linear_fp8", deep_gemm_linear_fp8, _linear_fp8_check_inputs),
-    "deep_gemm_moe_fp8": ("moe_experts_fp8", deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),
+    "deep_gemm_moe_fp8": ("moe_experts_fp8", deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),  # masked
+    "deep_gemm_moe_fp8_contiguous": ("moe_experts_fp8", deep_gemm_moe_experts_fp8,
+                                     functools.partial(_moe_fp8_check_inputs, tokens=MASKED_MAX_TOKENS + 7)),
 }
 
 
@@ -381,5 +472,6 @@ ADAPTERS = [
             _opt_in(DEEPGEMM_MOE_ENV, _deep_gemm_usable("m_grouped_bf16_gemm_nt_contiguous", "deep_gemm"))),
     Adapter("linear_fp8", "deep_gemm", deep_gemm_linear_fp8, _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
     Adapter("moe_experts_fp8", "deep_gemm", deep_gemm_moe_experts_fp8,
-            _deep_gemm_usable("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8")),
+            _deep_gemm_usable("m_grouped_fp8_gemm_nt_masked", "deep_gemm_moe_fp8",
+                              ("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8_contiguous"))),
 ]
