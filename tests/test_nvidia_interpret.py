@@ -472,6 +472,7 @@ def _fake_masked_fp8_gemm(a, b, d, masked_m, expected_m, disable_ue8m0_cast=Fals
     from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block
 
     assert masked_m.dtype == torch.int32 and expected_m >= 1 and a[0].dim() == 3 and a[1].dim() == 3
+    assert a[0].shape[1] % 128 == 0 and d.shape[1] == a[0].shape[1]  # whole tiles of up to 128 rows per slab
     for g in range(a[0].shape[0]):
         m = int(masked_m[g])
         d[g, m:] = float("nan")

@@ -262,6 +262,9 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
 #: contiguous layout pads every expert to the library's M alignment (128 rows), which at 256 experts and
 #: a decode batch multiplies the rows computed by up to 256 x 128 / (tokens x k)
 MASKED_MAX_TOKENS = 64
+#: rows of each expert's slab are a multiple of this: the masked kernels store whole tiles of up to 128 rows
+#: through one 2-D view of all slabs, so a slab of fewer rows has its last tile land in the next expert's
+MASKED_M_ALIGN = 128
 
 
 def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: int, max_m: int
@@ -270,7 +273,7 @@ def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: in
     among the expert's pairs, or the last row (trash) for an id outside ``[0, groups)``; pairs per expert
     [groups] int32; the pairs' weights, flat). A slot repeating an id of an earlier slot of its token (a
     hash table may repeat one) goes to the trash, its weight added to that slot's: so no expert has more
-    than ``max_m = tokens`` pairs."""
+    pairs than there are tokens (at most ``max_m``)."""
     tokens, k = topk_ids.shape[0], topk_ids.shape[-1]
     ids = topk_ids.reshape(tokens, k)
     same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [T, slot, earlier slot]
@@ -303,21 +306,23 @@ def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: 
 def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                   swiglu_limit) -> torch.Tensor:
     """``moe_experts_fp8`` through an ``m_grouped_fp8_gemm_nt_masked``-like callable ``gemm((a, sfa), (b, sfb),
-    d, masked_m, expected_m)`` with a [G, tokens, K] slab per operand (for tests too)."""
+    d, masked_m, expected_m)`` with a [G, M, K] slab per operand, M the tokens rounded up to
+    :data:`MASKED_M_ALIGN` (for tests too)."""
     tokens, d = x.shape
     k = topk_ids.shape[-1]
     groups, n13 = w13.shape[0], w13.shape[1]
-    rows = groups * tokens
-    dest, masked_m, weights = masked_layout(topk_ids, topk_weights, groups, tokens)
+    max_m = -(-tokens // MASKED_M_ALIGN) * MASKED_M_ALIGN
+    rows = groups * max_m
+    dest, masked_m, weights = masked_layout(topk_ids, topk_weights, groups, max_m)
     expected_m = max(1, -(-tokens * k // groups))
     token = torch.arange(tokens * k, device=x.device) // k
     pair = torch.arange(tokens * k, device=x.device)
-    gate_up = torch.empty((groups, tokens, n13), dtype=torch.bfloat16, device=x.device)
+    gate_up = torch.empty((groups, max_m, n13), dtype=torch.bfloat16, device=x.device)
     gemm(_scatter_rows(*quantize_act_fp8(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
          masked_m, expected_m)
     kept = dest.clamp(max=rows - 1)  # trash pairs read some row; their weight is masked below
     h = quantize_act_fp8(native.swiglu(gate_up.view(rows, n13)[kept].float(), swiglu_limit))
-    down = torch.empty((groups, tokens, d), dtype=torch.bfloat16, device=x.device)
+    down = torch.empty((groups, max_m, d), dtype=torch.bfloat16, device=x.device)
     gemm(_scatter_rows(*h, pair, dest, rows, groups), (w2, w2_scale.float()), down, masked_m, expected_m)
     contrib = down.view(rows, d)[kept].float() * weights.unsqueeze(-1)
     contrib = torch.where((dest < rows).unsqueeze(-1), contrib, 0.0)
