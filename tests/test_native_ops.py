@@ -213,7 +213,7 @@ def test_adapter_predicate_runs_its_self_check_once_and_follows_it(fake_hopper, 
     failing = resolve_ops(registry, _ctx())
     assert failing.chosen["sparse_attention"].fn is not external.flash_mla_sparse_attention
     # once per op; the FP8 MoE stops at its first failing check (the masked layout's)
-    assert sorted(calls) == ["deep_gemm", "deep_gemm_fp8", "deep_gemm_moe_fp8", "flash_mla"]
+    assert sorted(calls) == ["deep_gemm", "deep_gemm_fp8", "deep_gemm_moe_fp8", "flash_mla", "flash_mla_fp8"]
 
     verdict["ok"] = True
     passing = resolve_ops(registry, _ctx())

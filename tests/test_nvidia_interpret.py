@@ -417,6 +417,73 @@ def test_flash_mla_adapter_merges_pools_and_sink():
         assert (got.double() - want).abs().max() < 1e-4, case.name
 
 
+class _FakeFlashMLA:
+    """FlashMLA's sparse decode on FP8 entries: the pages decoded, then the core's sparse_attention; its
+    layout demands checked (one-token pages at a 16-byte-aligned stride, int32 indices padded to 64)."""
+
+    def __init__(self, rope_dim: int, rope_dtype: torch.dtype):
+        self.rope_dim, self.rope_dtype, self.calls = rope_dim, rope_dtype, 0
+
+    @staticmethod
+    def get_mla_metadata():
+        return object(), None
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits,
+                               softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None,
+                               extra_k_cache=None, extra_indices_in_kvcache=None):
+        from deepinfer_core.model.kv_fp8 import unpack_kv_fp8
+
+        self.calls += 1
+        b, s_q, h, d = q.shape
+        assert s_q == 1 and is_fp8_kvcache and not causal and block_table is None and cache_seqlens is None
+        assert attn_sink.dtype == torch.float32 and meta is not None and num_splits is None
+
+        def pool(cache, idx):
+            assert cache.dim() == 4 and cache.shape[1:3] == (1, 1) and cache.stride(0) % 16 == 0
+            assert idx.dtype == torch.int32 and idx.shape[:2] == (b, 1) and idx.shape[-1] % 64 == 0
+            rows = unpack_kv_fp8(cache.view(cache.shape[0], -1), d, self.rope_dim, self.rope_dtype, torch.float64)
+            return rows, idx.view(b, -1).long()
+
+        kv, idx = pool(k_cache, indices)
+        ekv = eidx = None
+        if extra_k_cache is not None:
+            ekv, eidx = pool(extra_k_cache, extra_indices_in_kvcache)
+        out = native.sparse_attention(q.view(b, h, d).double(), kv, idx, attn_sink.double(), softmax_scale, ekv, eidx)
+        return out.to(q.dtype).view(b, 1, h, d), None
+
+
+def test_flash_mla_fp8_decode_adapter_matches_the_reference():
+    from deepinfer_nvidia_sm100 import external
+
+    wide = dataclasses.replace(conf.PRESETS["tiny"], name="wide", **WIDE)
+    cases = conf.make_cases("sparse_attention_fp8", wide, torch.bfloat16)
+    assert cases
+    for case in cases:
+        q, kv, idx, sinks, scale, rope_dim, rope_dtype, ekv, eidx = case.args
+        fake = _FakeFlashMLA(rope_dim, rope_dtype)
+        got = external.flash_mla_fp8_attention_with(fake, q, kv, idx, sinks, scale, ekv, eidx)
+        want = native.sparse_attention_fp8(q.double(), kv, idx, sinks.double(), scale, rope_dim, rope_dtype, ekv, eidx)
+        assert fake.calls == 1 and got.dtype == q.dtype and not torch.isnan(got).any(), case.name
+        assert (got.double() - want).abs().max() < 2e-2, case.name  # bfloat16 output
+
+
+def test_flash_mla_fp8_adapter_serves_decode_sizes_and_leaves_the_rest_to_triton(monkeypatch):
+    from deepinfer_nvidia_sm100 import external, triton_ops
+
+    args = external._attention_fp8_check_inputs(torch.device("cpu"))
+    fake, triton_calls = _FakeFlashMLA(*external.FLASH_MLA_ROPE), []
+    monkeypatch.setattr(external, "_library", lambda name: fake)
+    monkeypatch.setattr(triton_ops, "sparse_attention_fp8", lambda *a: triton_calls.append(a[0].shape[0]))
+    got = external.flash_mla_sparse_attention_fp8(*args)
+    want = native.sparse_attention_fp8(args[0].double(), *args[1:3], args[3].double(), *args[4:])
+    assert fake.calls == 1 and (got.double() - want).abs().max() < 2e-2
+    many = args[0].repeat(external.FLASH_MLA_DECODE_MAX_TOKENS, 1, 1)[: external.FLASH_MLA_DECODE_MAX_TOKENS + 1]
+    external.flash_mla_sparse_attention_fp8(many, args[1], args[2][:1].expand(len(many), -1), *args[3:7],
+                                            args[7], args[8][:1].expand(len(many), -1))
+    external.flash_mla_sparse_attention_fp8(args[0].float(), *args[1:])  # not bfloat16
+    assert triton_calls == [external.FLASH_MLA_DECODE_MAX_TOKENS + 1, args[0].shape[0]] and fake.calls == 1
+
+
 def _fake_grouped_gemm(a, b, d, m_indices):
     """DeepGEMM's contiguous grouped GEMM: d[r] = a[r] @ b[m_indices[r]].T; rows with -1 are padding."""
     for r in range(a.shape[0]):

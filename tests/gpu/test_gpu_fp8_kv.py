@@ -132,3 +132,49 @@ def test_fp8_attention_captures_in_a_cuda_graph(device):
     again = step()
     assert torch.equal(captured, again)
     assert not torch.equal(captured, eager)
+
+
+def _flash_mla_fp8(device):
+    """The FlashMLA adapter of ``sparse_attention_fp8`` where it passes its build-time check, else skip."""
+    from types import SimpleNamespace
+
+    from deepinfer_nvidia_sm100 import external
+
+    widths = SimpleNamespace(num_attention_heads=HEADS, head_dim=HEAD_DIM)
+    ok, reason = external._flash_mla_fp8_usable(device, torch.bfloat16, widths, True)
+    if not ok:
+        pytest.skip(f"FlashMLA does not serve sparse_attention_fp8 here: {reason}")
+    return external.flash_mla_sparse_attention_fp8
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_flash_mla_fp8_decode_at_v4_flash_decode_shapes(batch, device):
+    """The same cases as the Triton kernel's, through FlashMLA's sparse decode (rows gathered into 16-byte
+    aligned pages); the 0xFF rows no list points at are gathered too and must not be read."""
+    attend = _flash_mla_fp8(device)
+    args = decode_case(batch, batch, device)
+    got = attend(*args)
+    name = f"flash_mla sparse_attention_fp8 batch {batch}"
+    assert got.dtype == torch.bfloat16 and got.shape == args[0].shape and not torch.isnan(got).any(), name
+    want = native.sparse_attention_fp8(*_float64(args))
+    err, cosine = _row_error(got, want), _cosine(got, want)
+    assert err <= TOL[torch.bfloat16], f"{name}: {err:.3g} > {TOL[torch.bfloat16]}"
+    assert cosine >= 1 - 1e-4, f"{name}: cosine {cosine}"
+
+
+def test_flash_mla_fp8_decode_captures_in_a_cuda_graph(device):
+    attend = _flash_mla_fp8(device)
+    args = decode_case(16, 3, device)
+    q, wpool, widx, sinks, scale, rope, rope_dtype, cpool, cidx = args
+    step = lambda: attend(q, wpool, widx, sinks, scale, rope, rope_dtype, cpool, cidx)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    new = decode_case(16, 4, device)
+    for buf, value in zip((q, wpool, widx, sinks, cpool, cidx), (new[0], new[1], new[2], new[3], new[7], new[8])):
+        buf.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _row_error(captured, attend(*new)) <= 1e-3  # the new step's attention, from the same buffers

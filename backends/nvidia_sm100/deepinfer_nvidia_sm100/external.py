@@ -6,6 +6,10 @@ with the core's native body.
   (-1 = invalid), sm_scale, d_v) -> (out, max_logits, lse)`` serves ``sparse_attention`` in bfloat16
   with 64 or 128 heads of dimension 512: one call per pool (window, compressed) without the sink, the
   two partial softmaxes and the sink merged here through their log-sum-exps.
+* FlashMLA ``flash_mla_with_kvcache(q[b, 1, h, 512], k_cache, None, None, 512, get_mla_metadata()[0],
+  is_fp8_kvcache=True, indices[b, 1, topk] int32, attn_sink, extra_k_cache, extra_indices_in_kvcache)``
+  serves ``sparse_attention_fp8`` on DeepSeek's FP8 entries up to 256 query tokens: the rows a call reads
+  are gathered into one-token pages at a 16-byte-aligned stride, each query token a batch row.
 * DeepGEMM ``m_grouped_bf16_gemm_nt_contiguous(a[M, K], b[G, N, K], d[M, N], m_indices[M] int32)``
   (rows sorted by group, each group's run padded to the library's M alignment, padding rows -1)
   serves ``moe_experts`` in bfloat16.
@@ -137,6 +141,89 @@ def _flash_mla_usable(device, dtype, model_config, self_check) -> tuple[bool, st
     if self_check:
         return _self_check("flash_mla", str(device))
     return True, ""
+
+
+# --- FlashMLA: sparse decode over DeepSeek's FP8 KV entries ------------------------------------------
+
+FLASH_MLA_DECODE_TOPK_MULTIPLE = 64  # the sm90 sparse decode kernel's TOPK_BLOCK_SIZE
+FLASH_MLA_ROW_ALIGN = 16  # its 128-bit loads of a KV row
+#: calls of more query tokens (prefill chunks) take the Triton kernel: the gathered pages are
+#: tokens x picks x 592 bytes (97 MB at 256 tokens of 640 picks)
+FLASH_MLA_DECODE_MAX_TOKENS = 256
+FLASH_MLA_ROPE = (64, torch.bfloat16)  # the FP8 entry FlashMLA reads: 448 E4M3 values, then 64 bf16 RoPE ones
+
+
+def flash_mla_pages(pool: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 entries ``pool`` [N, B] at ``indices`` [T, K] (-1: none) as FlashMLA's k_cache of one-token pages
+    [T * K + 1, 1, 1, B] at a 16-byte-aligned row stride (the engine's 584-byte rows start on 16 bytes only
+    every other row), and the indices into it [T, 1, K'] int32, -1 kept, K' padded to a multiple of 64."""
+    tokens, k = indices.shape
+    rows, width = pool.shape
+    stride = -(-width // FLASH_MLA_ROW_ALIGN) * FLASH_MLA_ROW_ALIGN
+    valid = (indices >= 0) & (indices < rows)
+    pages = torch.empty((tokens * k + 1, stride), dtype=torch.uint8, device=pool.device)
+    pages[: tokens * k, :width] = pool.view(torch.uint8)[torch.where(valid, indices, 0).reshape(-1)]
+    own = torch.arange(tokens * k, device=pool.device).view(tokens, k)
+    idx = torch.where(valid, own, -1)
+    pad = -k % FLASH_MLA_DECODE_TOPK_MULTIPLE
+    if pad:
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+    return pages[:, :width].view(-1, 1, 1, width), idx.to(torch.int32).view(tokens, 1, -1)
+
+
+def flash_mla_fp8_attention_with(fm: Any, q, kv, indices, sinks, scale, extra_kv=None, extra_indices=None
+                                 ) -> torch.Tensor:
+    """``sparse_attention_fp8`` (FlashMLA's FP8 entry) through a module with ``flash_mla_with_kvcache`` and
+    ``get_mla_metadata`` (for tests too): each query token a batch row of one query, new scheduler
+    metadata every call (its reuse needs equal shapes, which a caller's graph sizes do not promise)."""
+    tokens, heads, d = q.shape
+    kcache, idx = flash_mla_pages(kv, indices)
+    ekcache = eidx = None
+    if extra_kv is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
+        ekcache, eidx = flash_mla_pages(extra_kv, extra_indices)
+    out, _ = fm.flash_mla_with_kvcache(
+        q.contiguous().view(tokens, 1, heads, d), kcache, None, None, d, fm.get_mla_metadata()[0], None,
+        softmax_scale=float(scale), causal=False, is_fp8_kvcache=True, indices=idx,
+        attn_sink=sinks.float().contiguous(), extra_k_cache=ekcache, extra_indices_in_kvcache=eidx)
+    return out.view(tokens, heads, d).to(q.dtype)
+
+
+def flash_mla_sparse_attention_fp8(q, kv, indices, sinks, scale, rope_dim, rope_dtype, extra_kv=None,
+                                   extra_indices=None):
+    """``sparse_attention_fp8`` through FlashMLA's sparse decode for decode-sized calls of its entry
+    (bfloat16 queries of 64 or 128 heads x 512, 64 bf16 RoPE values); the Triton kernel otherwise."""
+    tokens, heads, d = q.shape
+    if (tokens > FLASH_MLA_DECODE_MAX_TOKENS or (rope_dim, rope_dtype) != FLASH_MLA_ROPE
+            or q.dtype != torch.bfloat16 or heads not in FLASH_MLA_HEADS or d != FLASH_MLA_HEAD_DIM):
+        from deepinfer_nvidia_sm100 import triton_ops
+
+        return triton_ops.sparse_attention_fp8(q, kv, indices, sinks, scale, rope_dim, rope_dtype, extra_kv,
+                                               extra_indices)
+    return flash_mla_fp8_attention_with(_library("flash_mla"), q, kv, indices, sinks, scale, extra_kv, extra_indices)
+
+
+def _flash_mla_fp8_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    """The bf16 adapter's device, dtype and width tests (not its self-check), then this one's."""
+    if model_config is None and self_check:
+        return False, _UNKNOWN_WIDTHS
+    ok, reason = _flash_mla_usable(device, dtype, model_config, False)
+    if not ok:
+        return ok, reason
+    for name in ("flash_mla_with_kvcache", "get_mla_metadata"):
+        if not capability.library_feature("flash_mla", name):
+            return False, f"flash_mla with {name} is not importable"
+    if self_check:
+        return _self_check("flash_mla_fp8", str(capability.as_device(device)))
+    return True, ""
+
+
+def _attention_fp8_check_inputs(device: torch.device):
+    from deepinfer_core.model.kv_fp8 import pack_kv_fp8
+
+    q, kv, idx, sinks, scale, ekv, eidx = _attention_check_inputs(torch.device("cpu"))
+    rope_dim, rope_dtype = FLASH_MLA_ROPE
+    args = (q, pack_kv_fp8(kv, rope_dim), idx, sinks, scale, rope_dim, rope_dtype, pack_kv_fp8(ekv, rope_dim), eidx)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _attention_check_inputs(device: torch.device):
@@ -420,6 +507,7 @@ def _moe_fp8_check_inputs(device: torch.device, tokens: int | None = None):
 #: check name -> (op, adapter, inputs)
 _CHECKS: dict[str, tuple[str, Callable, Callable]] = {
     "flash_mla": ("sparse_attention", flash_mla_sparse_attention, _attention_check_inputs),
+    "flash_mla_fp8": ("sparse_attention_fp8", flash_mla_sparse_attention_fp8, _attention_fp8_check_inputs),
     "deep_gemm": ("moe_experts", deep_gemm_moe_experts, _moe_check_inputs),
     "deep_gemm_fp8": ("linear_fp8", deep_gemm_linear_fp8, _linear_fp8_check_inputs),
     "deep_gemm_moe_fp8": ("moe_experts_fp8", deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),  # masked
@@ -473,6 +561,7 @@ def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
 
 ADAPTERS = [
     Adapter("sparse_attention", "flash_mla", flash_mla_sparse_attention, _flash_mla_usable),
+    Adapter("sparse_attention_fp8", "flash_mla", flash_mla_sparse_attention_fp8, _flash_mla_fp8_usable),
     Adapter("moe_experts", "deep_gemm", deep_gemm_moe_experts,
             _opt_in(DEEPGEMM_MOE_ENV, _deep_gemm_usable("m_grouped_bf16_gemm_nt_contiguous", "deep_gemm"))),
     Adapter("linear_fp8", "deep_gemm", deep_gemm_linear_fp8, _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
