@@ -344,8 +344,9 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
 
 
-#: MoE calls of at most this many tokens (decode steps) take the masked grouped GEMM: a [tokens]-row slab per
-#: expert of which only the expert's own rows are computed, laid out on the device (CUDA-graph safe); the
+#: MoE calls of at most this many tokens (decode steps) take the masked grouped GEMM: a slab per expert (the
+#: tokens rounded up to 128 rows) of which only the expert's own rows are computed, laid out on the device
+#: (CUDA-graph safe); the
 #: contiguous layout pads every expert to the library's M alignment (128 rows), which at 256 experts and
 #: a decode batch multiplies the rows computed by up to 256 x 128 / (tokens x k)
 MASKED_MAX_TOKENS = 64
