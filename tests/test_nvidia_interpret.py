@@ -482,6 +482,8 @@ def test_flash_mla_fp8_adapter_serves_decode_sizes_and_leaves_the_rest_to_triton
                                             args[7], args[8][:1].expand(len(many), -1))
     external.flash_mla_sparse_attention_fp8(args[0].float(), *args[1:])  # not bfloat16
     assert triton_calls == [external.FLASH_MLA_DECODE_MAX_TOKENS + 1, args[0].shape[0]] and fake.calls == 1
+    none = external.flash_mla_sparse_attention_fp8(args[0][:0], args[1], args[2][:0], *args[3:8], args[8][:0])
+    assert none.shape == (0, *args[0].shape[1:]) and fake.calls == 1 and len(triton_calls) == 2
 
 
 def _fake_grouped_gemm(a, b, d, m_indices):

@@ -193,6 +193,8 @@ def flash_mla_sparse_attention_fp8(q, kv, indices, sinks, scale, rope_dim, rope_
     """``sparse_attention_fp8`` through FlashMLA's sparse decode for decode-sized calls of its entry
     (bfloat16 queries of 64 or 128 heads x 512, 64 bf16 RoPE values); the Triton kernel otherwise."""
     tokens, heads, d = q.shape
+    if not tokens:
+        return torch.zeros_like(q)
     if (tokens > FLASH_MLA_DECODE_MAX_TOKENS or (rope_dim, rope_dtype) != FLASH_MLA_ROPE
             or q.dtype != torch.bfloat16 or heads not in FLASH_MLA_HEADS or d != FLASH_MLA_HEAD_DIM):
         from deepinfer_nvidia_sm100 import triton_ops
