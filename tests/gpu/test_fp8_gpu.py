@@ -38,8 +38,16 @@ def table(device):
 
 def _weight(g: torch.Generator, *shape: int):
     """Random E4M3 weights with their tile scales, made where ``g`` is (256 V4-Flash experts on the CPU took
-    most of the suite's slowest test)."""
-    return quantize_fp8_block(torch.randn(*shape, generator=g, device=g.device) * shape[-1] ** -0.5)
+    most of the suite's slowest test), one expert at a time: the float32 stack of 256 experts' gate/up is
+    16 GiB before quantisation, beyond what one of the suite's workers may hold."""
+    if len(shape) == 2:
+        return quantize_fp8_block(torch.randn(*shape, generator=g, device=g.device) * shape[-1] ** -0.5)
+    q, s = _weight(g, *shape[1:])
+    qs, ss = q.new_empty(shape), s.new_empty(shape[0], *s.shape)
+    qs[0], ss[0] = q, s
+    for e in range(1, shape[0]):
+        qs[e], ss[e] = _weight(g, *shape[1:])
+    return qs, ss
 
 
 def _args64(args):
