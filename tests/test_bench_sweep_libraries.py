@@ -195,7 +195,8 @@ def test_bench_sweep_runs_every_set_in_its_own_process_and_merges(tmp_path, monk
     assert flash["found"]["flash_mla"] == "0.0+dummy"
     assert flash["found"]["deep_gemm"].startswith("hidden")
     for s in (none, flash):
-        child = json.loads((Path(s["dir"]) / "sweep.json").read_text())
+        assert not Path(s["dir"]).is_absolute()
+        child = json.loads((out / s["dir"] / "sweep.json").read_text())
         assert child["library_set"]["hidden"] == s["hidden"]
         assert s["ops"]["default"]["sparse_attention"] == "cpu_ref: native.sparse_attention"
     rows = merged["decode"]

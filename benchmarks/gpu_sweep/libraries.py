@@ -246,7 +246,8 @@ def set_dir(out: Path, s: LibrarySet) -> Path:
 
 def run_sets(sets: Sequence[LibrarySet], args: argparse.Namespace, model_argv: Sequence[str], out: Path,
              log: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
-    """Each set's sweep in a subprocess of its own; set name -> {hidden, dir, returncode[, error]}."""
+    """Each set's sweep in a subprocess of its own; set name -> {hidden, dir (under ``out``), returncode[,
+    error]}."""
     runs: dict[str, dict[str, Any]] = {}
     out = Path(out).resolve()
     with tempfile.TemporaryDirectory(prefix="deepinfer-hide-") as tmp:
@@ -256,7 +257,8 @@ def run_sets(sets: Sequence[LibrarySet], args: argparse.Namespace, model_argv: S
             cmd = [sys.executable, str(SWEEP_SCRIPT), *child_argv(args, model_argv, d, s.name)]
             log(f"library set {s.name}: hiding {', '.join(s.hidden) or 'nothing'}; results in {d}")
             proc = subprocess.run(cmd, env=hiding_env(hook, s.hidden))
-            run: dict[str, Any] = {"libraries": list(s.libraries), "hidden": list(s.hidden), "dir": str(d),
+            run: dict[str, Any] = {"libraries": list(s.libraries), "hidden": list(s.hidden),
+                                   "dir": str(d.relative_to(out)),
                                    "returncode": proc.returncode}
             if proc.returncode != 0:
                 run["error"] = f"the sweep exited with status {proc.returncode}"
@@ -274,7 +276,7 @@ def run_library_sets(sets: Sequence[LibrarySet], args: argparse.Namespace, model
     runs = run_sets(sets, args, model_argv, out, log)
     reports = {}
     for name, run in runs.items():
-        path = Path(run["dir"]) / "sweep.json"
+        path = Path(out) / run["dir"] / "sweep.json"
         if path.is_file():
             reports[name] = json.loads(path.read_text())
     merged = merge(runs, reports)
