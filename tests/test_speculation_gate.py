@@ -41,7 +41,7 @@ def test_bucket_is_the_next_power_of_two():
 
 
 def test_gate_measures_both_modes_then_runs_the_faster_and_probes_the_other():
-    gate = SpeculationGate(probe_every=32, probe_steps=4, settle_steps=1)
+    gate = SpeculationGate(probe_every=32, probe_steps=4, settle_steps=1, probe_cost_share=0.1)
     # speculation: 2 tokens per sequence in 3 ms; plain: 1 token in 1 ms -> plain is faster
     modes = feed(gate, 64, 200, spec_s=3e-3, plain_s=1e-3, tokens_spec=2)
     first_plain = modes.index(False)
@@ -61,19 +61,31 @@ def probe_starts(modes: list[bool], slower: bool) -> list[int]:
     return [i for i in range(1, len(modes)) if modes[i] == slower and modes[i - 1] != slower]
 
 
-def test_gate_probes_less_often_while_the_faster_mode_stays_the_same():
-    gate = SpeculationGate(probe_every=16, probe_steps=4, settle_steps=1, max_probe_every=64)
-    modes = feed(gate, 64, 600, spec_s=3e-3, plain_s=1e-3, tokens_spec=2)
+def test_gate_probes_as_often_as_keeps_probing_below_its_cost_share():
+    """Speculation: 2 tokens per 3 ms against plain's 1 per 1 ms. Each speculative step of a probe costs
+    3 ms less the 2 ms plain decode takes for its tokens, so a probe of 4 steps costs 4 ms, and with a 2%
+    share the next comes 200 plain steps (200 ms) later; the exploration before the first interval
+    (2 speculative steps) sets it at 100."""
+    gate = SpeculationGate(probe_every=16, probe_steps=4, settle_steps=1, max_probe_every=512,
+                           probe_cost_share=0.02)
+    modes = feed(gate, 64, 1200, spec_s=3e-3, plain_s=1e-3, tokens_spec=2)
     starts = probe_starts(modes, True)
-    assert modes[:4] == [True, True, False, False] and starts[0] == 4 + 16  # both measured, then 16 plain
+    assert modes[:4] == [True, True, False, False] and starts[0] == 4 + 100
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert gaps[0] == 4 + 32  # the interval doubles after each probe that left plain the faster
-    assert set(gaps[1:]) == {4 + 64}  # up to max_probe_every
-    assert gate.as_dict()["probe_every"] == {64: 64}
+    assert set(gaps) == {4 + 200}
+    assert gate.as_dict()["probe_every"] == {64: 200}
+    capped = SpeculationGate(probe_every=16, probe_steps=4, settle_steps=1, max_probe_every=64,
+                             probe_cost_share=0.02)
+    feed(capped, 64, 600, spec_s=3e-3, plain_s=1e-3, tokens_spec=2)
+    assert capped.as_dict()["probe_every"] == {64: 64}
+    # near break-even a probe costs little, so probes come every probe_every steps
+    even = SpeculationGate(probe_every=16, probe_steps=4, settle_steps=1, probe_cost_share=0.02)
+    feed(even, 64, 300, spec_s=2.02e-3, plain_s=1e-3, tokens_spec=2)
+    assert even.as_dict()["probe_every"] == {64: 16}
     # now speculation is the faster one: the next probe finds out, and the interval starts again
-    modes = feed(gate, 64, 200, spec_s=1e-3, plain_s=1e-3, tokens_spec=3)
+    modes = feed(gate, 64, 400, spec_s=1e-3, plain_s=1e-3, tokens_spec=3)
     first_spec = modes.index(True)
-    assert first_spec <= 64 and all(modes[first_spec:first_spec + 4 + 16])  # the probe, then 16 of the new best
+    assert first_spec <= 200 and all(modes[first_spec:first_spec + 4 + 16])  # the probe, then 16 of the new best
     assert modes[first_spec + 4 + 16:first_spec + 4 + 16 + 4] == [False] * 4
     assert gate.buckets[64].best is True
     with pytest.raises(ValueError, match="max_probe_every"):
@@ -136,8 +148,9 @@ def test_a_speculative_step_slower_than_its_best_case_ends_the_probe_at_once():
 
 def test_gate_costs_little_where_speculation_loses_as_at_batch_64_on_the_h200():
     """The H200's batch-64 figures for the trained model: plain decode 3.77 ms a step; k=3 steps of 18.1 ms
-    yielding 2.68 tokens per sequence (0.56x). After a 256-step warm-up, a 256-step run keeps 97% of plain
-    decode's rate; where speculation wins (1.11x at batch 1), the gate keeps nearly all of that."""
+    yielding 2.68 tokens per sequence (0.56x). After a 256-step warm-up, 256-step runs keep 99% of plain
+    decode's rate on average and no less than 97% (one short probe in about 600 steps); where speculation
+    wins (1.11x at batch 1), the gate keeps nearly all of that."""
     def rate(gate, spec_s, tokens, steps=256):
         now = out = 0.0
         for _ in range(steps):
@@ -146,10 +159,25 @@ def test_gate_costs_little_where_speculation_loses_as_at_batch_64_on_the_h200():
             gate.observe(mode, 64, round(64 * (tokens if mode else 1)), now, now + dt)
             now, out = now + dt, out + (tokens if mode else 1)
         return out / now * 3.77e-3  # against plain decode
-    for spec_s, tokens, lowest in ((18.1e-3, 2.68, 0.97), (3.77e-3 * 2.26 / 1.11, 2.26, 1.09)):
+    for spec_s, tokens, mean, lowest in ((18.1e-3, 2.68, 0.99, 0.97), (3.77e-3 * 2.26 / 1.11, 2.26, 1.09, 1.09)):
         gate = SpeculationGate(max_tokens_per_step=4)
         rate(gate, spec_s, tokens)
-        assert rate(gate, spec_s, tokens) >= lowest
+        runs = [rate(gate, spec_s, tokens) for _ in range(8)]
+        assert sum(runs) / len(runs) >= mean and min(runs) >= lowest, runs
+
+
+def test_buckets_the_batch_only_passes_through_take_the_nearest_measured_buckets_mode():
+    """Requests finishing one by one take the batch through smaller buckets for a step or two each, and
+    a step with prefill chunks is never measured: neither explores, each takes the mode of the nearest
+    bucket measured (speculation where none is, so that the prompts' MTP rows are written). A bucket the
+    batch stays in is measured after probe_steps steps, speculation first."""
+    gate = SpeculationGate(probe_steps=4, settle_steps=1, max_tokens_per_step=4)
+    assert gate.decide(8, decode_only=False) is True and not gate.buckets[8].steps
+    feed(gate, 64, 100, spec_s=18e-3, plain_s=4e-3, tokens_spec=2.7)  # plain decode faster at 64
+    feed(gate, 1, 100, spec_s=1.5e-3, plain_s=1e-3, tokens_spec=2.5)  # speculation faster at 1
+    assert gate.decide(32) is False and gate.decide(2) is True
+    assert gate.decide(64, decode_only=False) is False and gate.decide(1, decode_only=False) is True
+    assert [gate.decide(16) for _ in range(5)] == [False] * 4 + [True]
 
 
 def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():
@@ -175,7 +203,7 @@ def alternate_modes(llm, pattern: list[bool]) -> list[bool]:
     """Make the engine's gate follow ``pattern`` (cycled); returns the modes it ran, in order."""
     gate, ran = llm.llm_engine.drafts.gate, []
 
-    def decide(num_decoding):
+    def decide(num_decoding, decode_only=True):
         mode = pattern[len(ran) % len(pattern)]
         ran.append(mode)
         return mode

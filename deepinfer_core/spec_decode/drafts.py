@@ -73,7 +73,9 @@ class DraftPlanner:
         """Whether the next step speculates (the gate's choice for its decoding sequences; always
         without a gate)."""
         if self.gate is not None:
-            self.speculate = self.gate.decide(sum(seq.num_uncomputed == 1 for seq in scheduler.running))
+            decoding = sum(seq.num_uncomputed == 1 for seq in scheduler.running)
+            decode_only = decoding == len(scheduler.running) and not scheduler.waiting
+            self.speculate = self.gate.decide(decoding, decode_only)
         return self.speculate
 
     def plan(self, scheduler: Any, config: SchedulerConfig) -> None:

@@ -8,11 +8,19 @@ few layers) the step is better off as a plain decode: no drafts, no MTP, the pla
 The gate measures, per batch-size bucket (powers of two of decoding sequences), each mode's cost:
 sequence-steps per second of consecutive steps of that mode; and speculation's yield: output tokens per
 sequence and step. A mode's rate (output tokens per second) is the two multiplied (plain decode yields
-one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps after
-``probe_every`` of the faster. A probe that leaves the faster mode as it was doubles the bucket's
-interval, up to ``max_probe_every`` (probing costs the steps it runs in the slower mode); one that
-changes it starts again from ``probe_every``. The first ``settle_steps`` of a run of one mode are left
-out (a switch drains the pipeline, and the first speculative steps after plain ones have no drafts yet).
+one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps now and then.
+Probing costs the time the slower mode's steps take beyond what the faster one would take for their
+tokens; the steps of the faster mode until the next probe are as many as keep that cost, and the
+exploration's before it, below ``probe_cost_share`` of the time (between ``probe_every`` and
+``max_probe_every``). A probe that changes the faster mode starts again from ``probe_every``. The first
+``settle_steps`` of a run of one mode are left out (a switch drains the pipeline, and the first
+speculative steps after plain ones have no drafts yet).
+
+Only all-decode steps are measured. A step with prefill chunks, and the first ``probe_steps`` steps of a
+bucket not measured yet (the batch passing through it, as when requests finish one by one), take the
+mode of the nearest bucket measured (speculation where none is: a prefill chunk speculated writes the
+MTP block's rows of the prompt, without which drafts accept less for a window); a bucket the batch
+stays in is measured (speculation first).
 
 Plain steps leave the MTP block's window rows of their positions unwritten, so drafts accept less until
 a sequence has gone a window past its last plain step. The yield is therefore measured only on steps
@@ -40,6 +48,7 @@ class _Bucket:
     interval: int = 0  # steps of the faster mode between probes
     next_probe: int = 0  # the step at which the next probe begins
     probes: int = 0  # probes of speculation begun
+    mode_steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # since the interval began
     probe_samples: int = 0  # samples of the slower mode taken in the current probe (fresh ones of speculation)
 
     def rate(self, speculated: bool) -> float | None:
@@ -53,7 +62,7 @@ class _Bucket:
 class SpeculationGate:
     def __init__(self, probe_every: int = 64, probe_steps: int = 8, settle_steps: int = 2, decay: float = 0.7,
                  max_probe_every: int = 1024, max_tokens_per_step: int | None = None, max_stale_steps: int = 128,
-                 fresh_probe_every: int = 4):
+                 fresh_probe_every: int = 4, probe_cost_share: float = 0.01):
         if probe_steps <= settle_steps:
             raise ValueError("a probe must outlast the steps left out after a switch")
         if max_probe_every < probe_every:
@@ -61,26 +70,47 @@ class SpeculationGate:
         self.probe_every, self.probe_steps, self.settle_steps = probe_every, probe_steps, settle_steps
         self.max_probe_every, self.decay = max_probe_every, decay
         self.max_tokens_per_step, self.max_stale_steps = max_tokens_per_step, max_stale_steps
-        self.fresh_probe_every = fresh_probe_every
+        self.fresh_probe_every, self.probe_cost_share = fresh_probe_every, probe_cost_share
         self.buckets: dict[int, _Bucket] = {}
         self.counts = {True: 0, False: 0}  # steps run per mode
         self._run: tuple[bool, int] | None = None  # (mode, bucket) of the current run of steps
         self._run_length = 0
         self._last_finish: float | None = None
 
-    def decide(self, num_decoding: int) -> bool:
-        """Whether the next step of ``num_decoding`` decoding sequences speculates."""
+    def decide(self, num_decoding: int, decode_only: bool = True) -> bool:
+        """Whether the next step of ``num_decoding`` decoding sequences speculates; ``decode_only`` False:
+        the step also has prefill chunks."""
         b = self.buckets.setdefault(bucket(num_decoding), _Bucket())
-        b.steps += 1
-        spec = self._spec_rate(b)
-        if True not in b.seq_rate or (spec is None and False in b.seq_rate):
-            mode = True  # its cost unknown, or its yield where its best case might beat plain decode
-        elif False not in b.seq_rate:
-            mode = False
+        if not decode_only or (self._best(b) is None and b.steps < self.probe_steps and self._nearest(b)):
+            if decode_only:
+                b.steps += 1
+            near = b if self._best(b) is not None else self._nearest(b)
+            mode = near is None or self._best(near)  # nothing measured: the prompts' MTP rows written
         else:
-            mode = self._choose(b, spec)
+            b.steps += 1
+            spec = self._spec_rate(b)
+            if True not in b.seq_rate or (spec is None and False in b.seq_rate):
+                mode = True  # its cost unknown, or its yield where its best case might beat plain decode
+            elif False not in b.seq_rate:
+                mode = False
+            else:
+                mode = self._choose(b, spec)
+            b.mode_steps[mode] += 1
         self.counts[mode] += 1
         return mode
+
+    def _best(self, b: _Bucket) -> bool | None:
+        """Whether speculation is the faster mode in ``b``; None: not both measured."""
+        spec, plain = self._spec_rate(b), b.rate(False)
+        return None if spec is None or plain is None else spec >= plain
+
+    def _nearest(self, b: _Bucket) -> _Bucket | None:
+        """The measured bucket nearest ``b`` in size (the smaller of two as near), other than ``b``."""
+        size = next(k for k, v in self.buckets.items() if v is b)
+        known = [k for k, v in self.buckets.items() if v is not b and self._best(v) is not None]
+        if not known:
+            return None
+        return self.buckets[min(known, key=lambda k: (abs(k.bit_length() - size.bit_length()), k))]
 
     def _ceiling(self, b: _Bucket) -> float | None:
         """Speculation's rate were every draft accepted."""
@@ -101,11 +131,21 @@ class SpeculationGate:
     def _choose(self, b: _Bucket, spec: float) -> bool:
         best = spec >= b.rate(False)
         if b.best is None or (b.steps >= b.next_probe + self._probe_length(b) and self._probed(b)):
-            same = b.best == best  # an interval begins
-            b.interval = min(2 * b.interval, self.max_probe_every) if same else self.probe_every
+            changed = b.best is not None and b.best != best  # an interval begins
+            b.interval = self.probe_every if changed else self._interval(b, best, spec)
             b.best, b.next_probe, b.probe_samples = best, b.steps + b.interval, 0
+            b.mode_steps = {True: 0, False: 0}
             b.probes += not best
         return (not b.best) if b.steps >= b.next_probe else b.best
+
+    def _interval(self, b: _Bucket, best: bool, spec: float) -> int:
+        """Steps of the faster mode whose time makes the slower mode's steps since the last interval began
+        cost ``probe_cost_share`` of it: each cost its time less the faster mode's time for its tokens."""
+        rate = {True: spec, False: b.rate(False)}
+        step = {m: 1 / b.seq_rate[m] for m in (True, False)}  # seconds per sequence-step
+        excess = b.mode_steps[not best] * step[not best] * (1 - rate[not best] / rate[best])
+        steps = excess / (self.probe_cost_share * step[best])
+        return round(min(max(steps, self.probe_every), self.max_probe_every))
 
     def _probe_length(self, b: _Bucket) -> int:
         """Steps a probe runs at least: one sample past the settling steps where speculation's cost alone
