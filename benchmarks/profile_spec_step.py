@@ -108,7 +108,8 @@ def profile(args) -> dict:
     modes = [("off", None)] + [(f"k={k}", spec_bench._spec(k)) for k in args.ks]
     timers, rows = Timers(), []
     for name, spec in modes:
-        llm = make(spec, max_num_seqs=max(args.batch_sizes), **({"async_scheduling": True} if args.async_scheduling else {}))
+        sched = {"async_scheduling": True} if args.async_scheduling else {}
+        llm = make(spec, max_num_seqs=max(args.batch_sizes), **sched)
         for batch in args.batch_sizes:
             prompts = spec_bench._prompts(llm, batch, args.prompt_len)
             spec_bench._generate(llm, prompts, params)  # warm-up: the same shapes

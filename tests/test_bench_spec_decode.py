@@ -76,5 +76,6 @@ def test_speed_mode_schedules_asynchronously_when_asked(bsd, monkeypatch):
     monkeypatch.setattr(llm_engine.LLMEngine, "__init__",
                         lambda self, args, *a, **kw: seen.append(args.async_scheduling) or init(self, args, *a, **kw))
     report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
-                       "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup", "--async-scheduling"])
+                       "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup",
+                       "--async-scheduling"])
     assert report["async_scheduling"] is True and seen and all(seen)
