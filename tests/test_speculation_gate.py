@@ -6,6 +6,7 @@ the plain runner's pipeline."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import engine_fixtures
 import pytest
@@ -15,6 +16,8 @@ from spec_fixtures import oracle_drafts, spec
 from test_spec_async import expected, worker_oracle
 from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
+from deepinfer_core.spec_decode.config import SpeculativeConfig
+from deepinfer_core.spec_decode.drafts import DraftPlanner
 from deepinfer_core.spec_decode.gate import SpeculationGate, bucket
 from deepinfer_core.worker.model_runner import ModelRunner
 
@@ -178,6 +181,19 @@ def test_buckets_the_batch_only_passes_through_take_the_nearest_measured_buckets
     assert gate.decide(32) is False and gate.decide(2) is True
     assert gate.decide(64, decode_only=False) is False and gate.decide(1, decode_only=False) is True
     assert [gate.decide(16) for _ in range(5)] == [False] * 4 + [True]
+
+
+def test_a_step_counts_as_all_decode_unless_a_prompt_can_join_it():
+    """The planner tells the gate whether the step can hold prefill chunks: a sequence still prefilling,
+    or a waiting request with room in the batch; a full batch with requests waiting is all decode."""
+    planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=2, schedule="confidence"))
+    seen = []
+    planner.gate.decide = lambda num, decode_only=True: seen.append((num, decode_only)) or True
+    decoding, prefilling = SimpleNamespace(num_uncomputed=1), SimpleNamespace(num_uncomputed=40)
+    for running, waiting in (([decoding] * 2, []), ([decoding, prefilling], []), ([decoding], ["queued"]),
+                             ([decoding] * 2, ["queued"])):
+        planner.decide(SimpleNamespace(running=running, waiting=waiting, config=SimpleNamespace(max_num_seqs=2)))
+    assert seen == [(2, True), (1, False), (1, False), (2, True)]
 
 
 def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():

@@ -73,8 +73,10 @@ class DraftPlanner:
         """Whether the next step speculates (the gate's choice for its decoding sequences; always
         without a gate)."""
         if self.gate is not None:
-            decoding = sum(seq.num_uncomputed == 1 for seq in scheduler.running)
-            decode_only = decoding == len(scheduler.running) and not scheduler.waiting
+            running = scheduler.running
+            decoding = sum(seq.num_uncomputed == 1 for seq in running)
+            admits = scheduler.waiting and len(running) < scheduler.config.max_num_seqs  # a prompt may join
+            decode_only = decoding == len(running) and not admits
             self.speculate = self.gate.decide(decoding, decode_only)
         return self.speculate
 
