@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -124,11 +125,12 @@ def speed(args, engine_kw: dict) -> dict:
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
                 _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
             before = llm.llm_engine.spec_decode_stats()
-            _, seconds = _generate(llm, prompts, params)
+            runs = sorted(_generate(llm, prompts, params)[1] for _ in range(args.repeats))
+            seconds = statistics.median(runs)
             stats = llm.llm_engine.spec_decode_stats()
             tokens = batch * args.max_tokens
             row = {"mode": name, "batch": batch, "seconds": seconds, "total_tok_s": tokens / seconds,
-                   "per_user_tok_s": args.max_tokens / seconds}
+                   "per_user_tok_s": args.max_tokens / seconds, "run_seconds": runs}
             if stats is not None:
                 steps = stats["num_drafts"] - before["num_drafts"]
                 acc = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
@@ -142,14 +144,15 @@ def speed(args, engine_kw: dict) -> dict:
             rows.append(row)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
     print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
-          f"{'accept len':>10} {'verified/step':>13} {'plain steps':>11}")
+          f"{'spread':>7} {'accept len':>10} {'verified/step':>13} {'plain steps':>11}")
     for r in rows:
         r["speedup"] = r["per_user_tok_s"] / base[r["batch"]]
+        r["spread"] = r["run_seconds"][-1] / r["run_seconds"][0] - 1  # slowest run against the fastest
         print(f"{r['mode']:>16} {r['batch']:>5} {r['per_user_tok_s']:>14.2f} {r['total_tok_s']:>11.2f} "
-              f"{r['speedup']:>8.2f} {r.get('mean_acceptance_length', 1.0):>10.2f} "
+              f"{r['speedup']:>8.2f} {r['spread']:>6.1%} {r.get('mean_acceptance_length', 1.0):>10.2f} "
               f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
-            "force_acceptance": args.force_acceptance, "rows": rows}
+            "force_acceptance": args.force_acceptance, "repeats": args.repeats, "rows": rows}
 
 
 def _random_llm_factory(args, engine_kw: dict):
@@ -216,10 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--small", action="store_true", help="--random: tiny widths (a CPU smoke test)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="speed: every mode schedules step N+1 while step N runs (default: synchronous)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="speed: measured runs per mode and batch after the warm-up; the median counts, and "
+                         "'spread' is the slowest run's time over the fastest's")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_kw = _engine_kw(args, float64=args.mode == "acceptance")

@@ -79,3 +79,15 @@ def test_speed_mode_schedules_asynchronously_when_asked(bsd, monkeypatch):
                        "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup",
                        "--async-scheduling"])
     assert report["async_scheduling"] is True and seen and all(seen)
+
+
+def test_speed_mode_repeats_each_run_and_reports_the_median_and_spread(bsd):
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+                       "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup", "--repeats", "3"])
+    assert report["repeats"] == 3
+    for row in report["rows"]:
+        runs = row["run_seconds"]
+        assert len(runs) == 3 and runs == sorted(runs)
+        assert row["seconds"] == runs[1] and row["spread"] == runs[-1] / runs[0] - 1 >= 0
+    with pytest.raises(SystemExit):
+        bsd.main(["--mode", "speed", "--repeats", "0"])
