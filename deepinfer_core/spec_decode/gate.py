@@ -80,12 +80,15 @@ class SpeculationGate:
     def decide(self, num_decoding: int, decode_only: bool = True) -> bool:
         """Whether the next step of ``num_decoding`` decoding sequences speculates; ``decode_only`` False:
         the step also has prefill chunks."""
-        b = self.buckets.setdefault(bucket(num_decoding), _Bucket())
-        if not decode_only or (self._best(b) is None and b.steps < self.probe_steps and self._nearest(b)):
+        key = bucket(num_decoding)
+        b = self.buckets.setdefault(key, _Bucket())
+        measured = self._best(b) is not None
+        near = None if measured else self._nearest(key)
+        if not decode_only or (not measured and b.steps < self.probe_steps and near is not None):
             if decode_only:
                 b.steps += 1
-            near = b if self._best(b) is not None else self._nearest(b)
-            mode = near is None or self._best(near)  # nothing measured: the prompts' MTP rows written
+            source = b if measured else near
+            mode = source is None or self._best(source)  # nothing measured: the prompts' MTP rows written
         else:
             b.steps += 1
             spec = self._spec_rate(b)
@@ -104,10 +107,9 @@ class SpeculationGate:
         spec, plain = self._spec_rate(b), b.rate(False)
         return None if spec is None or plain is None else spec >= plain
 
-    def _nearest(self, b: _Bucket) -> _Bucket | None:
-        """The measured bucket nearest ``b`` in size (the smaller of two as near), other than ``b``."""
-        size = next(k for k, v in self.buckets.items() if v is b)
-        known = [k for k, v in self.buckets.items() if v is not b and self._best(v) is not None]
+    def _nearest(self, size: int) -> _Bucket | None:
+        """The measured bucket nearest bucket ``size`` (the smaller of two as near), other than itself."""
+        known = [k for k, v in self.buckets.items() if k != size and self._best(v) is not None]
         if not known:
             return None
         return self.buckets[min(known, key=lambda k: (abs(k.bit_length() - size.bit_length()), k))]
