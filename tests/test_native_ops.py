@@ -201,6 +201,7 @@ def test_adapter_predicate_runs_its_self_check_once_and_follows_it(fake_hopper, 
 
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
     monkeypatch.setenv(external.DEEPGEMM_MOE_ENV, "1")
+    monkeypatch.setenv(external.FLASH_MLA_BF16_ENV, "1")
     calls = []
     verdict = {"ok": False}
 
@@ -232,6 +233,7 @@ def test_adapter_declines_widths_it_cannot_take_or_cannot_know(fake_hopper, monk
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
     monkeypatch.setattr(external, "_self_check", lambda check, device: (True, ""))
     monkeypatch.setenv(external.DEEPGEMM_MOE_ENV, "1")
+    monkeypatch.setenv(external.FLASH_MLA_BF16_ENV, "1")
     registry = _nvidia_registry()
     assert resolve_ops(registry, _ctx()).chosen["linear_fp8"].fn is external.deep_gemm_linear_fp8
     tiny = SimpleNamespace(**{**vars(V4_FLASH), "hidden_size": 64, "num_attention_heads": 8})
@@ -246,20 +248,24 @@ def test_adapter_declines_widths_it_cannot_take_or_cannot_know(fake_hopper, monk
     assert labels["moe_experts"] == "deep_gemm (if its self-check passes, else torch)"
 
 
-def test_bf16_deep_gemm_moe_is_opt_in(fake_hopper, monkeypatch):
-    """Slower than the Triton grouped MoE on an H200 (every expert padded to 128 rows): declined, saying so."""
-    from deepinfer_nvidia_sm100 import external, triton_ops
+@pytest.mark.parametrize("op, env, fn", [("moe_experts", "DEEPGEMM_MOE_ENV", "deep_gemm_moe_experts"),
+                                         ("sparse_attention", "FLASH_MLA_BF16_ENV", "flash_mla_sparse_attention")])
+def test_bf16_adapters_slower_than_triton_are_opt_in(op, env, fn, fake_hopper, monkeypatch):
+    """Slower than the Triton kernels on an H200 (DeepGEMM's MoE pads every expert to 128 rows; FlashMLA's
+    prefill kernel, twice per layer, in prefill and decode): declined, saying so, unless opted in."""
+    from deepinfer_nvidia_sm100 import external
 
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
     monkeypatch.setattr(external, "_self_check", lambda check, device: (True, ""))
-    monkeypatch.delenv(external.DEEPGEMM_MOE_ENV, raising=False)
+    monkeypatch.delenv(getattr(external, env), raising=False)
     table = resolve_ops(_nvidia_registry(), _ctx())
-    assert table.chosen["moe_experts"].fn is not external.deep_gemm_moe_experts
+    assert table.chosen[op].fn is not getattr(external, fn)
     assert table.chosen["linear_fp8"].fn is external.deep_gemm_linear_fp8
-    adapter = next(a for a in external.ADAPTERS if a.fn is external.deep_gemm_moe_experts)
+    adapter = next(a for a in external.ADAPTERS if a.fn is getattr(external, fn))
     ok, reason = adapter.usable(torch.device("cpu"), torch.bfloat16, V4_FLASH, True)
-    assert not ok and external.DEEPGEMM_MOE_ENV in reason
-    assert triton_ops.ALL_OPS["moe_experts"] is not None
+    assert not ok and getattr(external, env) in reason
+    monkeypatch.setenv(getattr(external, env), "1")
+    assert resolve_ops(_nvidia_registry(), _ctx()).chosen[op].fn is getattr(external, fn)
 
 
 def test_self_check_is_cached_per_device():
@@ -301,9 +307,11 @@ def test_triton_predicates_decline_dtypes_the_kernels_do_not_take(monkeypatch, n
 
 
 
-def test_listing_says_why_an_adapter_declined(fake_hopper):
+def test_listing_says_why_an_adapter_declined(fake_hopper, monkeypatch):
     """`deepinfer ops` prints the adapter's own reason beside "declined by its predicate"."""
     from deepinfer_nvidia_sm100 import external
+
+    monkeypatch.setenv(external.FLASH_MLA_BF16_ENV, "1")
 
     from deepinfer_core.entrypoints.cli_plugins import resolve_table
 

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from gpu_support import BACKEND, gpu_marks
+from gpu_support import BACKEND, V4_FLASH_WIDTHS, gpu_marks
 
 from deepinfer_core.model.fp8 import quantize_act_fp8, quantize_fp8_block
 from deepinfer_core.plugins import build_op_table
@@ -23,11 +21,6 @@ LINEAR_SHAPES = [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (4096, 
 @pytest.fixture(scope="module")
 def reference():
     return conf.reference_op_table()
-
-
-#: the V4-Flash widths the library adapters' predicates read (DeepGEMM serves them where it is installed)
-V4_FLASH_WIDTHS = SimpleNamespace(num_attention_heads=64, head_dim=512, hidden_size=4096, moe_intermediate_size=2048,
-                                  q_lora_rank=1024, o_groups=8, o_lora_rank=1024)
 
 
 @pytest.fixture(scope="module")

@@ -547,23 +547,28 @@ def _self_check(library: str, device: str) -> tuple[bool, str]:
 #: H200 at V4-Flash widths (256 experts) it made the decode step 2.5x slower at batch 64 and 4096-token
 #: prefill 1.4x slower than the Triton grouped MoE
 DEEPGEMM_MOE_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_MOE"
+#: FlashMLA's bfloat16 sparse attention (its prefill kernel, one call per pool and a merge) is opt-in: on
+#: an H200 at V4-Flash widths it took 4096-token prefill from 63,851 to 42,804 tok/s and cost 2.4-11x the
+#: Triton kernel per decode call
+FLASH_MLA_BF16_ENV = "DEEPINFER_NVIDIA_FLASH_MLA_BF16"
 
 
 def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
             ) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
     def opted_in(device, dtype, model_config, self_check) -> tuple[bool, str]:
+        if os.environ.get(env, "") == "1":
+            return usable(device, dtype, model_config, self_check)
         probed = usable(device, dtype, model_config, False)
         if not probed[0]:
             return probed
-        if os.environ.get(env, "") != "1":
-            return False, f"opt-in ({env}=1): slower than the Triton kernel at the shapes measured"
-        return usable(device, dtype, model_config, self_check)
+        return False, f"opt-in ({env}=1): slower than the Triton kernel at the shapes measured"
 
     return opted_in
 
 
 ADAPTERS = [
-    Adapter("sparse_attention", "flash_mla", flash_mla_sparse_attention, _flash_mla_usable),
+    Adapter("sparse_attention", "flash_mla", flash_mla_sparse_attention,
+            _opt_in(FLASH_MLA_BF16_ENV, _flash_mla_usable)),
     Adapter("sparse_attention_fp8", "flash_mla", flash_mla_sparse_attention_fp8, _flash_mla_fp8_usable),
     Adapter("moe_experts", "deep_gemm", deep_gemm_moe_experts,
             _opt_in(DEEPGEMM_MOE_ENV, _deep_gemm_usable("m_grouped_bf16_gemm_nt_contiguous", "deep_gemm"))),
