@@ -4,7 +4,9 @@ grouped-MoE kernel times against the bf16 ones at DeepSeek-V4-Flash decode shape
 Accuracy (through ``LLM``, greedy): free-running token agreement per prompt, and, teacher-forced on the
 bf16 model's own tokens, the per-step logit cosine and top-1 agreement. Kernels: each projection of the
 model (N, K) and the routed experts (256 experts, top-6, hidden 4096, moe_intermediate 2048) for
-M = 1..256 tokens, timed with CUDA events after a warm-up.
+M = 1..256 tokens (``--batches``; 4096 for a prefill chunk), timed with CUDA events after a warm-up: the
+bf16 kernel, the block-FP8 Triton kernel, and DeepGEMM's adapter (``fp8_gemm_nt``; the masked grouped MoE
+up to 64 tokens, the contiguous one above) where the library is importable and passes its self-check.
 
     python benchmarks/bench_fp8.py --out fp8.json
 """
@@ -15,6 +17,7 @@ import argparse
 import json
 import statistics
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 
@@ -30,6 +33,9 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os, sys", "for i 
 LINEAR_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
                  "shared_w13": (4096, 4096), "shared_w2": (4096, 2048), "compressor_wkv": (1024, 4096)}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: the widths DeepGEMM's adapters are judged on (as for an engine built on V4-Flash)
+V4_FLASH_WIDTHS = SimpleNamespace(hidden_size=4096, moe_intermediate_size=2048, q_lora_rank=1024, o_groups=8,
+                                  o_lora_rank=1024)
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -80,11 +86,21 @@ def cuda_time_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def deep_gemm_impls(device: torch.device) -> dict[str, object]:
+    """op -> DeepGEMM's FP8 adapter, for the ops whose adapter is usable here (importable, self-check passed)."""
+    from deepinfer_nvidia_sm100 import external
+
+    return {a.op: a.fn for a in external.ADAPTERS
+            if a.library == "deep_gemm" and a.op in ("linear_fp8", "moe_experts_fp8")
+            and a.usable(device, torch.bfloat16, V4_FLASH_WIDTHS, True)[0]}
+
+
 def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: int) -> list[dict]:
     from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
 
     from deepinfer_core.ops import native
 
+    library = deep_gemm_impls(device)
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for name, (n, k) in LINEAR_SHAPES.items():
@@ -94,7 +110,9 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
             x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
             bf16 = cuda_time_ms(partial(native.linear, x, w), warmup, iters)
             fp8 = cuda_time_ms(partial(fp8_ops.linear_fp8, x, q, s), warmup, iters)
-            rows.append({"kernel": f"linear {name}", "N": n, "K": k, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
+            lib = library.get("linear_fp8")
+            rows.append({"kernel": f"linear {name}", "N": n, "K": k, "M": m, "bf16_ms": bf16, "fp8_ms": fp8,
+                         "deep_gemm_ms": cuda_time_ms(partial(lib, x, q, s), warmup, iters) if lib else None})
     experts, top_k, d, inter = 256, 6, 4096, 2048
     w13 = torch.randn(experts, 2 * inter, d, device=device, generator=g, dtype=torch.bfloat16) * d**-0.5
     q13, s13 = torch.empty_like(w13, dtype=torch.float8_e4m3fn), torch.empty(experts, 32, 32, device=device)
@@ -109,8 +127,11 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
         ids = torch.stack([torch.randperm(experts, device=device, generator=g)[:top_k] for _ in range(m)])
         weights = torch.rand(m, top_k, device=device, generator=g) + 0.2
         bf16 = cuda_time_ms(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), warmup, iters)
-        fp8 = cuda_time_ms(partial(fp8_ops.moe_experts_fp8, x, q13, s13, q2, s2, ids, weights, 10.0), warmup, iters)
-        rows.append({"kernel": "moe 256x top6", "N": 2 * inter, "K": d, "M": m, "bf16_ms": bf16, "fp8_ms": fp8})
+        fp8_args = (x, q13, s13, q2, s2, ids, weights, 10.0)
+        fp8 = cuda_time_ms(partial(fp8_ops.moe_experts_fp8, *fp8_args), warmup, iters)
+        lib = library.get("moe_experts_fp8")
+        rows.append({"kernel": "moe 256x top6", "N": 2 * inter, "K": d, "M": m, "bf16_ms": bf16, "fp8_ms": fp8,
+                     "deep_gemm_ms": cuda_time_ms(partial(lib, *fp8_args), warmup, iters) if lib else None})
     return rows
 
 
@@ -138,10 +159,13 @@ def main() -> None:
         batches = tuple(int(b) for b in args.batches.split(","))
         rows = kernels(torch.device("cuda"), batches, args.warmup, args.iters)
         result["kernels"] = rows
-        print(f"{'kernel':22s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'fp8 us':>9s} {'speedup':>8s}")
+        print(f"{'kernel':22s} {'N':>6s} {'K':>6s} {'M':>5s} {'bf16 us':>9s} {'fp8 us':>9s} {'speedup':>8s} "
+              f"{'deep_gemm us':>12s} {'speedup':>8s}")
         for r in rows:
-            print(f"{r['kernel']:22s} {r['N']:6d} {r['K']:6d} {r['M']:4d} {1e3 * r['bf16_ms']:9.1f} "
-                  f"{1e3 * r['fp8_ms']:9.1f} {r['bf16_ms'] / r['fp8_ms']:8.2f}")
+            lib = r["deep_gemm_ms"]
+            lib_cols = f"{1e3 * lib:12.1f} {r['bf16_ms'] / lib:8.2f}" if lib else f"{'-':>12s} {'-':>8s}"
+            print(f"{r['kernel']:22s} {r['N']:6d} {r['K']:6d} {r['M']:5d} {1e3 * r['bf16_ms']:9.1f} "
+                  f"{1e3 * r['fp8_ms']:9.1f} {r['bf16_ms'] / r['fp8_ms']:8.2f} {lib_cols}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
