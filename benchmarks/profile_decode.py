@@ -7,6 +7,9 @@ replay and what stays on the host.
 
   python benchmarks/profile_decode.py --batch 64 --eager --out OUT
 
+``--fp8`` quantises the weights to block FP8 first (``quantize_params_fp8``, the engine with
+``quantization="fp8"``), as the sweep's ``+fp8`` configs do.
+
 With ``--context N`` nothing is prefilled: ``--batch`` sequences with ``N`` tokens cached decode through
 ``bench_long_context``'s Harness (the cache holds no real history: every sequence reads the same blocks,
 which changes no shape and no amount of work), eagerly (``--eager``: build_forward_batch, upload,
@@ -41,6 +44,7 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (not with --context)")
     ap.add_argument("--out", default="profile_out")
     ap.add_argument("--rows", type=int, default=25)
     ctx = ap.add_argument_group("--context mode (no prefill; bench_long_context's Harness)")
@@ -55,6 +59,8 @@ def main(argv=None) -> dict | None:
     ctx.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (default on the CPU)")
     a = ap.parse_args(argv)
     if a.context is not None:
+        if a.fp8:
+            raise SystemExit("--fp8 is for the prefill mode, not --context")
         return profile_context(a)
     from transformers import DeepseekV4ForCausalLM
 
@@ -74,11 +80,16 @@ def main(argv=None) -> dict | None:
     cfg = ModelConfig.from_pretrained(Path(tmp.name))
     params = bench.convert_params(hf, cfg, dtype)
     del hf
+    if a.fp8:
+        from deepinfer_core.model.fp8 import quantize_params_fp8
+
+        quantize_params_fp8(params, cfg)
     model = bench.build_deepinfer_model(cfg, params, "nvidia_sm100", dtype, device)
     engine = bench.make_engine(
         model, tmp.name, backend="nvidia_sm100", dtype=dtype, device="cuda", max_model_len=a.prompt_len + 64,
         max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.prompt_len), enable_prefix_caching=False,
         block_size=bench.cfg_block_size(cfg), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+        **({"quantization": "fp8"} if a.fp8 else {}),
     )
     gen = torch.Generator().manual_seed(0)
     params_s = SamplingParams(temperature=0.0, max_tokens=a.steps + 60, ignore_eos=True)
@@ -96,7 +107,7 @@ def main(argv=None) -> dict | None:
         for _ in range(a.steps):
             engine.step()
         torch.cuda.synchronize()
-    tag = f"b{a.batch}_{'eager' if a.eager else 'graphs'}{'_async' if a.async_scheduling else ''}"
+    tag = f"b{a.batch}_{'eager' if a.eager else 'graphs'}{'_async' if a.async_scheduling else ''}{'_fp8' * a.fp8}"
     report(prof, a, tag)
 
 
