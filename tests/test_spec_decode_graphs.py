@@ -11,11 +11,13 @@ from __future__ import annotations
 import engine_fixtures
 import pytest
 import test_spec_async
+import torch
 from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import oracle_drafts, spec
 from test_spec_async import expected, worker_oracle
 from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
+from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.rollback import CacheUndo, GraphUndo
@@ -86,6 +88,89 @@ def test_undo_log_of_padded_steps_is_saved_inside_the_graph(tiny_path, make_llm,
     verified = [q for _, q in steps if q == 3]
     assert len(graph_logs) == len(verified) >= 2
     assert len(host_logs) < len(graph_logs)
+
+
+class _Replayed:
+    """A "captured graph" on the CPU: replay reruns the captured function and writes what it computed into
+    the tensors the capture returned (an undo log's rows, owners and saved values too), as a replay of
+    a real graph rewrites its own memory; ``replays`` counts them per kind of graph."""
+
+    def __init__(self, forward, key, replays: dict):
+        self.forward, self.key, self.replays = forward, key, replays
+        self.output = forward(key)
+
+    def replay(self):
+        kind = "forward" if isinstance(self.output, tuple) else "restore"
+        self.replays[kind] = self.replays.get(kind, 0) + 1
+        with torch.inference_mode():  # as the capture ran
+            new = self.forward(self.key)
+            if kind == "forward":
+                for old, fresh in zip(self.output, new):
+                    if isinstance(old, torch.Tensor):
+                        old.copy_(fresh)
+                    elif isinstance(old, CacheUndo):
+                        for a, b in zip(old.saved, fresh.saved, strict=True):
+                            a.rows.copy_(b.rows), a.owner.copy_(b.owner), a.values.copy_(b.values)
+
+
+class _ReplayPlatform(Platform):
+    supports_graphs = True
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.replays: dict[str, int] = {}
+
+    def capture_graphs(self, keys, forward):
+        return {key: _Replayed(forward, key, self.replays) for key in sorted(keys, reverse=True)}
+
+
+def test_rejected_rows_are_put_back_by_restore_graphs(tiny_path, make_llm):
+    """Captured verification graphs come with one restore graph each: the rejected mask copied into the
+    graph's own and the restore replayed, no eager restore on those steps; greedy output is the reference's."""
+    path = tiny_path("tiny_hc4")
+    ref = reference(make_llm, path, PROMPTS)
+    llm = make_llm(path, dtype="float64", max_num_seqs=8, **spec(2))
+    engine = llm.llm_engine
+    platform = _ReplayPlatform(engine.device)
+    runner = GraphRunner(engine.model, engine.cache, [1, 2, 4, 8], engine.scheduler_config.max_model_len,
+                         engine.args.block_size, platform=platform, query_lens=(1, 3), keep_streams=True,
+                         min_context=16, prologue=GraphUndo(engine.cache, engine.model.cfg.num_hidden_layers))
+    engine.runner.graph_runner = runner
+    undos = [g.output[2] for key, g in runner.graphs.items() if key[2] == 3]
+    assert undos and all(u.restore_graph is not None for u in undos)
+    assert all(g.output[2] is None for key, g in runner.graphs.items() if key[2] == 1)
+    eager = []
+    restore_rows = CacheUndo.restore_rows
+
+    def counted(self, rejected):
+        eager.append(self.restore_graph is None)
+        restore_rows(self, rejected)
+
+    CacheUndo.restore_rows = counted
+    try:
+        oracle_drafts(llm, ref, mixed)
+        outs = run_tokens(llm, PROMPTS[:8], greedy(MAX_TOKENS))
+    finally:
+        CacheUndo.restore_rows = restore_rows
+    assert outs == [ref[tuple(p)][:MAX_TOKENS] for p in PROMPTS[:8]]
+    assert platform.replays.get("restore", 0) >= 2 and platform.replays["restore"] <= platform.replays["forward"]
+    stats = engine.spec_decode_stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    # a restore graph puts back what an eager restore of the same mask does (noise in the pools first)
+    undo = max(undos, key=lambda u: u.num_tokens)
+    pools = {id(saved.pool): saved.pool for saved in undo.saved}
+    rejected = torch.rand(undo.num_tokens, generator=torch.Generator().manual_seed(0)) < 0.5
+    noise = {key: torch.randn(pool.shape, dtype=pool.dtype) if pool.is_floating_point() else pool.clone()
+             for key, pool in pools.items()}
+    results = []
+    for restore in (undo.restore, undo.restore_rows):
+        with torch.inference_mode():
+            for key, pool in pools.items():
+                pool.copy_(noise[key])
+        restore(rejected)
+        results.append({key: pool[:-1].clone() for key, pool in pools.items()})  # the last row: the trash
+    assert all(torch.equal(results[0][key], results[1][key]) for key in pools)
+    assert any(not torch.equal(results[1][key], noise[key][:-1]) for key in pools)
 
 
 def count_filled_steps(llm) -> list[int]:

@@ -5,7 +5,8 @@ token that writes each one: window KV slots, compressed entries and indexer keys
 boundary records of block ends they cross, and compressor ring rows (the unfinished windows, CSA overlap
 included). Once acceptance is known, every row written by a rejected token gets its old value back, so the
 cache is exactly as if the step had only computed the accepted tokens. The restore runs on the device
-from the acceptance counts, without waiting for the host.
+from the acceptance counts, without waiting for the host; after a verification graph, it replays a graph
+of its own (``GraphUndo.capture_restores``) instead of launching its copies one by one.
 
 Rows of one pool written by one step are distinct as long as a verification's tokens fall on distinct
 ring rows (``SpeculativeConfig`` caps the drafts so); -1 rows (the trash) may repeat and stay trash.
@@ -14,6 +15,7 @@ ring rows (``SpeculativeConfig`` caps the drafts so); -1 rows (the trash) may re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -84,6 +86,8 @@ class CacheUndo:
                  device: torch.device | None = None, written: dict[str, _Rows] | None = None,
                  buffers: list[torch.Tensor] | None = None):
         self.saved: list[_Saved] = []
+        self.restore_graph: tuple[Any, torch.Tensor] | None = None  # (graph, its rejected mask)
+        self.num_tokens = None if host is None else len(host.positions)
         if written is None:  # each kind's rows go to the device once, not once per layer and pool that reads them
             written = {kind: [(key, rows.to(device), owner.to(device)) for key, rows, owner in items if rows.numel()]
                        for kind, items in _written_rows(host, draft).items()}
@@ -125,12 +129,24 @@ class CacheUndo:
                     buffers: list[torch.Tensor] | None = None) -> CacheUndo:
         """The rows every token of ``batch`` writes, saved without the host (capturable); with ``buffers``
         the values go to those tensors (appended when missing: the largest batch must come first)."""
-        return cls(cache, None, None, num_layers, written=_every_written_row(batch), buffers=buffers)
+        undo = cls(cache, None, None, num_layers, written=_every_written_row(batch), buffers=buffers)
+        undo.num_tokens = batch.num_tokens
+        return undo
 
     def restore(self, rejected: torch.Tensor) -> None:
-        """Put back every saved row whose writing token is ``rejected`` (bool [T], device). A row to keep is
-        sent to row -1, the pool's trash, so each pool costs one write (the targets are worked out once
-        per set of rows, which every layer's pools of a kind share)."""
+        """Put back every saved row whose writing token is ``rejected`` (bool [T], device)."""
+        if self.restore_graph is None:
+            self.restore_rows(rejected)
+            return
+        graph, mask = self.restore_graph
+        with torch.inference_mode():  # the mask was made in the capture's
+            mask.copy_(rejected)
+        graph.replay()
+
+    def restore_rows(self, rejected: torch.Tensor) -> None:
+        """:meth:`restore` by its copies. A row to keep is sent to row -1, the pool's trash, so each pool
+        costs one write (the targets are worked out once per set of rows, which every layer's pools of a
+        kind share)."""
         targets: dict[int, torch.Tensor] = {}
         for s in self.saved:
             target = targets.get(id(s.rows))
@@ -154,3 +170,13 @@ class GraphUndo:
             return None
         buffers = self.buffers.setdefault(query_len, []) if shared else None
         return CacheUndo.every_token(self.cache, batch, self.num_layers, buffers)
+
+    def capture_restores(self, platform: Any, undos: dict[Any, CacheUndo | None]) -> None:
+        """Per verification graph (key -> the undo log its capture returned), a graph of that log's
+        restore from a mask of its own; the warm-up runs' all-False mask sends every row to the trash."""
+        undos = {key: undo for key, undo in undos.items() if undo is not None and undo.saved}
+        masks = {key: torch.zeros(undo.num_tokens, dtype=torch.bool, device=undo.saved[0].pool.device)
+                 for key, undo in undos.items()}
+        graphs = platform.capture_graphs(list(undos), lambda key: undos[key].restore_rows(masks[key])) if undos else {}
+        for key, undo in undos.items():
+            undo.restore_graph = (graphs[key], masks[key])

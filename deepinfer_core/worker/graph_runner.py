@@ -196,3 +196,6 @@ class GraphRunner:
         inputs are padding sequences only, so capturing writes nothing outside the cache's trash."""
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.graphs = dict(self.platform.capture_graphs(list(self.inputs), self._shared_forward))
+        capture_restores = getattr(self.prologue, "capture_restores", None)
+        if capture_restores is not None:  # what the prologue saved, put back by graphs of their own
+            capture_restores(self.platform, {key: graph.output[2] for key, graph in self.graphs.items()})
