@@ -517,6 +517,30 @@ def _fake_fp8_gemm(a, b, d, m_indices=None):
             d[r] = (x[r] @ w.T).to(d.dtype)
 
 
+def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeypatch):
+    """Where the backend's Triton kernels run (a CUDA device), DeepGEMM's operands are quantised by the
+    one-launch kernel, not by the torch function; elsewhere (here) by the torch function."""
+    from deepinfer_nvidia_sm100 import external, fp8_ops
+
+    from deepinfer_core.model.fp8 import quantize_act_fp8
+
+    case = conf.make_cases("linear_fp8", "tiny", torch.bfloat16)[0]
+    moe = conf.make_cases("moe_experts_fp8", "tiny", torch.bfloat16)[0]
+    assert not external._triton_quantises(case.args[0].device)
+    calls = []
+    monkeypatch.setattr(fp8_ops, "quantize_act", lambda x2: calls.append(x2.shape) or quantize_act_fp8(x2))
+    external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args)
+    assert calls == []
+    monkeypatch.setattr(external, "_triton_quantises", lambda device: True)
+    want = external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args)
+    assert len(calls) == 1
+    external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args)
+    external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args)
+    assert len(calls) == 1 + 2 + 2  # the activations and h of each MoE
+    monkeypatch.setattr(external, "_triton_quantises", lambda device: False)
+    assert torch.equal(external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args), want)
+
+
 def test_deep_gemm_fp8_adapters_match_the_reference(reference):
     from deepinfer_nvidia_sm100 import external
 

@@ -318,10 +318,26 @@ def _moe_check_inputs(device: torch.device):
 # --- DeepGEMM: block-FP8 GEMMs -----------------------------------------------------------------------
 
 
+@functools.cache
+def _triton_quantises(device: torch.device) -> bool:
+    return device.type == "cuda" and capability.triton_usable(device)[0]
+
+
+def _quantize_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operand DeepGEMM takes for activation rows: E4M3 and float32 scales per 128 columns. On a CUDA
+    device the Triton kernel (one launch, bit for bit :func:`quantize_act_fp8`); else that torch function,
+    a dozen launches and float32 copies of the rows."""
+    if not _triton_quantises(x2.device):
+        return quantize_act_fp8(x2)
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    return fp8_ops.quantize_act(x2 if x2.stride(-1) == 1 else x2.contiguous())
+
+
 def deep_gemm_linear_fp8_with(gemm: Callable, x, weight, weight_scale) -> torch.Tensor:
     """``linear_fp8`` through an ``fp8_gemm_nt``-like callable (for tests too)."""
     n, k = weight.shape
-    xq, xs = quantize_act_fp8(x.reshape(-1, k))
+    xq, xs = _quantize_act(x.reshape(-1, k))
     out = torch.empty((xq.shape[0], n), dtype=torch.bfloat16, device=x.device)
     gemm((xq, xs), (weight, weight_scale.float()), out)
     return out.view(*x.shape[:-1], n).to(x.dtype)
@@ -339,8 +355,8 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     m_indices = torch.where(row_ok, block_expert.repeat_interleave(align), -1).to(torch.int32)
     a = x[torch.where(row_ok, sorted_pairs // k, 0)]
     gate_up = torch.empty((a.shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
-    gemm(quantize_act_fp8(a), (w13, w13_scale.float()), gate_up, m_indices)
-    h = quantize_act_fp8(native.swiglu(gate_up.float(), swiglu_limit))
+    gemm(_quantize_act(a), (w13, w13_scale.float()), gate_up, m_indices)
+    h = _quantize_act(native.swiglu(gate_up.float(), swiglu_limit))
     down = torch.empty((a.shape[0], d), dtype=torch.bfloat16, device=x.device)
     gemm(h, (w2, w2_scale.float()), down, m_indices)
     return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
@@ -408,10 +424,10 @@ def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scal
     token = torch.arange(tokens * k, device=x.device) // k
     pair = torch.arange(tokens * k, device=x.device)
     gate_up = torch.empty((groups, max_m, n13), dtype=torch.bfloat16, device=x.device)
-    gemm(_scatter_rows(*quantize_act_fp8(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
+    gemm(_scatter_rows(*_quantize_act(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
          masked_m, expected_m)
     kept = dest.clamp(max=rows - 1)  # trash pairs read some row; their weight is masked below
-    h = quantize_act_fp8(native.swiglu(gate_up.view(rows, n13)[kept].float(), swiglu_limit))
+    h = _quantize_act(native.swiglu(gate_up.view(rows, n13)[kept].float(), swiglu_limit))
     down = torch.empty((groups, max_m, d), dtype=torch.bfloat16, device=x.device)
     gemm(_scatter_rows(*h, pair, dest, rows, groups), (w2, w2_scale.float()), down, masked_m, expected_m)
     contrib = down.view(rows, d)[kept].float() * weights.unsqueeze(-1)
