@@ -35,7 +35,7 @@ from deepinfer_core.ops.registry import (
 NVIDIA = "nvidia_sm100"
 #: the widths of DeepSeek-V4-Flash the adapters' predicates read (every one a width the libraries take)
 V4_FLASH = SimpleNamespace(num_attention_heads=64, head_dim=512, hidden_size=4096, moe_intermediate_size=2048,
-                           q_lora_rank=1024, o_groups=8, o_lora_rank=1024)
+                           q_lora_rank=1024, o_groups=8, o_lora_rank=1024, hc_mult=4)
 
 
 @pytest.fixture
@@ -200,8 +200,9 @@ def test_adapter_predicate_runs_its_self_check_once_and_follows_it(fake_hopper, 
     from deepinfer_nvidia_sm100 import external
 
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
-    monkeypatch.setenv(external.DEEPGEMM_MOE_ENV, "1")
-    monkeypatch.setenv(external.FLASH_MLA_BF16_ENV, "1")
+    monkeypatch.setattr(fake_hopper, "triton_usable", lambda device=None: (True, ""))  # the hc adapter's epilogue
+    for env in (external.DEEPGEMM_MOE_ENV, external.FLASH_MLA_BF16_ENV, external.DEEPGEMM_HC_ENV):
+        monkeypatch.setenv(env, "1")
     calls = []
     verdict = {"ok": False}
 
@@ -214,7 +215,8 @@ def test_adapter_predicate_runs_its_self_check_once_and_follows_it(fake_hopper, 
     failing = resolve_ops(registry, _ctx())
     assert failing.chosen["sparse_attention"].fn is not external.flash_mla_sparse_attention
     # once per op; the FP8 MoE stops at its first failing check (the masked layout's)
-    assert sorted(calls) == ["deep_gemm", "deep_gemm_fp8", "deep_gemm_moe_fp8", "flash_mla", "flash_mla_fp8"]
+    assert sorted(calls) == ["deep_gemm", "deep_gemm_fp8", "deep_gemm_hc", "deep_gemm_moe_fp8", "flash_mla",
+                             "flash_mla_fp8"]
 
     verdict["ok"] = True
     passing = resolve_ops(registry, _ctx())
@@ -232,8 +234,8 @@ def test_adapter_declines_widths_it_cannot_take_or_cannot_know(fake_hopper, monk
 
     monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
     monkeypatch.setattr(external, "_self_check", lambda check, device: (True, ""))
-    monkeypatch.setenv(external.DEEPGEMM_MOE_ENV, "1")
-    monkeypatch.setenv(external.FLASH_MLA_BF16_ENV, "1")
+    for env in (external.DEEPGEMM_MOE_ENV, external.FLASH_MLA_BF16_ENV, external.DEEPGEMM_HC_ENV):
+        monkeypatch.setenv(env, "1")
     registry = _nvidia_registry()
     assert resolve_ops(registry, _ctx()).chosen["linear_fp8"].fn is external.deep_gemm_linear_fp8
     tiny = SimpleNamespace(**{**vars(V4_FLASH), "hidden_size": 64, "num_attention_heads": 8})
@@ -266,6 +268,28 @@ def test_bf16_adapters_slower_than_triton_are_opt_in(op, env, fn, fake_hopper, m
     assert not ok and getattr(external, env) in reason
     monkeypatch.setenv(getattr(external, env), "1")
     assert resolve_ops(_nvidia_registry(), _ctx()).chosen[op].fn is getattr(external, fn)
+
+
+def test_deep_gemm_hc_adapter_is_opt_in_and_takes_only_the_widths_its_kernel_does(fake_hopper, monkeypatch):
+    from deepinfer_nvidia_sm100 import external
+
+    monkeypatch.setattr(fake_hopper, "library_feature", lambda module, attribute: True)
+    monkeypatch.setattr(fake_hopper, "triton_usable", lambda device=None: (True, ""))
+    monkeypatch.setattr(external, "_self_check", lambda check, device: (True, ""))
+    adapter = next(a for a in external.ADAPTERS if a.fn is external.deep_gemm_hc_pre)
+    v4 = SimpleNamespace(hc_mult=4, hidden_size=4096)
+    monkeypatch.delenv(external.DEEPGEMM_HC_ENV, raising=False)
+    ok, reason = adapter.usable(torch.device("cpu"), torch.bfloat16, v4, True)
+    assert not ok and external.DEEPGEMM_HC_ENV in reason
+    monkeypatch.setenv(external.DEEPGEMM_HC_ENV, "1")
+    assert adapter.usable(torch.device("cpu"), torch.bfloat16, v4, True) == (True, "")
+    for config in (SimpleNamespace(hc_mult=2, hidden_size=4096), SimpleNamespace(hc_mult=4, hidden_size=4001),
+                   SimpleNamespace(hc_mult=6, hidden_size=4096)):  # 8 mixes fit; 16004 columns and 48 mixes not
+        ok, reason = adapter.usable(torch.device("cpu"), torch.bfloat16, config, True)
+        assert ok == (config.hc_mult == 2), reason
+    assert not adapter.usable(torch.device("cpu"), torch.float32, v4, True)[0]
+    monkeypatch.setattr(fake_hopper, "triton_usable", lambda device=None: (False, "no triton"))
+    assert "Triton" in adapter.usable(torch.device("cpu"), torch.bfloat16, v4, True)[1]
 
 
 def test_self_check_is_cached_per_device():

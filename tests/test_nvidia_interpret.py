@@ -517,6 +517,33 @@ def _fake_fp8_gemm(a, b, d, m_indices=None):
             d[r] = (x[r] @ w.T).to(d.dtype)
 
 
+def _fake_hc_prenorm_gemm(a, b, d, sqr_sum, num_splits=None):
+    """DeepGEMM's ``tf32_hc_prenorm_gemm``: d = a . b^T and sqr_sum = the rows' squared sums, or with
+    ``num_splits`` each over its share of K (the caller sums the parts); float64 here."""
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
+    parts = 1 if num_splits is None else num_splits
+    assert a.shape[1] % (64 * parts) == 0 and (num_splits is None) == (d.dim() == 2)
+    for i, (x, w) in enumerate(zip(a.double().chunk(parts, dim=1), b.double().chunk(parts, dim=1))):
+        (d if num_splits is None else d[i]).copy_(x @ w.T)
+        (sqr_sum if num_splits is None else sqr_sum[i]).copy_(x.square().sum(-1))
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 4096])
+def test_deep_gemm_hc_mixing_gemm_splits_k_for_few_rows(m):
+    """At V4-Flash's mHC widths (4 streams x 4096, 24 mixes): the float32 mixes a . fn^T, split along K
+    into as many parts as fill an H200's SMs when the rows are few, summed."""
+    from deepinfer_nvidia_sm100 import external
+
+    g = torch.Generator().manual_seed(m)
+    a = torch.randn(m, 4 * 4096, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * 4096, generator=g) * 0.01
+    splits = external._hc_splits(m, a.shape[1])
+    assert splits == {1: 64, 7: 64, 64: 64, 300: 16, 4096: 2}[m]  # 256 K-tiles: a divisor of them
+    got = external.deep_gemm_hc_mixes_with(_fake_hc_prenorm_gemm, a, fn)
+    assert got.dtype == torch.float32 and got.shape == (m, 24)
+    torch.testing.assert_close(got.double(), a.double() @ fn.double().T, rtol=1e-5, atol=1e-5)
+
+
 def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeypatch):
     """Where the backend's Triton kernels run (a CUDA device), DeepGEMM's operands are quantised by the
     one-launch kernel, not by the torch function; elsewhere (here) by the torch function."""

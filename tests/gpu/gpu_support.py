@@ -11,7 +11,7 @@ BACKEND = "nvidia_sm100"
 TINY_MODELS = ("tiny", "tiny_hc4", "tiny_hc1")
 #: the V4-Flash widths the library adapters' predicates read
 V4_FLASH_WIDTHS = SimpleNamespace(num_attention_heads=64, head_dim=512, hidden_size=4096, moe_intermediate_size=2048,
-                                  q_lora_rank=1024, o_groups=8, o_lora_rank=1024)
+                                  q_lora_rank=1024, o_groups=8, o_lora_rank=1024, hc_mult=4)
 
 
 def nvidia_unavailable_reason() -> str | None:

@@ -1,5 +1,5 @@
 """The library adapters chosen only on request (slower than the Triton kernels at the shapes measured on
-an H200) against cpu_ref at the v4_flash preset, so that opting in stays correct. Skipped where the
+an H200, or not measured yet) against cpu_ref at the v4_flash preset, so that opting in stays correct. Skipped where the
 library is not installed or its self-check failed."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from deepinfer_core.testing import conformance as conf
 pytestmark = gpu_marks()
 
 OPT_INS = [("sparse_attention", "FLASH_MLA_BF16_ENV", "flash_mla_sparse_attention"),
-           ("moe_experts", "DEEPGEMM_MOE_ENV", "deep_gemm_moe_experts")]
+           ("moe_experts", "DEEPGEMM_MOE_ENV", "deep_gemm_moe_experts"),
+           ("hc_pre", "DEEPGEMM_HC_ENV", "deep_gemm_hc_pre")]
 
 
 @pytest.mark.parametrize("op, env, fn", OPT_INS, ids=[o[0] for o in OPT_INS])

@@ -521,6 +521,81 @@ def _moe_fp8_check_inputs(device: torch.device, tokens: int | None = None):
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+# --- DeepGEMM: the mHC mixing GEMM ---------------------------------------------------------------------
+
+HC_BLOCK_M, HC_BLOCK_K = 64, 64  # the sm90 kernel's tiles
+HC_MAX_MIXES = 32  # it takes N <= 32, a multiple of 8
+
+
+def _hc_splits(m: int, k: int, sms: int = 132) -> int:
+    """Split-K parts: about enough M-tile x split programs to fill the SMs, each split an equal share of at
+    least 4 K-tiles."""
+    tiles = k // HC_BLOCK_K
+    target = max(1, min(tiles // 4, sms // -(-m // HC_BLOCK_M)))
+    return max(d for d in range(1, target + 1) if tiles % d == 0)
+
+
+def deep_gemm_hc_mixes_with(gemm: Callable, a: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (bfloat16) . fn [N, K]^T in TF32 -> float32 [M, N], through a ``tf32_hc_prenorm_gemm``-like
+    callable ``gemm(a, b, d, sqr_sum, num_splits=...)``; split along K (the parts summed) when M is small."""
+    m, k = a.shape
+    b = fn.float().contiguous()
+    splits = _hc_splits(m, k)
+    if splits == 1:
+        d = torch.empty((m, b.shape[0]), dtype=torch.float32, device=a.device)
+        gemm(a, b, d, torch.empty(m, dtype=torch.float32, device=a.device))
+        return d
+    d = torch.empty((splits, m, b.shape[0]), dtype=torch.float32, device=a.device)
+    gemm(a, b, d, torch.empty((splits, m), dtype=torch.float32, device=a.device), num_splits=splits)
+    return d.sum(0)
+
+
+def deep_gemm_hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+    """``hc_pre`` with its mixing GEMM through ``deep_gemm.tf32_hc_prenorm_gemm`` (TF32, as DeepSeek's
+    kernels compute it), the RMS factor, Sinkhorn and collapse in the backend's Triton kernel."""
+    from deepinfer_nvidia_sm100 import hc_ops
+
+    tokens, n, d = streams.shape
+    a = streams.reshape(tokens, n * d)
+    mixes = deep_gemm_hc_mixes_with(_library("deep_gemm").tf32_hc_prenorm_gemm, a.contiguous(), fn) if tokens \
+        else torch.empty((0, fn.shape[0]), dtype=torch.float32, device=streams.device)
+    return hc_ops.hc_pre_from_mixes(streams, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def _deep_gemm_hc_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    device = capability.as_device(device)
+    cap = capability.device_capability(device)
+    if cap is None or cap < (9, 0):
+        return False, "needs a CUDA device of compute capability 9.0+"
+    if dtype is not None and dtype != torch.bfloat16:
+        return False, "bfloat16 only"
+    if model_config is None:
+        if self_check:
+            return False, _UNKNOWN_WIDTHS
+    else:
+        hc, hidden = getattr(model_config, "hc_mult", None), getattr(model_config, "hidden_size", None)
+        mixes = (2 + hc) * hc if hc else None
+        if not mixes or mixes > HC_MAX_MIXES or mixes % 8 or not hidden or (hc * hidden) % HC_BLOCK_K:
+            return False, (f"hc_mult {hc} x hidden {hidden}: tf32_hc_prenorm_gemm takes at most {HC_MAX_MIXES} "
+                           f"mixes (a multiple of 8) over a multiple of {HC_BLOCK_K} columns")
+    if not capability.library_feature("deep_gemm", "tf32_hc_prenorm_gemm"):
+        return False, "deep_gemm with tf32_hc_prenorm_gemm is not importable"
+    ok, reason = capability.triton_usable(device)
+    if not ok:
+        return False, f"its epilogue is the backend's Triton kernel: {reason}"
+    if self_check:
+        return _self_check("deep_gemm_hc", str(device))
+    return True, ""
+
+
+def _hc_check_inputs(device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    streams = torch.randn(5, 4, 512, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * 512, generator=g) * 0.02
+    base, scale = torch.randn(24, generator=g) * 0.1, torch.rand(3, generator=g) + 0.5
+    return streams.to(device), fn.to(device), base.to(device), scale.to(device), 20, 1e-6, 1e-6
+
+
 # --- self-check -------------------------------------------------------------------------------------
 
 #: check name -> (op, adapter, inputs)
@@ -532,7 +607,13 @@ _CHECKS: dict[str, tuple[str, Callable, Callable]] = {
     "deep_gemm_moe_fp8": ("moe_experts_fp8", deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),  # masked
     "deep_gemm_moe_fp8_contiguous": ("moe_experts_fp8", deep_gemm_moe_experts_fp8,
                                      functools.partial(_moe_fp8_check_inputs, tokens=MASKED_MAX_TOKENS + 7)),
+    "deep_gemm_hc": ("hc_pre", deep_gemm_hc_pre, _hc_check_inputs),
 }
+
+
+def _flat(out) -> torch.Tensor:
+    """An op's output (a tensor or a tuple of them) as one float64 vector on the CPU."""
+    return torch.cat([t.double().flatten().cpu() for t in (out if isinstance(out, tuple) else (out,))])
 
 
 @functools.cache
@@ -545,7 +626,7 @@ def _self_check(library: str, device: str) -> tuple[bool, str]:
         got = adapter(*args)
         want = native.NATIVE_OPS[op](*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
                                        and a.dtype != FP8_DTYPE else a for a in args])
-        got, want = got.double().cpu(), want.cpu()
+        got, want = _flat(got), _flat(want)
         if torch.isnan(got).any():
             raise AssertionError("NaN in the output")
         cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
@@ -567,9 +648,12 @@ DEEPGEMM_MOE_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_MOE"
 #: an H200 at V4-Flash widths it took 4096-token prefill from 63,851 to 42,804 tok/s and cost 2.4-11x the
 #: Triton kernel per decode call
 FLASH_MLA_BF16_ENV = "DEEPINFER_NVIDIA_FLASH_MLA_BF16"
+#: DeepGEMM's mHC mixing GEMM is opt-in until it is measured against the float32 GEMM it replaces
+DEEPGEMM_HC_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_HC"
 
 
-def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
+def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]],
+            why: str = "slower than the Triton kernel at the shapes measured"
             ) -> Callable[[Any, Any, Any, bool], tuple[bool, str]]:
     def opted_in(device, dtype, model_config, self_check) -> tuple[bool, str]:
         if os.environ.get(env, "") == "1":
@@ -577,7 +661,7 @@ def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]]
         probed = usable(device, dtype, model_config, False)
         if not probed[0]:
             return probed
-        return False, f"opt-in ({env}=1): slower than the Triton kernel at the shapes measured"
+        return False, f"opt-in ({env}=1): {why}"
 
     return opted_in
 
@@ -589,6 +673,8 @@ ADAPTERS = [
     Adapter("moe_experts", "deep_gemm", deep_gemm_moe_experts,
             _opt_in(DEEPGEMM_MOE_ENV, _deep_gemm_usable("m_grouped_bf16_gemm_nt_contiguous", "deep_gemm"))),
     Adapter("linear_fp8", "deep_gemm", deep_gemm_linear_fp8, _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
+    Adapter("hc_pre", "deep_gemm", deep_gemm_hc_pre,
+            _opt_in(DEEPGEMM_HC_ENV, _deep_gemm_hc_usable, "not measured against the float32 GEMM yet")),
     Adapter("moe_experts_fp8", "deep_gemm", deep_gemm_moe_experts_fp8,
             _deep_gemm_usable("m_grouped_fp8_gemm_nt_masked", "deep_gemm_moe_fp8",
                               ("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8_contiguous"))),

@@ -28,10 +28,12 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return a @ weight.T
 
 
-def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, mm=_matmul):
+def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, mm=_matmul, mixes=None):
     tokens, n, d = streams.shape
     streams = streams.contiguous()
-    mixes = mm(streams.reshape(tokens, n * d).float(), fn.float()).contiguous()
+    if mixes is None:
+        mixes = mm(streams.reshape(tokens, n * d).float(), fn.float())
+    mixes = mixes.contiguous()
     post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
     out = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
@@ -48,6 +50,11 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, mm=
 def hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, *, mm=_matmul):
     """``mm(a, weight)``: the mixing GEMM a . weight^T in float32 (batch-invariant mode passes its own)."""
     return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False, mm=mm)
+
+
+def hc_pre_from_mixes(streams, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+    """``hc_pre`` given its mixing GEMM's result (fn . flatten(streams), float32, not RMS-normalised)."""
+    return _collapse(streams, None, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False, mixes=mixes)
 
 
 def hc_head(streams, fn, base, scale, hc_eps, norm_eps, *, mm=_matmul):
