@@ -122,17 +122,24 @@ def flash_mla_sparse_attention(q, kv, indices, sinks, scale, extra_kv=None, extr
     return flash_mla_attention_with(fwd, q, kv, indices, sinks, scale, extra_kv, extra_indices)
 
 
-def _flash_mla_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
-    device = capability.as_device(device)
-    cap = capability.device_capability(device)
+def _declined(device, dtype, model_config, self_check) -> tuple[bool, str] | None:
+    """What every adapter's predicate declines: a device below compute capability 9.0, a model dtype other
+    than bfloat16, and, for a build that runs the self-check, unknown model widths."""
+    cap = capability.device_capability(capability.as_device(device))
     if cap is None or cap < (9, 0):
         return False, "needs a CUDA device of compute capability 9.0+"
     if dtype is not None and dtype != torch.bfloat16:
         return False, "bfloat16 only"
-    if model_config is None:
-        if self_check:
-            return False, _UNKNOWN_WIDTHS
-    else:
+    if model_config is None and self_check:
+        return False, _UNKNOWN_WIDTHS
+    return None
+
+
+def _flash_mla_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    if declined := _declined(device, dtype, model_config, self_check):
+        return declined
+    device = capability.as_device(device)
+    if model_config is not None:
         heads, head_dim = model_config.num_attention_heads, model_config.head_dim
         if heads not in FLASH_MLA_HEADS or head_dim != FLASH_MLA_HEAD_DIM:
             return False, f"{heads} heads x {head_dim}: FlashMLA takes {FLASH_MLA_HEADS} heads x 512"
@@ -477,16 +484,10 @@ def _deep_gemm_usable(feature: str, check: str, *more: tuple[str, str]
     pairs = [(feature, check), *more]
 
     def usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+        if declined := _declined(device, dtype, model_config, self_check):
+            return declined
         device = capability.as_device(device)
-        cap = capability.device_capability(device)
-        if cap is None or cap < (9, 0):
-            return False, "needs a CUDA device of compute capability 9.0+"
-        if dtype is not None and dtype != torch.bfloat16:
-            return False, "bfloat16 only"
-        if model_config is None:
-            if self_check:
-                return False, _UNKNOWN_WIDTHS
-        else:
+        if model_config is not None:
             dims = _gemm_dims(model_config, feature)
             if any(n % FP8_BLOCK for n in dims.values()):
                 return False, f"model widths {dims} are not all multiples of {FP8_BLOCK}"
@@ -563,16 +564,10 @@ def deep_gemm_hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
 
 def _deep_gemm_hc_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    if declined := _declined(device, dtype, model_config, self_check):
+        return declined
     device = capability.as_device(device)
-    cap = capability.device_capability(device)
-    if cap is None or cap < (9, 0):
-        return False, "needs a CUDA device of compute capability 9.0+"
-    if dtype is not None and dtype != torch.bfloat16:
-        return False, "bfloat16 only"
-    if model_config is None:
-        if self_check:
-            return False, _UNKNOWN_WIDTHS
-    else:
+    if model_config is not None:
         hc, hidden = getattr(model_config, "hc_mult", None), getattr(model_config, "hidden_size", None)
         mixes = (2 + hc) * hc if hc else None
         if not mixes or mixes > HC_MAX_MIXES or mixes % 8 or not hidden or (hc * hidden) % HC_BLOCK_K:
