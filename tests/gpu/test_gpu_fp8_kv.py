@@ -121,17 +121,24 @@ def test_fp8_attention_captures_in_a_cuda_graph(device):
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    new = decode_case(64, 2, device)
-    for buf, value in zip((q, wpool, widx, sinks, cpool, cidx), (new[0], new[1], new[2], new[3], new[7], new[8])):
-        buf.copy_(value)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = _capture_then_replay_on(step, args, decode_case(64, 2, device))
     again = step()
     assert torch.equal(captured, again)
     assert not torch.equal(captured, eager)
+
+
+def _capture_then_replay_on(step, args, new):
+    """``step`` captured in a CUDA graph over the tensors of the decode case ``args``, then replayed after
+    the case ``new`` is copied into them; returns the graph's output."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for buf, value in zip(args, new):
+        if isinstance(buf, torch.Tensor):
+            buf.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured
 
 
 def _flash_mla_fp8(device):
@@ -169,12 +176,6 @@ def test_flash_mla_fp8_decode_captures_in_a_cuda_graph(device):
     step = lambda: attend(q, wpool, widx, sinks, scale, rope, rope_dtype, cpool, cidx)  # noqa: E731
     step()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
     new = decode_case(16, 4, device)
-    for buf, value in zip((q, wpool, widx, sinks, cpool, cidx), (new[0], new[1], new[2], new[3], new[7], new[8])):
-        buf.copy_(value)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = _capture_then_replay_on(step, args, new)
     assert _row_error(captured, attend(*new)) <= 1e-3  # the new step's attention, from the same buffers
