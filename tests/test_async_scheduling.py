@@ -42,9 +42,9 @@ def counted(llm):
         engine.counts["overlapped" if ok else "drained"] += 1
         return ok
 
-    def _finish(launched, touched):
+    def _finish(launched, touched, *rest):
         engine.counts["dropped"] += sum(s.finish_reason is not None for s in launched.sampled)
-        finish(launched, touched)
+        finish(launched, touched, *rest)
 
     engine._can_overlap, engine._finish = _can_overlap, _finish
     return llm

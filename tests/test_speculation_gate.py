@@ -215,6 +215,27 @@ def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():
         SpeculationGate(probe_steps=2, settle_steps=2)
 
 
+def test_a_step_with_nothing_launched_after_it_is_timed_from_its_launch():
+    """An async engine's last step before a drain finishes moments after the previous finish: the time
+    since that finish would be a fraction of a step, and its rate many times the real one."""
+    gate = SpeculationGate(settle_steps=0, probe_steps=4)
+    gate.observe(False, 4, 4, 0.0, 1.0)
+    gate.observe(False, 4, 4, 0.5, 2.0)  # launched before the previous finish: timed from that finish
+    assert gate.buckets[4].rate(False) == pytest.approx(4.0)
+    gate.observe(False, 4, 4, 1.5, 2.01, pipelined=False)
+    assert gate.buckets[4].rate(False) == pytest.approx(0.7 * 4 + 0.3 * 4 / 0.51)
+
+
+def test_async_engine_tells_the_gate_which_steps_had_a_later_one_launched(tiny_path, make_async):
+    llm = make_async(tiny_path("tiny"), dtype="float64", max_num_seqs=4, **spec(2, "confidence"))
+    gate, seen = llm.llm_engine.drafts.gate, []
+    observe = gate.observe
+    gate.observe = lambda *a, pipelined=True, **kw: seen.append(pipelined) or observe(*a, pipelined=pipelined, **kw)
+    run_tokens(llm, [make_prompt(6, seed=i) for i in range(2)], greedy(12))
+    assert seen[-1] is False  # the last step: nothing launched after it
+    assert seen.count(True) >= len(seen) // 2
+
+
 def alternate_modes(llm, pattern: list[bool]) -> list[bool]:
     """Make the engine's gate follow ``pattern`` (cycled); returns the modes it ran, in order."""
     gate, ran = llm.llm_engine.drafts.gate, []
@@ -235,8 +256,8 @@ def test_speculative_steps_after_plain_ones_are_stale_for_a_window(tiny_path, ma
     gate, seen = llm.llm_engine.drafts.gate, []
     window = llm.llm_engine.drafts.window
     observe = gate.observe
-    gate.observe = lambda speculated, *a, fresh=True: seen.append((speculated, fresh)) or observe(speculated, *a,
-                                                                                                   fresh=fresh)
+    gate.observe = lambda speculated, *a, fresh=True, **kw: seen.append((speculated, fresh)) or observe(
+        speculated, *a, fresh=fresh, **kw)
     prompt = make_prompt(5, 0)
     run_tokens(llm, [prompt], greedy(3 + window + 12))
     spec_steps = [fresh for speculated, fresh in seen if speculated]

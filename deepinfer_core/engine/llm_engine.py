@@ -316,7 +316,7 @@ class LLMEngine:
             except Exception as exc:
                 self._fail([seq for seq, _ in scheduled], exc, touched)
         if prev is not None:
-            self._finish_or_fail(prev, touched)
+            self._finish_or_fail(prev, touched, pipelined=launched is not None)
         if launched is not None:
             for seq, _ in launched.scheduled:
                 if not seq.is_finished:
@@ -421,14 +421,15 @@ class LLMEngine:
         return _Step(scheduled, to_sample, positions, output if to_sample else None,
                      sum(n for _, n in scheduled), started, num_drafts, so.speculate)
 
-    def _finish_or_fail(self, launched: _Step, touched: dict[str, Request]) -> None:
+    def _finish_or_fail(self, launched: _Step, touched: dict[str, Request], pipelined: bool = False) -> None:
         try:
-            self._finish(launched, touched)
+            self._finish(launched, touched, pipelined)
         except Exception as exc:
             self._fail(launched.sampled, exc, touched)
 
-    def _finish(self, launched: _Step, touched: dict[str, Request]) -> None:
-        """Post-process a launched step: put its tokens in place of the placeholders, check stops."""
+    def _finish(self, launched: _Step, touched: dict[str, Request], pipelined: bool = False) -> None:
+        """Post-process a launched step: put its tokens in place of the placeholders, check stops;
+        ``pipelined``: a later step was launched before it."""
         if launched.output is None:
             return
         out = launched.output.get_output()
@@ -467,7 +468,7 @@ class LLMEngine:
             decode = len(launched.scheduled) == len(launched.sampled) and (
                 launched.num_tokens == len(launched.sampled) + sum(launched.num_drafts or []))
             self.drafts.observe_output(launched.speculate, len(launched.sampled) if decode else None, emitted,
-                                       launched.started, time.perf_counter(), launched.sampled)
+                                       launched.started, time.perf_counter(), launched.sampled, pipelined)
 
     def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
         """End ``seqs`` with an error after an exception in their step; the other requests go on."""

@@ -110,16 +110,17 @@ class DraftPlanner:
             self.confidence.observe_step(num_tokens, seconds)
 
     def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,
-                       now: float, seqs: list[Sequence] = ()) -> None:
+                       now: float, seqs: list[Sequence] = (), pipelined: bool = True) -> None:
         """A finished step's output tokens for the gate; ``num_decoding`` None: not an all-decode step;
-        ``seqs``: its sequences (a speculative step is fresh when none drafted from rows a plain step left)."""
+        ``seqs``: its sequences (a speculative step is fresh when none drafted from rows a plain step left);
+        ``pipelined``: a later step was launched before it finished."""
         if self.gate is None:
             return
         if num_decoding is None:
             self.gate.interrupt()
         else:
             fresh = not speculated or all(len(seq) >= seq.mtp_stale_until for seq in seqs)
-            self.gate.observe(speculated, num_decoding, num_tokens, started, now, fresh=fresh)
+            self.gate.observe(speculated, num_decoding, num_tokens, started, now, fresh=fresh, pipelined=pipelined)
 
     def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager,
                verified: int | None = None, reserved: int = 0) -> None:

@@ -164,17 +164,20 @@ class SpeculationGate:
         return done or b.steps >= b.next_probe + self.probe_steps + self.max_stale_steps
 
     def observe(self, speculated: bool, num_decoding: int, num_tokens: int, started: float, now: float,
-                fresh: bool = True) -> None:
+                fresh: bool = True, pipelined: bool = True) -> None:
         """A finished all-decode step: its mode, sequences and output tokens, when it was launched and when
-        it finished, and (speculative) whether every sequence drafted from MTP rows it had written. Its
-        time is from the later of its launch and the previous step's finish (steps in flight together
-        overlap; an idle engine's wait is no step's)."""
+        it finished, (speculative) whether every sequence drafted from MTP rows it had written, and
+        whether a later step was launched before it finished. Its time is from the later of its launch
+        and the previous step's finish (steps in flight together overlap; an idle engine's wait is no
+        step's); from its launch where nothing was launched after it (the last step before a switch of
+        mode, a prefill or an idle engine: the time since the previous finish held no later step's launch,
+        and would be a fraction of a step)."""
         run = (speculated, bucket(num_decoding))
         if run != self._run:
             self._run, self._run_length = run, 0
         self._run_length += 1
         last, self._last_finish = self._last_finish, now
-        begin = started if last is None else max(last, started)
+        begin = started if last is None or not pipelined else max(last, started)
         if self._run_length <= self.settle_steps or now <= begin or not num_decoding:
             return
         b = self.buckets.setdefault(run[1], _Bucket())
