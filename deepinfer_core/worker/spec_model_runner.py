@@ -164,7 +164,11 @@ class SpecDecodeModelRunner(ModelRunner):
             verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled)
         elif undo is not None:
             undo.restore(fillers)
-        self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified))
+        # the window blocks as the step saw them: once it ends, the engine releases those the next query
+        # cannot see, which the drafter's query at the step's first position may still see
+        windows = [list(s.window_block_table) for s in so.scheduled]
+        self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified,
+                                                        windows))
         return self._pending
 
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
@@ -208,8 +212,9 @@ class SpecDecodeModelRunner(ModelRunner):
                                    token_ids=[state.output_token_ids[-1]] + drafts[:n])
 
     def _complete(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], plain: list,
-                  plain_out, verifies: list[_Verify], verified) -> ModelRunnerOutput:
-        """The second half of a step: the new tokens on the host, drafting, the output."""
+                  plain_out, verifies: list[_Verify], verified, windows: list[list[int]]) -> ModelRunnerOutput:
+        """The second half of a step: the new tokens on the host, drafting (``windows``: the spans' window
+        block tables at launch), the output."""
         new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
         if verifies:
             tokens, counts = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
@@ -223,7 +228,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 new_tokens[i], logprobs[i] = [token], lp
                 if plain_out.dead_ends is not None:
                     dead_ends[i] = plain_out.dead_ends[j]
-        out = self._draft(so, streams, starts, new_tokens, logprobs, dead_ends)
+        out = self._draft(so, streams, starts, new_tokens, logprobs, dead_ends, windows)
         for seq_id, tokens, drafts in zip(out.seq_ids, out.new_token_ids or [], out.draft_token_ids or []):
             self._accepted[seq_id], self._drafts[seq_id] = len(tokens) - 1, list(drafts)
         return out
@@ -281,7 +286,7 @@ class SpecDecodeModelRunner(ModelRunner):
         return torch.softmax(scaled, dim=-1)
 
     def _draft(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], new_tokens: dict[int, list[int]],
-               logprobs: dict, dead_ends: dict) -> ModelRunnerOutput:
+               logprobs: dict, dead_ends: dict, windows: list[list[int]]) -> ModelRunnerOutput:
         """Record the new tokens, catch the MTP block up and draft; the step's output."""
         spans, drafting = [], []
         for i, s in enumerate(so.scheduled):
@@ -296,7 +301,7 @@ class SpecDecodeModelRunner(ModelRunner):
             state = self.requests[s.seq_id]
             wants = s.sample and can_speculate(state.params)
             spans.append(DraftSpan(s.start, list(range(starts[i], starts[i] + len(nxt))), nxt, s.block_table,
-                                   s.window_block_table, wants))
+                                   windows[i], wants))
             if wants:
                 drafting.append(i)
         proposal = self.proposer.propose(spans, streams)
