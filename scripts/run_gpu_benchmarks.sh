@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The NVIDIA issues' benchmarks on one CUDA GPU, each step under its own time limit, logs kept.
+#
+#   bash scripts/run_gpu_benchmarks.sh OUT_DIR
+#
+# Steps (each writes OUT_DIR/<step>.log and its JSON; OUT_DIR/summary.txt lists each step's exit status,
+# 124 where its limit cut it short):
+#   fp8_sweep     deepinfer bench --mode sweep, the library set found here (flash_mla+deep_gemm when both
+#                 import, else none), bf16 and block FP8, decode at batch 1 and 64, a 4096-token prefill chunk
+#   bench_fp8     FP8 GEMM and grouped-MoE kernel times at V4-Flash shapes against bf16 (M = 1, 64, 4096)
+#   bench_hc      hc_pre's mixing GEMM, float32 against DeepGEMM's TF32 one
+#   spec_sync     speculation off / k=3 / confidence k=3 on the trained model, batch 1 and 64, 256 tokens
+#   spec_async    the same with async scheduling
+#   profile_spec  where a k=3 speculative step's host time goes at batch 1
+#   profile_fp8   the kernel breakdown of an FP8 decode step at batch 64
+# Environment: PYTHON (default python3), GPU_BENCH_STEPS (the steps to run, in order; default all of the
+# above), GPU_BENCH_LIMIT (seconds per step, default 200; a cold DeepGEMM JIT cache makes the first
+# library step slow).
+
+set -u -o pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUT_DIR" >&2
+    exit 2
+fi
+OUT="$1"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+LIMIT="${GPU_BENCH_LIMIT:-200}"
+STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_fp8}"
+export PYTHONUNBUFFERED=1
+: > "$OUT/summary.txt"
+
+if ! "$PY" -c "from importlib.metadata import entry_points as e; \
+raise SystemExit(0 if 'nvidia_sm100' in {x.name for x in e(group='deepinfer.backends')} else 1)"; then
+    "$PY" -m pip install --no-deps --no-build-isolation --no-index \
+        -e . -e backends/cpu_ref -e backends/nvidia_sm100 > "$OUT/install.log" 2>&1 || {
+        echo "installing deepinfer failed, see $OUT/install.log" >&2
+        exit 1
+    }
+fi
+if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
+SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
+      --batch-sizes 1,64 --max-tokens 256 --repeats 3)
+
+run() {  # run STEP COMMAND...
+    local step="$1"
+    shift
+    timeout "$LIMIT" "$@" > "$OUT/$step.log" 2>&1
+    echo "$step: exit $?" | tee -a "$OUT/summary.txt"
+}
+
+for step in $STEPS; do
+    case "$step" in
+        fp8_sweep) run "$step" "$PY" -m deepinfer_core.entrypoints.cli bench --mode sweep --backend nvidia_sm100 \
+                       --libraries "$LIBS" --configs graphs+async --batch-sizes 1,64 --gen-len 16 --warmup-steps 4 \
+                       --chunk-sizes 4096 --no-hf --fp8 --out "$OUT/fp8_sweep" ;;
+        bench_fp8) run "$step" "$PY" benchmarks/bench_fp8.py --skip-accuracy --batches 1,64,4096 \
+                       --out "$OUT/bench_fp8.json" ;;
+        bench_hc) run "$step" "$PY" benchmarks/bench_hc.py --out "$OUT/bench_hc.json" ;;
+        spec_sync) run "$step" "$PY" "${SPEC[@]}" --json-out "$OUT/spec_sync.json" ;;
+        spec_async) run "$step" "$PY" "${SPEC[@]}" --async-scheduling --json-out "$OUT/spec_async.json" ;;
+        profile_spec) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
+                          --ks 3 --batch-sizes 1 --json-out "$OUT/profile_spec.json" ;;
+        profile_fp8) run "$step" "$PY" benchmarks/profile_decode.py --fp8 --batch 64 --out "$OUT/profile_fp8" ;;
+        *) echo "unknown step $step" | tee -a "$OUT/summary.txt" ;;
+    esac
+done
+echo "logs in $OUT"
