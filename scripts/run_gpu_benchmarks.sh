@@ -19,28 +19,12 @@
 
 set -u -o pipefail
 
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUT_DIR" >&2
-    exit 2
-fi
-OUT="$1"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
+# shellcheck source=scripts/gpu_setup.sh
+source "$(dirname "$0")/gpu_setup.sh" "$@"
+OUT="$OUT_DIR"
 LIMIT="${GPU_BENCH_LIMIT:-200}"
 STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_fp8}"
-export PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
-
-if ! "$PY" -c "from importlib.metadata import entry_points as e; \
-raise SystemExit(0 if 'nvidia_sm100' in {x.name for x in e(group='deepinfer.backends')} else 1)"; then
-    "$PY" -m pip install --no-deps --no-build-isolation --no-index \
-        -e . -e backends/cpu_ref -e backends/nvidia_sm100 > "$OUT/install.log" 2>&1 || {
-        echo "installing deepinfer failed, see $OUT/install.log" >&2
-        exit 1
-    }
-fi
 if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
 SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
       --batch-sizes 1,64 --max-tokens 256 --repeats 3)

@@ -17,26 +17,9 @@
 
 set -u -o pipefail
 
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUT_DIR" >&2
-    exit 2
-fi
-OUT_DIR="$1"
-mkdir -p "$OUT_DIR"
-OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
+# shellcheck source=scripts/gpu_setup.sh
+source "$(dirname "$0")/gpu_setup.sh" "$@"
 read -r -a EXTRA <<< "${SWEEP_ARGS:-}"
-export PYTHONUNBUFFERED=1
-
-if ! "$PY" -c "from importlib.metadata import entry_points as e; \
-raise SystemExit(0 if 'nvidia_sm100' in {x.name for x in e(group='deepinfer.backends')} else 1)"; then
-    "$PY" -m pip install --no-deps --no-build-isolation --no-index \
-        -e . -e backends/cpu_ref -e backends/nvidia_sm100 > "$OUT_DIR/install.log" 2>&1 || {
-        echo "installing deepinfer failed, see $OUT_DIR/install.log" >&2
-        exit 1
-    }
-fi
 
 {
     echo "== date"; date -u
