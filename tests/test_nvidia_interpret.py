@@ -658,24 +658,32 @@ def test_deep_gemm_masked_fp8_moe_with_repeated_experts_matches_the_reference(re
     assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()
 
 
-def test_deep_gemm_fp8_moe_takes_the_masked_layout_for_decode_sizes(monkeypatch, reference):
+@pytest.mark.parametrize("contiguous", [False, True], ids=["triton-above", "contiguous-above"])
+def test_deep_gemm_fp8_moe_takes_the_masked_layout_for_decode_sizes(monkeypatch, reference, contiguous):
+    """Up to MASKED_MAX_TOKENS tokens the masked GEMM; above, the Triton FP8 MoE unless DeepGEMM's contiguous
+    GEMM is opted in."""
     from types import SimpleNamespace
 
-    from deepinfer_nvidia_sm100 import external
+    from deepinfer_nvidia_sm100 import external, fp8_ops
 
     calls = []
     masked = lambda *a, **kw: calls.append("masked") or _fake_masked_fp8_gemm(*a, **kw)  # noqa: E731
-    contiguous = lambda *a: calls.append("contiguous") or _fake_fp8_gemm(*a)  # noqa: E731
+    contiguous_gemm = lambda *a: calls.append("contiguous") or _fake_fp8_gemm(*a)  # noqa: E731
+    triton = lambda *a: calls.extend(["triton"] * 2) or reference.moe_experts_fp8(*a)  # noqa: E731
     monkeypatch.setattr(external, "_masked_fp8_gemm", lambda: masked)
-    monkeypatch.setattr(external, "_library", lambda name: SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=contiguous))
+    monkeypatch.setattr(external, "_library",
+                        lambda name: SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=contiguous_gemm))
     monkeypatch.setattr(external, "_deep_gemm_alignment", lambda: 8)
+    monkeypatch.setattr(external, "_contiguous_fp8_moe", lambda: contiguous)
+    monkeypatch.setattr(fp8_ops, "moe_experts_fp8", triton)
+    above = "contiguous" if contiguous else "triton"
     for tokens in (external.MASKED_MAX_TOKENS, external.MASKED_MAX_TOKENS + 1):
         calls.clear()
         args = external._moe_fp8_check_inputs(torch.device("cpu"), tokens=tokens)
         got = external.deep_gemm_moe_experts_fp8(*args)
         want = reference.moe_experts_fp8(*[a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
                                            else a for a in args])
-        assert calls == ["masked" if tokens <= external.MASKED_MAX_TOKENS else "contiguous"] * 2
+        assert calls == ["masked" if tokens <= external.MASKED_MAX_TOKENS else above] * 2
         assert got.shape == (tokens, args[0].shape[1])
         assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()  # the self-check's inputs, bf16 out
 

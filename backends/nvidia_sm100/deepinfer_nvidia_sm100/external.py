@@ -16,7 +16,8 @@ with the core's native body.
 * DeepGEMM ``fp8_gemm_nt((a, sfa), (b, sfb), d)`` (a [M, K] E4M3 with float32 scales [M, ceil(K/128)],
   b [N, K] E4M3 with [ceil(N/128), ceil(K/128)], d [M, N] bfloat16) serves ``linear_fp8`` and
   ``m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, m_indices)`` (b [G, N, K] with scales
-  [G, ceil(N/128), ceil(K/128)]) serves ``moe_experts_fp8`` above :data:`MASKED_MAX_TOKENS` tokens,
+  [G, ceil(N/128), ceil(K/128)]) serves ``moe_experts_fp8`` above :data:`MASKED_MAX_TOKENS` tokens when
+  opted in (the backend's Triton FP8 MoE does otherwise),
   ``m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)`` (a [G, M, K], d [G, M, N],
   ``masked_m[g]`` rows of group g computed) up to it, all in bfloat16 with K a multiple of 128.
   Activations are quantised here with the catalogue's recipe; the library's bfloat16 output rounds
@@ -451,14 +452,26 @@ def deep_gemm_linear_fp8(x, weight, weight_scale):
 
 def deep_gemm_moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit):
     """``moe_experts_fp8`` through ``deep_gemm.m_grouped_fp8_gemm_nt_masked`` up to
-    :data:`MASKED_MAX_TOKENS` tokens, ``m_grouped_fp8_gemm_nt_contiguous`` above (bfloat16)."""
+    :data:`MASKED_MAX_TOKENS` tokens; above, the backend's Triton FP8 MoE, or
+    ``m_grouped_fp8_gemm_nt_contiguous`` when :data:`DEEPGEMM_CONTIGUOUS_MOE_ENV` opts in (bfloat16)."""
     if x.numel() == 0:
         return torch.zeros_like(x)
     args = (x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
     if x.shape[0] <= MASKED_MAX_TOKENS:
         return deep_gemm_moe_fp8_masked_with(_masked_fp8_gemm(), *args)
+    if not _contiguous_fp8_moe():
+        from deepinfer_nvidia_sm100 import fp8_ops
+
+        return fp8_ops.moe_experts_fp8(*args)
     return deep_gemm_moe_fp8_with(_library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(),
                                   *args)
+
+
+@functools.cache
+def _contiguous_fp8_moe() -> bool:
+    """Whether FP8 MoE calls above :data:`MASKED_MAX_TOKENS` tokens take DeepGEMM's contiguous GEMM (asked
+    once)."""
+    return os.environ.get(DEEPGEMM_CONTIGUOUS_MOE_ENV, "") == "1"
 
 
 @functools.cache
@@ -643,6 +656,10 @@ DEEPGEMM_MOE_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_MOE"
 #: an H200 at V4-Flash widths it took 4096-token prefill from 63,851 to 42,804 tok/s and cost 2.4-11x the
 #: Triton kernel per decode call
 FLASH_MLA_BF16_ENV = "DEEPINFER_NVIDIA_FLASH_MLA_BF16"
+#: DeepGEMM's contiguous FP8 MoE (calls above MASKED_MAX_TOKENS tokens) is opt-in: it pads each of 256
+#: experts to 128 rows, and on an H200 at V4-Flash widths it took 10.0 ms at 4096 tokens against the Triton
+#: FP8 MoE's 5.3 ms (and the bfloat16 MoE's 7.1 ms); without it those calls go to the Triton kernel
+DEEPGEMM_CONTIGUOUS_MOE_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_CONTIGUOUS_MOE"
 #: DeepGEMM's mHC mixing GEMM is opt-in until it is measured against the float32 GEMM it replaces
 DEEPGEMM_HC_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_HC"
 
@@ -661,6 +678,21 @@ def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]],
     return opted_in
 
 
+def _deep_gemm_moe_fp8_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
+    """The masked GEMM's check; above MASKED_MAX_TOKENS tokens the contiguous GEMM's when it is opted in, the
+    Triton FP8 MoE's availability otherwise."""
+    if _contiguous_fp8_moe():
+        return _deep_gemm_usable("m_grouped_fp8_gemm_nt_masked", "deep_gemm_moe_fp8",
+                                 ("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8_contiguous")
+                                 )(device, dtype, model_config, self_check)
+    ok, reason = _deep_gemm_usable("m_grouped_fp8_gemm_nt_masked", "deep_gemm_moe_fp8")(
+        device, dtype, model_config, self_check)
+    if ok:
+        ok, why = capability.triton_usable(capability.as_device(device))
+        reason = "" if ok else f"calls above {MASKED_MAX_TOKENS} tokens go to the Triton FP8 MoE: {why}"
+    return ok, reason
+
+
 ADAPTERS = [
     Adapter("sparse_attention", "flash_mla", flash_mla_sparse_attention,
             _opt_in(FLASH_MLA_BF16_ENV, _flash_mla_usable)),
@@ -670,7 +702,5 @@ ADAPTERS = [
     Adapter("linear_fp8", "deep_gemm", deep_gemm_linear_fp8, _deep_gemm_usable("fp8_gemm_nt", "deep_gemm_fp8")),
     Adapter("hc_pre", "deep_gemm", deep_gemm_hc_pre,
             _opt_in(DEEPGEMM_HC_ENV, _deep_gemm_hc_usable, "not measured against the float32 GEMM yet")),
-    Adapter("moe_experts_fp8", "deep_gemm", deep_gemm_moe_experts_fp8,
-            _deep_gemm_usable("m_grouped_fp8_gemm_nt_masked", "deep_gemm_moe_fp8",
-                              ("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8_contiguous"))),
+    Adapter("moe_experts_fp8", "deep_gemm", deep_gemm_moe_experts_fp8, _deep_gemm_moe_fp8_usable),
 ]
