@@ -103,16 +103,35 @@ def cuda_time_ms(fn, warmup: int, iters: int, reps: int = 10) -> float:
 
 
 def deep_gemm_impls(device: torch.device) -> dict[str, object]:
-    """op -> DeepGEMM's FP8 adapter, for the ops whose adapter is usable here (importable, self-check passed)."""
+    """op -> DeepGEMM's FP8 adapter, for the ops whose adapter is usable here (importable, self-check passed);
+    ``moe_experts_fp8_contiguous``: its contiguous grouped GEMM, which the adapter takes above
+    ``MASKED_MAX_TOKENS`` tokens only when opted in, when that passes its self-check."""
     from deepinfer_nvidia_sm100 import external
 
-    return {a.op: a.fn for a in external.ADAPTERS
-            if a.library == "deep_gemm" and a.op in ("linear_fp8", "moe_experts_fp8")
-            and a.usable(device, torch.bfloat16, V4_FLASH_WIDTHS, True)[0]}
+    impls = {a.op: a.fn for a in external.ADAPTERS
+             if a.library == "deep_gemm" and a.op in ("linear_fp8", "moe_experts_fp8")
+             and a.usable(device, torch.bfloat16, V4_FLASH_WIDTHS, True)[0]}
+    if "moe_experts_fp8" in impls and external._self_check("deep_gemm_moe_fp8_contiguous", str(device))[0]:
+        impls["moe_experts_fp8_contiguous"] = partial(
+            external.deep_gemm_moe_fp8_with, external._library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous,
+            external._deep_gemm_alignment())
+    return impls
+
+
+HEADER = (f"{'kernel':22s} {'N':>6s} {'K':>6s} {'M':>5s} {'bf16 us':>9s} {'fp8 us':>9s} {'speedup':>8s} "
+          f"{'deep_gemm us':>12s} {'speedup':>8s}")
+
+
+def print_row(r: dict) -> None:
+    lib = r["deep_gemm_ms"]
+    lib_cols = f"{1e3 * lib:12.1f} {r['bf16_ms'] / lib:8.2f}" if lib else f"{'-':>12s} {'-':>8s}"
+    print(f"{r['kernel']:22s} {r['N']:6d} {r['K']:6d} {r['M']:5d} {1e3 * r['bf16_ms']:9.1f} "
+          f"{1e3 * r['fp8_ms']:9.1f} {r['bf16_ms'] / r['fp8_ms']:8.2f} {lib_cols}", flush=True)
 
 
 def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: int) -> list[dict]:
-    from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
+    """Rows of kernel times, each printed as it is measured."""
+    from deepinfer_nvidia_sm100 import external, fp8_ops, triton_ops
 
     from deepinfer_core.ops import native
 
@@ -129,6 +148,7 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
             lib = library.get("linear_fp8")
             rows.append({"kernel": f"linear {name}", "N": n, "K": k, "M": m, "bf16_ms": bf16, "fp8_ms": fp8,
                          "deep_gemm_ms": cuda_time_ms(partial(lib, x, q, s), warmup, iters) if lib else None})
+            print_row(rows[-1])
     experts, top_k, d, inter = 256, 6, 4096, 2048
     w13 = torch.randn(experts, 2 * inter, d, device=device, generator=g, dtype=torch.bfloat16) * d**-0.5
     q13, s13 = torch.empty_like(w13, dtype=torch.float8_e4m3fn), torch.empty(experts, 32, 32, device=device)
@@ -145,9 +165,12 @@ def kernels(device: torch.device, batches: tuple[int, ...], warmup: int, iters: 
         bf16 = cuda_time_ms(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), warmup, iters)
         fp8_args = (x, q13, s13, q2, s2, ids, weights, 10.0)
         fp8 = cuda_time_ms(partial(fp8_ops.moe_experts_fp8, *fp8_args), warmup, iters)
-        lib = library.get("moe_experts_fp8")
+        contiguous = m > external.MASKED_MAX_TOKENS
+        lib = library.get("moe_experts_fp8_contiguous" if contiguous else "moe_experts_fp8")
         rows.append({"kernel": "moe 256x top6", "N": 2 * inter, "K": d, "M": m, "bf16_ms": bf16, "fp8_ms": fp8,
-                     "deep_gemm_ms": cuda_time_ms(partial(lib, *fp8_args), warmup, iters) if lib else None})
+                     "deep_gemm_ms": cuda_time_ms(partial(lib, *fp8_args), warmup, iters) if lib else None,
+                     "deep_gemm_gemm": "contiguous" if contiguous else "masked"})
+        print_row(rows[-1])
     return rows
 
 
@@ -173,15 +196,8 @@ def main() -> None:
               f"{acc['identical_completions']}/{len(PROMPTS)}")
     if cuda and not args.skip_kernels:
         batches = tuple(int(b) for b in args.batches.split(","))
-        rows = kernels(torch.device("cuda"), batches, args.warmup, args.iters)
-        result["kernels"] = rows
-        print(f"{'kernel':22s} {'N':>6s} {'K':>6s} {'M':>5s} {'bf16 us':>9s} {'fp8 us':>9s} {'speedup':>8s} "
-              f"{'deep_gemm us':>12s} {'speedup':>8s}")
-        for r in rows:
-            lib = r["deep_gemm_ms"]
-            lib_cols = f"{1e3 * lib:12.1f} {r['bf16_ms'] / lib:8.2f}" if lib else f"{'-':>12s} {'-':>8s}"
-            print(f"{r['kernel']:22s} {r['N']:6d} {r['K']:6d} {r['M']:5d} {1e3 * r['bf16_ms']:9.1f} "
-                  f"{1e3 * r['fp8_ms']:9.1f} {r['bf16_ms'] / r['fp8_ms']:8.2f} {lib_cols}")
+        print(HEADER, flush=True)
+        result["kernels"] = kernels(torch.device("cuda"), batches, args.warmup, args.iters)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
