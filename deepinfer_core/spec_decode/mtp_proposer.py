@@ -111,24 +111,22 @@ class MtpProposer:
         return (self.graphs.size_for(len(spans)) is not None
                 and all(s.draft and 1 <= len(s.next_ids) <= self.k + 1 for s in spans))
 
+    def catch_up_span(self, start: int, rows: list[int], block_table: list[int], window_block_table: list[int]
+                      ) -> tuple[SeqSpan, list[int]]:
+        """A padded catch-up's span of ``k + 1`` positions from ``start`` (its tables reaching ``k`` positions
+        past its last) and the target streams' row of each position: ``rows``, its last one repeated."""
+        q = self.k + 1
+        table, window = pad_tables(block_table, window_block_table, start + q - 1 + self.k, self.cache.block_size)
+        return SeqSpan(start, q, table, window, -1), rows + [rows[-1]] * (q - len(rows))
+
     def _propose_padded(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
         """The catch-up padded to k + 1 positions per span and the draft steps, through ``self.graphs``."""
-        q = self.k + 1
-        catch, ids, rows, last = [], [], [], []
-        for i, span in enumerate(spans):
-            n = len(span.next_ids)
-            table, window = self._tables(span, span.start + q - 1 + self.k)
-            catch.append(SeqSpan(span.start, q, table, window, -1))
-            ids += span.next_ids + [0] * (q - n)
-            rows += span.rows + [span.rows[-1]] * (q - n)
-            last.append(i * q + n - 1)
-        steps = []
-        for j in range(self.k - 1):
-            step = []
-            for span in spans:
-                p = span.start + len(span.next_ids) + j
-                table, window = self._tables(span, p)
-                step.append(SeqSpan(p, 1, table, window, -1))
-            steps.append(step)
-        drafts, confidences = self.graphs.propose(catch, ids, last, steps, streams, rows)
-        return Proposal(drafts, confidences)
+        catch, ids, rows, accepted = [], [], [], []
+        for span in spans:
+            seq_span, span_rows = self.catch_up_span(span.start, span.rows, span.block_table, span.window_block_table)
+            catch.append(seq_span)
+            rows += span_rows
+            ids += span.next_ids + [0] * (self.k + 1 - len(span.next_ids))
+            accepted.append(len(span.next_ids) - 1)
+        drafts, confidences = self.graphs.propose(catch, ids, accepted, rows, streams)
+        return Proposal(drafts.tolist(), confidences.tolist())
