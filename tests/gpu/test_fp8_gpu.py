@@ -132,11 +132,12 @@ def _deep_gemm_moe(table):
                          ids=["masked1", "masked12", "masked64", "triton80", "contiguous80"])
 def test_deep_gemm_moe_experts_fp8_256_experts_top6(tokens, contiguous, table, reference, device, monkeypatch):
     """Up to MASKED_MAX_TOKENS tokens the masked grouped GEMM, above it the Triton FP8 MoE, or the contiguous
-    GEMM when opted in. The library rounds gate/up to bfloat16 before h is quantised to E4M3 (as DeepSeek's inference code does; the
-    catalogue keeps float32): an h element near an E4M3 rounding boundary moves one E4M3 step (2^-3), which
-    elementwise bfloat16 tolerances cannot absorb. The same computation with exact GEMMs and those
-    roundings (on the CPU, 32 experts, 1 to 64 tokens) is 1.4-1.7% off the reference in relative norm,
-    cosine 0.99985-0.99990; a pair in the wrong expert's rows is off by O(1)."""
+    GEMM when opted in. The library rounds gate/up to bfloat16 before h is quantised to E4M3 (as
+    DeepSeek's inference code does; the catalogue keeps float32): an h element near an E4M3 rounding
+    boundary moves one E4M3 step (2^-3), which elementwise bfloat16 tolerances cannot absorb. The same
+    computation with exact GEMMs and those roundings (on the CPU, 32 experts, 1 to 64 tokens) is 1.4-1.7%
+    off the reference in relative norm, cosine 0.99985-0.99990; a pair in the wrong expert's rows is off
+    by O(1)."""
     from deepinfer_nvidia_sm100 import external
 
     monkeypatch.setattr(external, "_contiguous_fp8_moe", lambda: contiguous)
