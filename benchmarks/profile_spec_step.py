@@ -39,6 +39,7 @@ TIMED = [
     ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._verify"),
     ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._complete"),
     ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._draft"),
+    ("deepinfer_core.worker.spec_model_runner", "SpecDecodeModelRunner._draft_on_device"),
     ("deepinfer_core.worker.spec_model_runner", "build_forward_batch"),
     ("deepinfer_core.worker.model_runner", "build_forward_batch"),
     ("deepinfer_core.spec_decode.mtp_graph", "build_forward_batch"),

@@ -79,10 +79,10 @@ def worker_oracle(llm: LLM, ref: dict, wrong: Callable[[object, int, int], bool]
     reference continuation, draft ``j`` wrong where ``wrong(state, num_outputs, j)``."""
     engine = llm.llm_engine
     runner, vocab = engine.runner, engine.model_config.vocab_size
-    draft, k = runner._draft, runner.k
+    output, k = runner._output, runner.k
 
     def patched(*args, **kwargs):
-        out = draft(*args, **kwargs)
+        out = output(*args, **kwargs)
         for i, seq_id in enumerate(out.seq_ids):
             if not out.draft_token_ids[i]:
                 continue  # the plain path: no drafts
@@ -94,7 +94,7 @@ def worker_oracle(llm: LLM, ref: dict, wrong: Callable[[object, int, int], bool]
             out.draft_confidences[i] = [0.9] * k
         return out
 
-    runner._draft = patched
+    runner._output = patched
 
 
 def expected(ref, prompts, n=MAX_TOKENS):

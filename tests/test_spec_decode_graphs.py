@@ -271,6 +271,20 @@ def with_drafting_graphs(llm, k: int, sizes: list[int]) -> tuple[list[tuple[int,
     return steps, sizes_run
 
 
+def count_device_drafting(llm) -> list[int]:
+    """[steps drafted on the device from the verification's result, those of them with plain samples]."""
+    runner, counts = llm.llm_engine.runner, [0, 0]
+    original = runner._draft_on_device
+
+    def draft(scheduled, streams, starts, plain, *rest):
+        counts[0] += 1
+        counts[1] += bool(plain)
+        return original(scheduled, streams, starts, plain, *rest)
+
+    runner._draft_on_device = draft
+    return counts
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_padded_drafting_equals_eager_drafting(k, make_llm):
     """The trained default model's MTP layer (real acceptance, so 1 to k + 1 kept positions per step):
@@ -285,11 +299,13 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
     for padded in (False, True):
         llm = make_llm(None, dtype="float64", block_size=32, **spec(k))
         sizes_run = with_drafting_graphs(llm, k, [1, 2, 4, 8])[1] if padded else None
+        on_device = count_device_drafting(llm) if padded else None
         seen = recorded_drafts(llm)
         outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
         runs[padded] = seen
     assert len(sizes_run) >= 5 and {8, 4} <= set(sizes_run), sizes_run
+    assert on_device[0] >= 5 and on_device[1] >= 1, on_device  # from verifications, some with plain samples
     eager, padded = runs[False], runs[True]
     first = {run: min(s for s, _, _ in seen) for run, seen in runs.items()}  # sequence ids count on per process
     assert [(s - first[True], d) for s, d, _ in padded] == [(s - first[False], d) for s, d, _ in eager]

@@ -16,9 +16,12 @@ the plain runner runs it, with no drafting: the MTP block's window rows of its p
 they were, which costs the first drafts after it acceptance, never correctness.
 
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
-rollback, and returns; the rest (the new tokens to the host, the MTP catch-up and drafting, which need
-the accepted counts to lay out their batch) runs when the output is asked for, or when the next step
-is launched, whichever comes first. With async scheduling the engine schedules the next step while
+rollback, and returns; the rest (the new tokens to the host, and for most steps the drafts) runs when
+the output is asked for, or when the next step is launched, whichever comes first. A step of decodes
+only (verifications and plain samples of requests that may speculate) whose batch a drafting graph
+holds launches its drafting right after verification, laid out on the device from the accepted
+counts; steps with prefill chunks, penalties, grammars or logprobs draft in the second half, from the
+accepted counts read back. With async scheduling the engine schedules the next step while
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
 shifts each span by the drafts the step before accepted and fills in the tokens.
@@ -149,7 +152,7 @@ class SpecDecodeModelRunner(ModelRunner):
             batch = host.with_storage(self.platform.upload(host.packed()))
             logits, streams = self.model.forward(batch, self.cache)
 
-        plain_out = verified = None
+        plain_out = verified = sampled = None
         if plain:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
             sampled = [i for i, s in enumerate(so.scheduled) if s.sample]
@@ -158,18 +161,58 @@ class SpecDecodeModelRunner(ModelRunner):
                 keep = [sampled.index(i) for i, _ in plain]
                 bitmask = bitmask[keep]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
-            plain_out = self.sampler(logits.index_select(0, index), states, bitmask).to_host(self.platform)
+            sampled = self.sampler(logits.index_select(0, index), states, bitmask)
+            plain_out = sampled.to_host(self.platform)
         fillers = filler_mask.to(logits.device) if any(filler) else None
         if verifies:
             verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled)
         elif undo is not None:
             undo.restore(fillers)
-        # the window blocks as the step saw them: once it ends, the engine releases those the next query
-        # cannot see, which the drafter's query at the step's first position may still see
-        windows = [list(s.window_block_table) for s in so.scheduled]
+        drafted = windows = None
+        if self._drafts_on_device(so.scheduled):
+            drafted = self._draft_on_device(so.scheduled, streams, starts, plain, sampled if plain else None,
+                                            verifies, verified)
+        else:
+            # the window blocks as the step saw them: once it ends, the engine releases those the next
+            # query cannot see, which the drafter's query at the step's first position may still see
+            windows = [list(s.window_block_table) for s in so.scheduled]
         self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified,
-                                                        windows))
+                                                        drafted, windows))
         return self._pending
+
+    def _drafts_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the step drafts right after verification, from its result on the device: every span a
+        sampled decode (a verification or a plain sample) of a request that may speculate, in a batch a
+        drafting graph holds."""
+        graphs = self.proposer.graphs
+        return (graphs is not None and graphs.size_for(len(scheduled)) is not None
+                and all(s.sample and len(s.token_ids) == 1 + s.num_drafts
+                        and can_speculate(self.requests[s.seq_id].params) for s in scheduled))
+
+    def _draft_on_device(self, scheduled: list[ScheduledSeq], streams: torch.Tensor, starts: list[int],
+                         plain: list, sampled, verifies: list[_Verify], verified
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the MTP catch-up and drafting over each span's kept positions, which the device knows:
+        a verification's accepted drafts and bonus token, a plain sample's token. ([n, k] drafts, their
+        probabilities), on the device."""
+        device, n, q = streams.device, len(scheduled), self.k + 1
+        catch, rows = [], []
+        for i, s in enumerate(scheduled):
+            span, span_rows = self.proposer.catch_up_span(s.start, list(range(starts[i], starts[i] + len(s.token_ids))),
+                                                          s.block_table, s.window_block_table)
+            catch.append(span)
+            rows += span_rows
+        index = self.platform.upload(torch.tensor([v.index for v in verifies] + [i for i, _ in plain] + rows,
+                                                  dtype=torch.long))
+        verify_index, plain_index, rows = index.split([len(verifies), len(plain), len(rows)])
+        ids = torch.zeros((n, q), dtype=torch.long, device=device)
+        accepted = torch.zeros(n, dtype=torch.long, device=device)
+        if verifies:
+            ids[verify_index, : verified.output_token_ids.shape[1]] = verified.output_token_ids
+            accepted[verify_index] = verified.num_accepted
+        if plain:
+            ids[plain_index, 0] = sampled.sampled_token_ids
+        return self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams)
 
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The tokens per sequence of a graph that runs this step with every span padded by filler tokens
@@ -212,9 +255,11 @@ class SpecDecodeModelRunner(ModelRunner):
                                    token_ids=[state.output_token_ids[-1]] + drafts[:n])
 
     def _complete(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], plain: list,
-                  plain_out, verifies: list[_Verify], verified, windows: list[list[int]]) -> ModelRunnerOutput:
-        """The second half of a step: the new tokens on the host, drafting (``windows``: the spans' window
-        block tables at launch), the output."""
+                  plain_out, verifies: list[_Verify], verified, drafted: tuple[torch.Tensor, torch.Tensor] | None,
+                  windows: list[list[int]] | None) -> ModelRunnerOutput:
+        """The second half of a step: the new tokens on the host, then the drafts ``drafted`` on the device
+        (every span's), or drafting here (``windows``: the spans' window block tables at launch); the
+        output."""
         new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
         if verifies:
             tokens, counts = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
@@ -228,7 +273,11 @@ class SpecDecodeModelRunner(ModelRunner):
                 new_tokens[i], logprobs[i] = [token], lp
                 if plain_out.dead_ends is not None:
                     dead_ends[i] = plain_out.dead_ends[j]
-        out = self._draft(so, streams, starts, new_tokens, logprobs, dead_ends, windows)
+        if drafted is not None:
+            drafts = dict(enumerate(zip(drafted[0].tolist(), drafted[1].tolist())))
+        else:
+            drafts = self._draft(so, streams, starts, new_tokens, windows)
+        out = self._output(so, new_tokens, logprobs, dead_ends, drafts)
         for seq_id, tokens, drafts in zip(out.seq_ids, out.new_token_ids or [], out.draft_token_ids or []):
             self._accepted[seq_id], self._drafts[seq_id] = len(tokens) - 1, list(drafts)
         return out
@@ -286,8 +335,9 @@ class SpecDecodeModelRunner(ModelRunner):
         return torch.softmax(scaled, dim=-1)
 
     def _draft(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], new_tokens: dict[int, list[int]],
-               logprobs: dict, dead_ends: dict, windows: list[list[int]]) -> ModelRunnerOutput:
-        """Record the new tokens, catch the MTP block up and draft; the step's output."""
+               windows: list[list[int]]) -> dict[int, tuple[list[int], list[float]]]:
+        """Catch the MTP block up over the kept positions and draft: scheduled index -> (drafts, their
+        probabilities) for the spans that draft."""
         spans, drafting = [], []
         for i, s in enumerate(so.scheduled):
             n_plain = len(s.token_ids) - s.num_drafts
@@ -305,7 +355,11 @@ class SpecDecodeModelRunner(ModelRunner):
             if wants:
                 drafting.append(i)
         proposal = self.proposer.propose(spans, streams)
-        drafts = dict(zip(drafting, zip(proposal.draft_token_ids, proposal.confidences)))
+        return dict(zip(drafting, zip(proposal.draft_token_ids, proposal.confidences)))
+
+    def _output(self, so: SchedulerOutput, new_tokens: dict[int, list[int]], logprobs: dict, dead_ends: dict,
+                drafts: dict[int, tuple[list[int], list[float]]]) -> ModelRunnerOutput:
+        """Record the new tokens; the step's output."""
         out = ModelRunnerOutput(new_token_ids=[], draft_token_ids=[], draft_confidences=[])
         any_dead = bool(dead_ends)
         for i, s in enumerate(so.scheduled):
