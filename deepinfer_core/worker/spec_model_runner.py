@@ -152,7 +152,7 @@ class SpecDecodeModelRunner(ModelRunner):
             batch = host.with_storage(self.platform.upload(host.packed()))
             logits, streams = self.model.forward(batch, self.cache)
 
-        plain_out = verified = sampled = None
+        plain_out = verified = plain_samples = None
         if plain:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
             sampled = [i for i, s in enumerate(so.scheduled) if s.sample]
@@ -161,8 +161,8 @@ class SpecDecodeModelRunner(ModelRunner):
                 keep = [sampled.index(i) for i, _ in plain]
                 bitmask = bitmask[keep]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
-            sampled = self.sampler(logits.index_select(0, index), states, bitmask)
-            plain_out = sampled.to_host(self.platform)
+            plain_samples = self.sampler(logits.index_select(0, index), states, bitmask)
+            plain_out = plain_samples.to_host(self.platform)
         fillers = filler_mask.to(logits.device) if any(filler) else None
         if verifies:
             verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled)
@@ -170,8 +170,7 @@ class SpecDecodeModelRunner(ModelRunner):
             undo.restore(fillers)
         drafted = windows = None
         if self._drafts_on_device(so.scheduled):
-            drafted = self._draft_on_device(so.scheduled, streams, starts, plain, sampled if plain else None,
-                                            verifies, verified)
+            drafted = self._draft_on_device(so.scheduled, streams, starts, plain, plain_samples, verifies, verified)
         else:
             # the window blocks as the step saw them: once it ends, the engine releases those the next
             # query cannot see, which the drafter's query at the step's first position may still see
@@ -190,7 +189,7 @@ class SpecDecodeModelRunner(ModelRunner):
                         and can_speculate(self.requests[s.seq_id].params) for s in scheduled))
 
     def _draft_on_device(self, scheduled: list[ScheduledSeq], streams: torch.Tensor, starts: list[int],
-                         plain: list, sampled, verifies: list[_Verify], verified
+                         plain: list, plain_samples, verifies: list[_Verify], verified
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch the MTP catch-up and drafting over each span's kept positions, which the device knows:
         a verification's accepted drafts and bonus token, a plain sample's token. ([n, k] drafts, their
@@ -211,7 +210,7 @@ class SpecDecodeModelRunner(ModelRunner):
             ids[verify_index, : verified.output_token_ids.shape[1]] = verified.output_token_ids
             accepted[verify_index] = verified.num_accepted
         if plain:
-            ids[plain_index, 0] = sampled.sampled_token_ids
+            ids[plain_index, 0] = plain_samples.sampled_token_ids
         return self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams)
 
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
