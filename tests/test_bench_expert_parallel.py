@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import engine_fixtures
+import pytest
 
 one_torch_thread = engine_fixtures.one_torch_thread
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_expert_parallel.py"
@@ -21,6 +22,7 @@ def _bench():
     return module
 
 
+@pytest.mark.slow
 def test_bench_expert_parallel_smoke(tmp_path, capsys):
     out = tmp_path / "ep.json"
     report = _bench().main(["--ranks", "1", "--dp-only-ranks=", "--eplb-ranks", "2", "--repeats", "1",

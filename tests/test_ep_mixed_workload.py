@@ -193,7 +193,8 @@ def _check_against_one_process(single: LLM, run: Run) -> None:
     assert partial >= 1  # an abort that cut a request in the middle of its output
 
 
-@pytest.mark.parametrize("config, ranks", [("tiny", 2), ("tiny_hc4", 2), ("tiny", 4), ("tiny_hc1", 4)])
+@pytest.mark.parametrize("config, ranks", [("tiny", 2), *(pytest.param(c, r, marks=pytest.mark.slow)
+                                                          for c, r in [("tiny_hc4", 2), ("tiny", 4), ("tiny_hc1", 4)])])
 def test_mixed_workload_with_eplb_equals_one_process(config, ranks, tiny_path):
     kw = dict(model=str(tiny_path(config)), **KW)
     single = LLM(**kw)

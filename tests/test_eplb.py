@@ -166,6 +166,7 @@ def test_two_ranks_with_eplb_equal_one_process_across_rearrangements(two_ranks):
     _check_eplb(single, parallel, redundant=2)
 
 
+@pytest.mark.slow
 def test_four_ranks_with_eplb_equal_one_process(tmp_path):
     path = build_tiny_checkpoint(tmp_path / "tiny8", "tiny", n_routed_experts=8)
     kw = dict(model=str(path), dtype="float64", block_size=BLOCK, max_num_batched_tokens=24, num_blocks=9,
