@@ -77,7 +77,7 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
     from deepinfer_core.spec_decode import rejection_sampler
     from deepinfer_core.worker import spec_model_runner
 
-    gen = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     exact = rejection_sampler.rejection_sample
 
     def forced(target_probs, draft_token_ids, num_drafts, uniforms, noise, draft_probs=None, greedy=None):
@@ -86,7 +86,10 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
 
     def force(out, draft_token_ids, num_drafts):
         s, k = draft_token_ids.shape
-        passed = (torch.rand(s, k, generator=gen) < rate).to(num_drafts.device)
+        device = num_drafts.device
+        if gens.get(device) is None:  # on the verification's device: a host draw would wait for the step
+            gens[device] = torch.Generator(device).manual_seed(seed)
+        passed = torch.rand(s, k, generator=gens[device], device=device) < rate
         passed &= torch.arange(k, device=num_drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
         n = passed.long().cumprod(dim=1).sum(dim=1)
         rows = torch.arange(k + 1, device=n.device).unsqueeze(0)
@@ -141,6 +144,7 @@ def speed(args, engine_kw: dict) -> dict:
                     plain = stats["gate"]["plain_steps"] - before["gate"]["plain_steps"]
                     spec_steps = stats["gate"]["speculative_steps"] - before["gate"]["speculative_steps"]
                     row["plain_step_share"] = plain / max(1, plain + spec_steps)
+                    row["gate"] = stats["gate"]  # what it measured per batch bucket, after the runs
             rows.append(row)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
     print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
