@@ -99,6 +99,37 @@ class Timers:
         self.calls.clear()
 
 
+def _device_busy_ms(llm, prompts, params, top: int = 15) -> tuple[float, list[tuple[str, float, int]]]:
+    """Milliseconds the GPU spent in kernels during one more run (profiled apart from the timed one: the
+    profiler slows the host), and the ``top`` kernels by time: (name, milliseconds, launches)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        spec_bench._generate(llm, prompts, params)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    return (sum(e.self_device_time_total for e in events) / 1e3,
+            [(e.key, e.self_device_time_total / 1e3, e.count) for e in events[:top]])
+
+
+def _cprofile(llm, prompts, params, out: Path) -> None:
+    """cProfile of one more run: the host functions by own time and by inclusive time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    spec_bench._generate(llm, prompts, params)
+    prof.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.getvalue())
+
+
 def profile(args) -> dict:
     if args.force_acceptance is not None:
         spec_bench.force_acceptance(args.force_acceptance)
@@ -125,12 +156,24 @@ def profile(args) -> dict:
             rows.append({"mode": name, "batch": batch, "seconds": seconds, "steps": steps,
                          "tokens_per_step": batch * args.max_tokens / steps,
                          "ms_per_step": per_step, "calls_per_step": {k: timers.calls[k] / steps for k in per_step}})
+            if args.cprofile:
+                _cprofile(llm, prompts, params, Path(args.cprofile) / f"{name.replace('=', '')}_b{batch}.txt")
+            if torch.cuda.is_available() and str(args.device).startswith("cuda"):
+                busy, kernels = _device_busy_ms(llm, prompts, params)
+                rows[-1]["device_busy_ms_per_step"] = busy / steps
+                rows[-1]["top_kernels_ms_per_step"] = [(k, ms / steps, n / steps) for k, ms, n in kernels]
     for r in rows:
+        busy = r.get("device_busy_ms_per_step")
         print(f"\n{r['mode']} batch {r['batch']}: {r['steps']} steps, {1e3 * r['seconds'] / r['steps']:.3f} ms "
-              f"per step, {r['tokens_per_step']:.2f} tokens per step")
+              f"per step, {r['tokens_per_step']:.2f} tokens per step"
+              + (f", GPU busy {busy:.3f} ms per step" if busy is not None else ""))
         print(f"  {'function':<44} {'ms/step':>8} {'calls/step':>10}")
         for k, ms in r["ms_per_step"].items():
             print(f"  {k:<44} {ms:>8.3f} {r['calls_per_step'][k]:>10.2f}")
+        if "top_kernels_ms_per_step" in r:
+            print(f"  {'kernel (GPU)':<44} {'ms/step':>8} {'calls/step':>10}")
+            for k, ms, n in r["top_kernels_ms_per_step"]:
+                print(f"  {k[:44]:<44} {ms:>8.3f} {n:>10.2f}")
     return {"benchmark": "profile_spec_step", "backend": args.backend, "model": spec_bench._model_name(args),
             "torch": torch.__version__, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
             "rows": rows}
@@ -153,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cprofile", default=None, metavar="DIR", help="also write a cProfile of each run here")
     ap.add_argument("--json-out", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if args.threads:

@@ -11,7 +11,8 @@
 #   bench_hc      hc_pre's mixing GEMM, float32 against DeepGEMM's TF32 one
 #   spec_sync     speculation off / k=3 / confidence k=3 on the trained model, batch 1 and 64, 256 tokens
 #   spec_async    the same with async scheduling
-#   profile_spec  where a k=3 speculative step's host time goes at batch 1
+#   profile_spec  where a k=3 speculative step's host time goes at batch 1, and the GPU's busy time
+#   profile_spec_async  the same with async scheduling
 #   profile_fp8   the kernel breakdown of an FP8 decode step at batch 64
 # Environment: PYTHON (default python3), GPU_BENCH_STEPS (the steps to run, in order; default all of the
 # above), GPU_BENCH_LIMIT (seconds per step, default 200; a cold DeepGEMM JIT cache makes the first
@@ -23,7 +24,7 @@ set -u -o pipefail
 source "$(dirname "$0")/gpu_setup.sh" "$@"
 OUT="$OUT_DIR"
 LIMIT="${GPU_BENCH_LIMIT:-200}"
-STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_fp8}"
+STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_spec_async profile_fp8}"
 : > "$OUT/summary.txt"
 if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
 SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
@@ -48,6 +49,8 @@ for step in $STEPS; do
         spec_async) run "$step" "$PY" "${SPEC[@]}" --async-scheduling --json-out "$OUT/spec_async.json" ;;
         profile_spec) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
                           --ks 3 --batch-sizes 1 --json-out "$OUT/profile_spec.json" ;;
+        profile_spec_async) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
+                          --ks 3 --batch-sizes 1,64 --async-scheduling --json-out "$OUT/profile_spec_async.json" ;;
         profile_fp8) run "$step" "$PY" benchmarks/profile_decode.py --fp8 --batch 64 --out "$OUT/profile_fp8" ;;
         *) echo "unknown step $step" | tee -a "$OUT/summary.txt" ;;
     esac
