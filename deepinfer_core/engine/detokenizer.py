@@ -11,6 +11,10 @@ Text ending in U+FFFD (an incomplete UTF-8 character, as far as the tokens go) i
 offsets stay put until a later token completes it, so the offsets only ever stop where the full decode
 splits cleanly: the text built up equals ``tokenizer.decode(ids)``.
 
+The engine decodes through :func:`fast_decoder`: for a transformers tokenizer backed by a ``tokenizers``
+``Tokenizer`` that cleans up no spaces, the backend's own ``decode``, which returns the same text without
+transformers' per-call Python layers (two decodes per token add up at large batches).
+
 Stop strings are found here too (:meth:`IncrementalDetokenizer.advance`): only in text new since the
 last update, and the shown text is cut where the first one begins.
 """
@@ -18,13 +22,40 @@ last update, and the shown text is cut where the first one begins.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class _BackendDecoder:
+    """``decode`` straight through a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def fast_decoder(tokenizer: Any) -> Decoder:
+    """What decodes like ``tokenizer.decode``: its ``tokenizers`` backend where transformers' decode adds
+    nothing to the backend's text (its own ``decode``/``_decode``, no space clean-up), else the tokenizer."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return tokenizer
+    cls = type(tokenizer)
+    if (isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer) and isinstance(tokenizer, TokenizersBackend)
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return _BackendDecoder(tokenizer._tokenizer)
+    return tokenizer
 
 
 class IncrementalDetokenizer:

@@ -15,6 +15,7 @@ import torch
 
 from deepinfer_core.config import CacheConfig, EPLBConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.detokenizer import fast_decoder
 from deepinfer_core.engine.processor import InputProcessor, Request
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
@@ -151,6 +152,7 @@ class LLMEngine:
         from deepinfer_core.tokenizer import get_tokenizer
 
         self.tokenizer = get_tokenizer(path)
+        self.decoder = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         sizes = self.pool_sizes = self.executor.pool_sizes
         self._fit_max_model_len(sizes.num_blocks * self.cache_config.block_size)
         self.block_manager = BlockManager(
@@ -527,7 +529,7 @@ class LLMEngine:
         """
         if self.tokenizer is None:
             return None
-        return seq.detokenizer.advance(self.tokenizer, seq.output_token_ids, num_ids,
+        return seq.detokenizer.advance(self.decoder, seq.output_token_ids, num_ids,
                                        seq.params.skip_special_tokens, last, stop)
 
     def _output(self, req: Request) -> RequestOutput:
