@@ -313,6 +313,51 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
         assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
+def test_uniform_greedy_verification_equals_the_general_one(graphs, make_llm):
+    """Steps of greedy verifications of one length take ``_verify_uniform`` (no host layout of the
+    rows); turned off, the general verification gives the same drafts, accepted counts and tokens. The
+    trained model (real rejections) with prompts whose spans cross window and block boundaries."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 170: i * 170 + 30 + 11 * i] for i in range(6)]
+    params = [greedy(24 + 5 * i) for i in range(len(prompts))]
+    runs = {}
+    for uniform in (True, False):
+        llm = make_llm(None, dtype="float64", block_size=32, **spec(3))
+        if graphs:
+            with_drafting_graphs(llm, 3, [1, 2, 4, 8])
+        runner, calls = llm.llm_engine.runner, [0]
+        fast = runner._verify_uniform
+
+        def counted(*args, fast=fast, calls=calls):
+            calls[0] += 1
+            return fast(*args)
+
+        runner._verify_uniform = counted
+        if not uniform:
+            general = runner._verify
+            runner._verify = lambda *args, general=general: general(*args[:7])  # no span: the general path
+        seen = recorded_drafts(llm)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        cache = llm.llm_engine.cache
+        rows = [t.clone() for pools in (cache.window_kv, cache.comp_kv, cache.index_keys, cache.comp_state,
+                                        cache.index_state, cache.comp_boundary, cache.index_boundary)
+                for pool in (pools.values() if isinstance(pools, dict) else pools)
+                for t in (pool if isinstance(pool, tuple) else (pool,))]
+        runs[uniform] = ([o.outputs[0].token_ids for o in outs], seen, llm.llm_engine.spec_decode_stats(), calls[0],
+                         rows)
+    assert runs[True][3] >= 10 and runs[False][3] == 0, (runs[True][3], runs[False][3])
+    # every row the rejected drafts wrote was put back: the caches end bit for bit the same
+    assert len(runs[True][4]) == len(runs[False][4])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][4], runs[False][4]))
+    assert runs[True][2]["num_accepted_tokens"] > 0
+    assert runs[True][0] == runs[False][0]
+    assert [d for _, d, _ in runs[True][1]] == [d for _, d, _ in runs[False][1]]
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert runs[True][2][key] == runs[False][2][key], key
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "confidence"])
 def test_async_speculation_through_graphs(schedule, tiny_path, make_llm, make_async):
     """Async scheduling (step N+1's spans are placeholders shifted by step N's accepted drafts) with

@@ -95,6 +95,7 @@ class SpecDecodeModelRunner(ModelRunner):
         self._pending: _Pending | None = None  # the launched step whose second half has not run yet
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
         self._drafts: dict[int, list[int]] = {}  # seq id -> the drafts its last step proposed
+        self._layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _uniform_layout
 
     def execute_model(self, so: SchedulerOutput) -> _Pending:
         if self._pending is not None:  # the step before ends first: this one may build on its result
@@ -165,7 +166,9 @@ class SpecDecodeModelRunner(ModelRunner):
             plain_out = plain_samples.to_host(self.platform)
         fillers = filler_mask.to(logits.device) if any(filler) else None
         if verifies:
-            verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled)
+            lengths = {len(s.token_ids) for s in so.scheduled}
+            span = q or (next(iter(lengths)) if len(lengths) == 1 else None)
+            verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled, span)
         elif undo is not None:
             undo.restore(fillers)
         drafted = windows = None
@@ -282,11 +285,16 @@ class SpecDecodeModelRunner(ModelRunner):
         return out
 
     def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
-                fillers: torch.Tensor | None, starts: list[int], scheduled: list[ScheduledSeq]):
+                fillers: torch.Tensor | None, starts: list[int], scheduled: list[ScheduledSeq],
+                span: int | None = None):
         """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
-        drafts and by ``fillers`` are put back."""
+        drafts and by ``fillers`` are put back. ``span``: the tokens of every scheduled span (fillers
+        included), where all are one length."""
         device, vocab = logits.device, logits.shape[-1]
         s = len(verifies)
+        if (span and s == len(scheduled) and all(v.state.params.greedy for v in verifies)
+                and all(v.first_row == i * span for i, v in enumerate(verifies))):
+            return self._verify_uniform(logits, verifies, undo, span, len(draft_mask))
         num = np.array([len(v.drafts) for v in verifies], dtype=np.int64)
         k = int(num.max())
         cols = np.arange(k + 1)
@@ -320,6 +328,33 @@ class SpecDecodeModelRunner(ModelRunner):
             rejected |= fillers
         undo.restore(rejected)
         return out
+
+    def _verify_uniform(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, span: int,
+                        num_tokens: int):
+        """:meth:`_verify` of a step of greedy verifications only, each ``span`` tokens long (fillers after
+        its drafts included), whose logits rows are its tokens'. Token ``t`` is its span's draft
+        ``t % span``, rejected past the accepted count (a filler is past every draft)."""
+        s, device = len(verifies), logits.device
+        drafts = np.zeros((s, span), dtype=np.int64)  # the drafts, then the draft counts in the last column
+        for i, v in enumerate(verifies):
+            drafts[i, : len(v.drafts)] = v.drafts
+            drafts[i, -1] = len(v.drafts)
+        host = self.platform.upload(torch.from_numpy(drafts))
+        out = greedy_verify(logits[: s * span].view(s, span, -1), host[:, :-1], host[:, -1])
+        offset, owner = self._uniform_layout(num_tokens, span, device)
+        accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
+        undo.restore(offset > accepted[owner])
+        return out
+
+    def _uniform_layout(self, num_tokens: int, span: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offset of each token within its span, its span) for ``num_tokens`` tokens in spans of ``span``;
+        tokens past the last whole span belong to an extra one."""
+        key = (num_tokens, span)
+        cached = self._layouts.get(key)
+        if cached is None:
+            tokens = torch.arange(num_tokens, device=device)
+            cached = self._layouts[key] = (tokens % span, tokens // span)
+        return cached
 
     def _target_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """The target's sampling distribution of each row (temperature, top-k, top-p, min-p); greedy rows
