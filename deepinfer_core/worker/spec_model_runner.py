@@ -340,7 +340,7 @@ class SpecDecodeModelRunner(ModelRunner):
             drafts[i, : len(v.drafts)] = v.drafts
             drafts[i, -1] = len(v.drafts)
         host = self.platform.upload(torch.from_numpy(drafts))
-        out = greedy_verify(logits[: s * span].view(s, span, -1), host[:, :-1], host[:, -1])
+        out = greedy_verify(logits[: s * span].reshape(s, span, -1), host[:, :-1], host[:, -1])
         offset, owner = self._uniform_layout(num_tokens, span, device)
         accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
         undo.restore(offset > accepted[owner])
