@@ -52,7 +52,7 @@ def run_steps(engine, prompt, steps):
     return seq
 
 
-@pytest.mark.parametrize("config", ["tiny", "tiny_hc1"])
+@pytest.mark.parametrize("config", ["tiny", pytest.param("tiny_hc1", marks=pytest.mark.slow)])  # hc: no rows of its own
 @pytest.mark.parametrize("prompt_len", [12, 13, 14, 15, 16])
 @pytest.mark.parametrize("accepted", range(K + 1))
 @pytest.mark.parametrize("verify", ["eager", "graph"])
