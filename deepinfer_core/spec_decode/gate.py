@@ -12,9 +12,7 @@ one token). It runs the faster mode, measuring the other one for ``probe_steps``
 Probing costs the time the slower mode's steps take beyond what the faster one would take for their
 tokens; the steps of the faster mode until the next probe are as many as keep that cost, and the
 exploration's before it, below ``probe_cost_share`` of the time (between ``probe_every`` and
-``max_probe_every``), and at most twice the interval before (the first one is ``probe_every``), so that the
-intervals grow only as probes confirm the faster mode. A probe that changes the faster mode starts again
-from ``probe_every``. The first
+``max_probe_every``). A probe that changes the faster mode starts again from ``probe_every``. The first
 ``settle_steps`` of a run of one mode are left out (a switch drains the pipeline, and the first
 speculative steps after plain ones have no drafts yet).
 
@@ -136,10 +134,7 @@ class SpeculationGate:
         best = spec >= b.rate(False)
         if b.best is None or (b.steps >= b.next_probe + self._probe_length(b) and self._probed(b)):
             changed = b.best is not None and b.best != best  # an interval begins
-            # an interval at most doubles the one before: one unlucky measurement (a noisy host, a run's
-            # first steps) shuts the other mode out for probe_every steps, not for max_probe_every
-            cap = 2 * b.interval if b.interval else self.probe_every
-            b.interval = self.probe_every if changed else min(self._interval(b, best, spec), cap)
+            b.interval = self.probe_every if changed else self._interval(b, best, spec)
             b.best, b.next_probe, b.probe_samples = best, b.steps + b.interval, 0
             b.mode_steps = {True: 0, False: 0}
             b.probes += not best
