@@ -8,7 +8,11 @@ replay and what stays on the host.
   python benchmarks/profile_decode.py --batch 64 --eager --out OUT
 
 ``--fp8`` quantises the weights to block FP8 first (``quantize_params_fp8``, the engine with
-``quantization="fp8"``), as the sweep's ``+fp8`` configs do.
+``quantization="fp8"``), as the sweep's ``+fp8`` configs do. ``--prefill`` profiles the prefill instead:
+after a warm-up request, ``--batch`` prompts of ``--prompt-len`` tokens, one chunk of ``--prompt-len``
+tokens per step (the sweep's prefill rows), each step timed to device completion:
+
+  python benchmarks/profile_decode.py --prefill --batch 2 --prompt-len 4096 --fp8 --out OUT
 
 With ``--context N`` nothing is prefilled: ``--batch`` sequences with ``N`` tokens cached decode through
 ``bench_long_context``'s Harness (the cache holds no real history: every sequence reads the same blocks,
@@ -29,6 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +50,7 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (not with --context)")
+    ap.add_argument("--prefill", action="store_true", help="profile prefill chunks instead of decode steps")
     ap.add_argument("--out", default="profile_out")
     ap.add_argument("--rows", type=int, default=25)
     ctx = ap.add_argument_group("--context mode (no prefill; bench_long_context's Harness)")
@@ -59,17 +65,19 @@ def main(argv=None) -> dict | None:
     ctx.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (default on the CPU)")
     a = ap.parse_args(argv)
     if a.context is not None:
-        if a.fp8:
-            raise SystemExit("--fp8 is for the prefill mode, not --context")
+        if a.fp8 or a.prefill:
+            raise SystemExit("--fp8 and --prefill are not for --context")
         return profile_context(a)
     from transformers import DeepseekV4ForCausalLM
 
     from deepinfer_core.config import ModelConfig
     from deepinfer_core.sampling.params import SamplingParams
 
-    ba = bench.parse_args(["--gen-len", str(a.steps + 4), "--prompt-len", str(a.prompt_len)])
+    ba = bench.parse_args(["--gen-len", str(a.steps + 4), "--prompt-len", str(a.prompt_len), "--device", a.device]
+                          + ["--small"] * a.small)
     config = bench.make_config(ba)
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype or ba.dtype)
     torch.set_default_dtype(dtype)
     with torch.device(device):
         hf = DeepseekV4ForCausalLM(config).to(dtype)
@@ -84,31 +92,64 @@ def main(argv=None) -> dict | None:
         from deepinfer_core.model.fp8 import quantize_params_fp8
 
         quantize_params_fp8(params, cfg)
-    model = bench.build_deepinfer_model(cfg, params, "nvidia_sm100", dtype, device)
+    model = bench.build_deepinfer_model(cfg, params, a.backend, dtype, device)
     engine = bench.make_engine(
-        model, tmp.name, backend="nvidia_sm100", dtype=dtype, device="cuda", max_model_len=a.prompt_len + 64,
-        max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.prompt_len), enable_prefix_caching=False,
-        block_size=bench.cfg_block_size(cfg), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
-        **({"quantization": "fp8"} if a.fp8 else {}),
+        model, tmp.name, backend=a.backend, dtype=dtype, device=a.device, max_model_len=a.prompt_len + 64,
+        max_num_seqs=a.batch, max_num_batched_tokens=a.prompt_len if a.prefill else max(2048, a.prompt_len),
+        enable_prefix_caching=False, block_size=bench.cfg_block_size(cfg), enforce_eager=a.eager,
+        async_scheduling=a.async_scheduling, **({"quantization": "fp8"} if a.fp8 else {}),
     )
     gen = torch.Generator().manual_seed(0)
-    params_s = SamplingParams(temperature=0.0, max_tokens=a.steps + 60, ignore_eos=True)
-    for i in range(a.batch):
-        engine.add_request(str(i), torch.randint(2, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist(), params_s)
-    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.waiting) or \
-            engine.scheduler.waiting:
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def add(n: int, tag: str, max_tokens: int) -> None:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(n):
+            prompt = torch.randint(2, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist()
+            engine.add_request(f"{tag}{i}", prompt, sp)
+
+    def prefilling() -> bool:
+        return bool(engine.scheduler.waiting) or any(
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    tag = f"b{a.batch}_{'eager' if a.eager else 'graphs'}{'_async' if a.async_scheduling else ''}{'_fp8' * a.fp8}"
+    if a.prefill:
+        add(1, "warmup", 2)
+        while engine.has_unfinished_requests():
+            engine.step()
+        add(a.batch, "p", 1)
+        times = []
+        with profile(activities=activities) as prof:
+            while prefilling():
+                sync()
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                times.append(time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+        a.steps = len(times)
+        step_ms = statistics.median(times) * 1e3
+        return report(prof, a, f"prefill{a.prompt_len}_{tag}", cuda=cuda, step_ms=step_ms,
+                      prefill_tok_s=a.prompt_len / (step_ms / 1e3), prefill_steps=len(times))
+    add(a.batch, "", a.steps + 60)
+    while prefilling():
         engine.step()
     for _ in range(4):
         engine.step()
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=activities) as prof:
         for _ in range(a.steps):
             engine.step()
-        torch.cuda.synchronize()
-    tag = f"b{a.batch}_{'eager' if a.eager else 'graphs'}{'_async' if a.async_scheduling else ''}{'_fp8' * a.fp8}"
-    report(prof, a, tag)
+        sync()
+    return report(prof, a, tag, cuda=cuda)
 
 
 def report(prof, a, tag: str, cuda: bool = True, **extra) -> dict:

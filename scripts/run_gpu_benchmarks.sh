@@ -14,6 +14,7 @@
 #   profile_spec  where a k=3 speculative step's host time goes at batch 1, and the GPU's busy time
 #   profile_spec_async  the same with async scheduling
 #   profile_fp8   the kernel breakdown of an FP8 decode step at batch 64
+#   profile_prefill  the kernel breakdown of a 4096-token prefill chunk, bf16 and FP8
 # Environment: PYTHON (default python3), GPU_BENCH_STEPS (the steps to run, in order; default all of the
 # above), GPU_BENCH_LIMIT (seconds per step, default 200; a cold DeepGEMM JIT cache makes the first
 # library step slow).
@@ -24,7 +25,7 @@ set -u -o pipefail
 source "$(dirname "$0")/gpu_setup.sh" "$@"
 OUT="$OUT_DIR"
 LIMIT="${GPU_BENCH_LIMIT:-200}"
-STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_spec_async profile_fp8}"
+STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_spec_async profile_fp8 profile_prefill}"
 : > "$OUT/summary.txt"
 if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
 SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
@@ -52,6 +53,9 @@ for step in $STEPS; do
         profile_spec_async) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
                           --ks 3 --batch-sizes 1,64 --async-scheduling --json-out "$OUT/profile_spec_async.json" ;;
         profile_fp8) run "$step" "$PY" benchmarks/profile_decode.py --fp8 --batch 64 --out "$OUT/profile_fp8" ;;
+        profile_prefill) run "$step" bash -c "$PY benchmarks/profile_decode.py --prefill --batch 2 --prompt-len 4096 \
+                             --out $OUT/profile_prefill && $PY benchmarks/profile_decode.py --prefill --batch 2 \
+                             --prompt-len 4096 --fp8 --out $OUT/profile_prefill" ;;
         *) echo "unknown step $step" | tee -a "$OUT/summary.txt" ;;
     esac
 done

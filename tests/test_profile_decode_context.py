@@ -1,4 +1,4 @@
-"""benchmarks/profile_decode.py --context on the CPU at small widths: decode steps at a context nothing was
+"""benchmarks/profile_decode.py on the CPU at small widths. --context: decode steps at a context nothing was
 prefilled for, eager and through a decode graph (run eagerly from its static buffers on the CPU), profiled
 into the per-event table and JSON; on the CPU the times are CPU times."""
 
@@ -54,3 +54,15 @@ def test_profile_at_context(profile_decode, tmp_path, capsys, mode):
 def test_graph_capacity_below_the_context_is_refused(profile_decode, tmp_path):
     with pytest.raises(SystemExit, match="holds no decode step"):
         _run(profile_decode, tmp_path, "--max-model-len", str(CONTEXT))
+
+
+def test_prefill_profile_times_one_chunk_per_prompt(profile_decode, tmp_path, capsys):
+    prompt = 64
+    summary = profile_decode.main(["--prefill", "--batch", str(BATCH), "--prompt-len", str(prompt), "--rows",
+                                   str(ROWS), "--small", "--device", "cpu", "--backend", "cpu_ref",
+                                   "--out", str(tmp_path)])
+    tag = f"prefill{prompt}_b{BATCH}_graphs"
+    assert json.loads((tmp_path / f"profile_{tag}.json").read_text()) == json.loads(json.dumps(summary))
+    assert summary["prefill_steps"] == BATCH  # the chunk budget is one prompt
+    assert summary["step_ms"] > 0 and summary["prefill_tok_s"] == pytest.approx(prompt / summary["step_ms"] * 1e3)
+    assert 0 < summary["device_ms_per_step"] and f"== {tag}: CPU time" in capsys.readouterr().out
