@@ -73,7 +73,7 @@ def main(argv=None) -> dict | None:
     from deepinfer_core.config import ModelConfig
     from deepinfer_core.sampling.params import SamplingParams
 
-    ba = bench.parse_args(["--gen-len", str(a.steps + 4), "--prompt-len", str(a.prompt_len), "--device", a.device]
+    ba = bench.parse_args(["--gen-len", "64", "--prompt-len", str(a.prompt_len), "--device", a.device]
                           + ["--small"] * a.small)
     config = bench.make_config(ba)
     device = torch.device(a.device)

@@ -9,6 +9,7 @@ other model dtypes at build time (the core's native bodies serve them). They nev
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -100,13 +101,40 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return result.view(*x.shape[:-1], n)
 
 
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch shapes of the grouped FP8 MoE: rows per block (each expert's rows padded to it), then warps
+    and pipeline stages of the gate/up kernel, and output columns, warps and stages of the down kernel."""
+
+    block_m: int
+    up_warps: int
+    up_stages: int
+    down_n: int
+    down_warps: int
+    down_stages: int
+
+
+def moe_tiles(pairs: int) -> MoeTiles:
+    """The tiles for a call of ``pairs`` (token, slot) pairs."""
+    if pairs <= 64:
+        return MoeTiles(16, 4, 3, 64, 4, 3)
+    return MoeTiles(64, 8, 3, 64, 4, 3)
+
+
 def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
     """Grouped FP8 MoE over rows sorted by expert: the tokens quantised once, gate/up + SwiGLU with h
     quantised in the epilogue, then down scaled by the routing weight; a token's k contributions are
     summed in float32."""
+    return moe_experts_fp8_tiled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
+
+
+def moe_experts_fp8_tiled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit,
+                          tiles: MoeTiles | None = None) -> torch.Tensor:
+    """:func:`moe_experts_fp8` with the launch shapes ``tiles`` (default :func:`moe_tiles`)."""
     if x.numel() == 0:
         return torch.zeros_like(x)
-    lay = moe_layout(x, w13, topk_ids, topk_weights)
+    tiles = tiles or moe_tiles(topk_ids.numel())
+    lay = moe_layout(x, w13, topk_ids, topk_weights, block_m=tiles.block_m)
     block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
     xq, xs = quantize_act(x if x.stride(-1) == 1 else x.contiguous())
     w13, w2 = w13.contiguous(), w2.contiguous()
@@ -119,12 +147,13 @@ def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
         xq, xq.stride(0), xs, xs.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         lay.sorted_pairs, lay.block_expert, hq, hq.stride(0), hs, hs.stride(0),
         lay.pairs, lay.k, d, inter, float(swiglu_limit),
-        BLOCK_M=block_m, FP8_DOT=fp8_dot, num_warps=8 if block_m == 64 else 4,
+        BLOCK_M=block_m, FP8_DOT=fp8_dot, num_warps=tiles.up_warps, num_stages=tiles.up_stages,
     )
-    kern.moe_fp8_down_kernel[(rows // block_m, _cdiv(d, 64))](
+    kern.moe_fp8_down_kernel[(rows // block_m, _cdiv(d, tiles.down_n))](
         hq, hq.stride(0), hs, hs.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         lay.sorted_pairs, lay.block_expert, lay.weights, out, out.stride(0), lay.pairs, d, inter,
-        BLOCK_M=block_m, BLOCK_N=64, FP8_DOT=fp8_dot, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=tiles.down_n, FP8_DOT=fp8_dot, num_warps=tiles.down_warps,
+        num_stages=tiles.down_stages,
     )
     return lay.combine(out, x.dtype)
 

@@ -1,0 +1,86 @@
+"""Launch shapes of the Triton FP8 grouped MoE (``fp8_ops.moe_experts_fp8_tiled``) at V4-Flash widths.
+
+For each token count, every tile set of the grid runs the MoE of 256 experts (top 6, hidden 4096,
+expert width 2048, random block-FP8 weights) and is timed to device completion by CUDA-graph replays
+(``bench_fp8.cuda_time_ms``); its output is compared with the default tiles' (``moe_tiles``). The bf16
+Triton MoE of the same inputs is the row each time is divided by. Prints a table per token count and
+writes JSON:
+
+  python benchmarks/tune_moe_fp8.py --tokens 512,4096 --out tune_moe_fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BLOCK_M = (64, 128)
+UP = ((4, 3), (8, 3), (8, 4), (4, 4))  # (warps, stages)
+DOWN = ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))  # (columns, warps, stages)
+
+
+def main(argv=None) -> list[dict]:
+    from bench_fp8 import cuda_time_ms
+    from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
+
+    from deepinfer_core.model.fp8 import quantize_fp8_block
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="512,4096")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="tune_moe_fp8.json")
+    a = ap.parse_args(argv)
+    device, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    e, d, inter = a.experts, a.hidden, a.inter
+    w13 = torch.randn(e, 2 * inter, d, device=device, generator=g, dtype=torch.bfloat16) * d**-0.5
+    w2 = torch.randn(e, d, inter, device=device, generator=g, dtype=torch.bfloat16) * inter**-0.5
+    q13, s13 = zip(*(quantize_fp8_block(w) for w in w13))
+    q2, s2 = zip(*(quantize_fp8_block(w) for w in w2))
+    q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
+    rows = []
+    for m in (int(t) for t in a.tokens.split(",")):
+        x = torch.randn(m, d, device=device, generator=g, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device=device, generator=g)[:a.top_k] for _ in range(m)])
+        weights = torch.rand(m, a.top_k, device=device, generator=g) + 0.2
+        args = (x, q13, s13, q2, s2, ids, weights, 10.0)
+        bf16_ms = cuda_time_ms(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), 2, a.iters)
+        default = fp8_ops.moe_tiles(ids.numel())
+        want = fp8_ops.moe_experts_fp8_tiled(*args, tiles=default).float()
+        print(f"\n== {m} tokens: bf16 Triton MoE {bf16_ms:.3f} ms; default tiles {default}")
+        print(f"{'block_m':>7} {'up w/s':>7} {'down n/w/s':>11} {'ms':>8} {'vs bf16':>8} {'max err':>9}")
+        for block_m, (uw, us), (dn, dw, ds) in itertools.product(BLOCK_M, UP, DOWN):
+            tiles = fp8_ops.MoeTiles(block_m, uw, us, dn, dw, ds)
+            row = {"tokens": m, "tiles": tiles.__dict__, "default": tiles == default, "bf16_ms": bf16_ms}
+            try:
+                got = fp8_ops.moe_experts_fp8_tiled(*args, tiles=tiles).float()
+                row["max_err"] = (got - want).abs().max().item() / want.abs().max().item()
+                row["ms"] = cuda_time_ms(partial(fp8_ops.moe_experts_fp8_tiled, *args, tiles=tiles), 2, a.iters)
+            except Exception as exc:  # a tile set past the SM's shared memory or registers
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                print(f"{block_m:>7} {uw:>4}/{us} {dn:>6}/{dw}/{ds}  {row['error']}")
+                rows.append(row)
+                continue
+            rows.append(row)
+            print(f"{block_m:>7} {uw:>4}/{us} {dn:>6}/{dw}/{ds} {row['ms']:8.3f} {bf16_ms / row['ms']:7.2f}x "
+                  f"{row['max_err']:9.2e}{'  (default)' * row['default']}")
+        timed = [r for r in rows if r["tokens"] == m and "ms" in r]
+        best = min(timed, key=lambda r: r["ms"])
+        print(f"best: {best['tiles']} {best['ms']:.3f} ms ({bf16_ms / best['ms']:.2f}x bf16)")
+    Path(a.out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
