@@ -168,7 +168,26 @@ _WORKER = textwrap.dedent(
         err = ((got - want).abs() / want.abs().clamp(min=1e-30)).max().item()
         assert err < 1e-5, err
 
-    checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding}
+    def swiglu_quantize():
+        # SwiGLU in float32 then quantised, one launch: the reference's E4M3 values, but for the odd one a
+        # float32 rounding of the sigmoid moves across a rounding tie (one E4M3 step at most)
+        from deepinfer_core.model.fp8 import dequantize_act_fp8, quantize_act_fp8
+        from deepinfer_core.ops import native
+        from deepinfer_nvidia_sm100 import fp8_ops
+        gu = (torch.randn(37, 2 * 320) * torch.logspace(-3, 1, 37).unsqueeze(1)).bfloat16()
+        gu[4] = 0
+        gu[5, :3] = 1e4  # past the clamp
+        q, s = fp8_ops.swiglu_quantize(gu, 10.0)
+        want_q, want_s = quantize_act_fp8(native.swiglu(gu.float(), 10.0))
+        assert q.shape == want_q.shape and s.shape == want_s.shape == (37, 3)
+        torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+        got, want = dequantize_act_fp8(q, s), dequantize_act_fp8(want_q, want_s)
+        assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 1e-3
+        step = want.abs() / 8 + want_s.repeat_interleave(128, -1)[:, :320] * 2.0**-9
+        assert ((got - want).abs() <= step).all()
+
+    checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding,
+              "swiglu_quantize": swiglu_quantize}
     out = {"__device__": str(device)}
     for key, job in jobs.items():
         try:
@@ -209,6 +228,7 @@ FP8_OPS = ["linear_fp8", "moe_experts_fp8"]
 FP8_WIDE = dict(tokens=20, top_k=4, hidden=384, q_lora=320, moe_inter=256, local_experts=5)
 JOBS.update({f"wide/{op}/{d}": _job(op, d, "fp8_wide", FP8_WIDE) for op in FP8_OPS for d in ("bfloat16", "float32")})
 JOBS["fp8_rounding"] = _job(check="fp8_rounding")
+JOBS["swiglu_quantize"] = _job(check="swiglu_quantize")
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +280,11 @@ def test_interpreted_fp8_kernels_over_several_groups(op, dtype, interpreted):
 @needs_triton
 def test_interpreted_fp8_quantisation_rounds_like_torch(interpreted):
     _report(interpreted, "fp8_rounding")
+
+
+@needs_triton
+def test_interpreted_swiglu_quantisation_matches_torch(interpreted):
+    _report(interpreted, "swiglu_quantize")
 
 
 @needs_triton
@@ -561,9 +586,13 @@ def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeyp
     monkeypatch.setattr(external, "_triton_quantises", lambda device: True)
     want = external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args)
     assert len(calls) == 1
+    swiglus = []
+    monkeypatch.setattr(fp8_ops, "swiglu_quantize", lambda gu, limit: swiglus.append(gu.shape) or quantize_act_fp8(
+        native.swiglu(gu.float(), limit)))
     external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args)
     external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args)
-    assert len(calls) == 1 + 2 + 2  # the activations and h of each MoE
+    assert len(calls) == 1 + 2 + 1  # the masked MoE's activations and h; the contiguous one's activations
+    assert len(swiglus) == 1  # its h: SwiGLU and quantisation in one launch
     monkeypatch.setattr(external, "_triton_quantises", lambda device: False)
     assert torch.equal(external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args), want)
 

@@ -80,6 +80,30 @@ def test_activation_quantisation_matches_torch_bit_for_bit(m, k, dtype, device):
                      for r, c in bad]
 
 
+@pytest.mark.parametrize("m, inter", [(3, 2048), (300, 2048), (77, 300)])
+def test_swiglu_quantisation_matches_torch(m, inter, device):
+    """SwiGLU of bfloat16 gate/up rows and its quantisation in one launch (the DeepGEMM MoE's h): the
+    scales of ``quantize_act_fp8`` on ``native.swiglu`` in float32, and its E4M3 values but for the odd
+    one a float32 rounding of the sigmoid moves across a tie (one E4M3 step at most)."""
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    from deepinfer_core.model.fp8 import dequantize_act_fp8
+    from deepinfer_core.ops import native
+
+    g = torch.Generator().manual_seed(m + inter)
+    gu = (torch.randn(m, 2 * inter, generator=g) * torch.logspace(-3, 1, m).unsqueeze(1)).bfloat16()
+    gu[0, :5] = 1e4  # past the clamp
+    want_q, want_s = quantize_act_fp8(native.swiglu(gu.float(), 10.0))
+    q, s = fp8_ops.swiglu_quantize(gu.to(device), 10.0)
+    q, s = q.cpu(), s.cpu()
+    assert q.shape == want_q.shape and s.shape == want_s.shape
+    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+    assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 1e-3
+    got, want = dequantize_act_fp8(q, s), dequantize_act_fp8(want_q, want_s)
+    step = want.abs() / 8 + want_s.repeat_interleave(128, -1)[:, :inter] * 2.0**-9
+    assert ((got - want).abs() <= step).all()
+
+
 @pytest.mark.parametrize("m", [1, 64, 200])
 @pytest.mark.parametrize("n, k", LINEAR_SHAPES)
 def test_linear_fp8_at_v4_flash_shapes(n, k, m, reference, device):

@@ -290,15 +290,17 @@ def deep_gemm_moe_with(gemm: Callable, align: int, x, w13, w2, topk_ids, topk_we
 
 def _combine(down: torch.Tensor, sorted_pairs: torch.Tensor, topk_weights: torch.Tensor, tokens: int,
              k: int) -> torch.Tensor:
-    """Rows of expert outputs (in ``sorted_pairs`` order) -> the weighted sum per token, float32."""
+    """Rows of expert outputs (in ``sorted_pairs`` order; padding rows any value) -> the weighted sum per
+    token in float32, a token's k in slot order; a pair with no row (an expert of another rank) adds 0."""
     pairs, d = tokens * k, down.shape[-1]
-    row_ok = sorted_pairs < pairs
-    weights = topk_weights.reshape(-1).float()
-    dest = torch.where(row_ok, sorted_pairs, pairs)
-    contrib = down.float() * weights[torch.where(row_ok, sorted_pairs, 0)].unsqueeze(-1)
-    contrib = torch.where(row_ok.unsqueeze(-1), contrib, 0.0)
-    out = torch.zeros((pairs + 1, d), dtype=torch.float32, device=down.device).index_add_(0, dest, contrib)
-    return out[:pairs].view(tokens, k, d).sum(dim=1)
+    rows = sorted_pairs.shape[0]
+    row_of = torch.full((pairs + 1,), rows, dtype=torch.long, device=down.device)
+    row_of.scatter_(0, sorted_pairs, torch.arange(rows, device=down.device))  # padding rows all land on `pairs`
+    row_of = row_of[:pairs]
+    has_row = row_of < rows
+    picked = down[row_of.clamp(max=rows - 1)].float().view(tokens, k, d)
+    weights = torch.where(has_row, topk_weights.reshape(-1).float(), 0.0).view(tokens, k, 1)
+    return torch.where(has_row.view(tokens, k, 1), picked * weights, 0.0).sum(dim=1)
 
 
 def deep_gemm_moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
@@ -351,9 +353,25 @@ def deep_gemm_linear_fp8_with(gemm: Callable, x, weight, weight_scale) -> torch.
     return out.view(*x.shape[:-1], n).to(x.dtype)
 
 
+def _swiglu_quantize(gate_up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_act` of ``native.swiglu`` in float32: on a CUDA device one Triton launch."""
+    if not _triton_quantises(gate_up.device):
+        return quantize_act_fp8(native.swiglu(gate_up.float(), limit))
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    return fp8_ops.swiglu_quantize(gate_up, limit)
+
+
+def _gather_rows(q: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` of E4M3 ``q`` and their scales ``s``."""
+    return q.view(torch.uint8)[rows].view(q.dtype), s[rows]  # no float8 indexing on every build
+
+
 def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                            swiglu_limit) -> torch.Tensor:
-    """``moe_experts_fp8`` through an ``m_grouped_fp8_gemm_nt_contiguous``-like callable (for tests too)."""
+    """``moe_experts_fp8`` through an ``m_grouped_fp8_gemm_nt_contiguous``-like callable (for tests too): the
+    tokens quantised once and their E4M3 rows gathered into the layout, SwiGLU and its quantisation in one
+    pass over the gate/up rows."""
     from deepinfer_nvidia_sm100.triton_ops import expert_layout
 
     tokens, d = x.shape
@@ -361,11 +379,11 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     sorted_pairs, block_expert = expert_layout(topk_ids, w13.shape[0], align)
     row_ok = sorted_pairs < tokens * k
     m_indices = torch.where(row_ok, block_expert.repeat_interleave(align), -1).to(torch.int32)
-    a = x[torch.where(row_ok, sorted_pairs // k, 0)]
-    gate_up = torch.empty((a.shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
-    gemm(_quantize_act(a), (w13, w13_scale.float()), gate_up, m_indices)
-    h = _quantize_act(native.swiglu(gate_up.float(), swiglu_limit))
-    down = torch.empty((a.shape[0], d), dtype=torch.bfloat16, device=x.device)
+    a = _gather_rows(*_quantize_act(x), torch.where(row_ok, sorted_pairs // k, 0))
+    gate_up = torch.empty((a[0].shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
+    gemm(a, (w13, w13_scale.float()), gate_up, m_indices)
+    h = _swiglu_quantize(gate_up, swiglu_limit)
+    down = torch.empty((a[0].shape[0], d), dtype=torch.bfloat16, device=x.device)
     gemm(h, (w2, w2_scale.float()), down, m_indices)
     return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
 

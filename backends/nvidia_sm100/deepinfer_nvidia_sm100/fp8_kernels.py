@@ -72,6 +72,31 @@ def quantize_fp8_kernel(
 
 
 @triton.jit
+def swiglu_quantize_kernel(
+    gu_ptr, stride_gm,
+    q_ptr, stride_qm, s_ptr, stride_sm,
+    M, I, limit,
+    BLOCK_M: tl.constexpr,
+):
+    """h = swiglu(gate_up) in float32 (gate = columns [0, I), up = [I, 2I)), quantised as
+    :func:`quantize_fp8_kernel` quantises: one block of rows and one 128-channel group g of h."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = g * GROUP + tl.arange(0, GROUP)
+    m_mask = offs_m < M
+    valid = m_mask[:, None] & (offs_n < I)[None, :]
+    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    at = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
+    gate = tl.minimum(tl.load(at, mask=valid, other=0.0).to(tl.float32), limit)
+    up = tl.load(at + I, mask=valid, other=0.0).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    hq, hs = quantize_rows(tl.where(valid, h, 0.0), valid)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_n[None, :], hq.to(q_ptr.dtype.element_ty), mask=valid)
+    tl.store(s_ptr + rows * stride_sm + g, hs, mask=m_mask)
+
+
+@triton.jit
 def linear_fp8_kernel(
     xq_ptr, stride_xm, xs_ptr, stride_xsm,
     w_ptr, stride_wn,

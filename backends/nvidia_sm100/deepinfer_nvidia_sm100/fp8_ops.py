@@ -72,6 +72,22 @@ def quantize_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def swiglu_quantize(gate_up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [M, 2I] of gate and up (stride 1 along them) -> swiglu in float32 as (E4M3 [M, I], float32
+    scales [M, ceil(I/128)]), one launch; as :func:`quantize_act` on ``native.swiglu``'s float32 rows."""
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    groups = _cdiv(inter, GROUP)
+    q = torch.empty((m, inter), dtype=FP8_DTYPE, device=gate_up.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=gate_up.device)
+    if m:
+        _k().swiglu_quantize_kernel[(_cdiv(m, 16), groups)](
+            gate_up, gate_up.stride(0), q, q.stride(0), s, s.stride(0), m, inter, float(limit),
+            BLOCK_M=16, num_warps=4,
+        )
+    return q, s
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     if x.numel() == 0:
@@ -118,7 +134,9 @@ def moe_tiles(pairs: int) -> MoeTiles:
     """The tiles for a call of ``pairs`` (token, slot) pairs."""
     if pairs <= 64:
         return MoeTiles(16, 4, 3, 64, 4, 3)
-    return MoeTiles(64, 8, 3, 64, 4, 3)
+    if pairs <= 4096:
+        return MoeTiles(64, 8, 3, 64, 4, 3)
+    return MoeTiles(64, 8, 4, 256, 8, 3)  # on an H200: 4096 tokens of V4-Flash's MoE in 4.44 ms, not 4.81
 
 
 def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit) -> torch.Tensor:
