@@ -144,6 +144,17 @@ def test_moe_experts_fp8_256_experts_top6(tokens, reference, device):
     assert_close(got.cpu(), want, dtype=torch.bfloat16, name=f"moe_experts_fp8 {tokens} tokens")
 
 
+def test_moe_experts_fp8_tiles_for_many_pairs_give_the_same_sums(device):
+    """Above 4096 (token, expert) pairs the Triton FP8 MoE takes other tiles (``moe_tiles``); each output is
+    still the same float32 sum in the same K order, so it equals the tiles the reference tests above cover."""
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    args = _moe_case(torch.Generator(device).manual_seed(700), 700)
+    fewer = fp8_ops.moe_tiles(4096)
+    assert fp8_ops.moe_tiles(700 * 6) != fewer
+    assert torch.equal(fp8_ops.moe_experts_fp8(*args), fp8_ops.moe_experts_fp8_tiled(*args, tiles=fewer))
+
+
 def _deep_gemm_moe(table):
     from deepinfer_nvidia_sm100 import external
 
