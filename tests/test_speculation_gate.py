@@ -139,6 +139,24 @@ def test_probes_of_speculation_keep_its_last_yield_and_wait_for_fresh_rows_only_
     assert all(r > 4 for r in runs[3::4])  # the fresh ones: the stale window (20 tokens) plus their samples
 
 
+def test_a_bucket_whose_speculative_steps_are_all_stale_judges_by_their_yield():
+    """V4-Flash widths at batch 64 with forced acceptance (H200): plain steps in the buckets before left
+    every MTP row stale for a window (128 tokens), longer than the 64-token requests. 2.5 tokens per
+    sequence in 3.4 plain steps' time lose (0.74x), and waiting for a fresh step that never comes
+    speculated throughout; after probe_steps - settle_steps stale samples their yield decides. Where
+    even the stale yield wins (3 tokens in 1.5 steps' time), speculation is kept."""
+    losing = SpeculationGate(probe_steps=8, settle_steps=2, max_tokens_per_step=4)
+    modes = feed_stale(losing, 64, 64, spec_s=3.4e-3, plain_s=1e-3, fresh_tokens=2.5, stale_tokens=2.5,
+                       window=10**6)
+    b = losing.buckets[64]
+    assert b.spec_yield is None and b.stale_samples >= 6 and b.rate(True) == pytest.approx(b.seq_rate[True] * 2.5)
+    assert modes.index(False) <= 8 + 1 and modes[16:].count(True) <= 8  # one probe at most
+    winning = SpeculationGate(probe_steps=8, settle_steps=2, max_tokens_per_step=4)
+    modes = feed_stale(winning, 64, 64, spec_s=1.5e-3, plain_s=1e-3, fresh_tokens=3.0, stale_tokens=3.0,
+                       window=10**6)
+    assert modes[16:].count(True) >= len(modes[16:]) - 8
+
+
 def test_a_speculative_step_slower_than_its_best_case_ends_the_probe_at_once():
     """4 tokens per sequence at most, in 5x a plain step's time: speculation cannot win, fresh or not, and
     its probes end one sample past the settling steps."""

@@ -28,6 +28,9 @@ the engine says were ``fresh``, while any speculative step measures the cost. A 
 re-measures its cost and keeps the last yield; it waits for fresh steps (up to ``max_stale_steps`` more)
 only every ``fresh_probe_every``-th probe, or while no yield is known. Where speculation loses even at
 ``max_tokens_per_step`` (1 + k) tokens per sequence, a probe ends one sample past its settling steps.
+A bucket whose speculative steps are all stale (reached only after plain steps, with runs shorter than a
+window) would never learn a yield and speculate blindly: after ``probe_steps - settle_steps`` stale
+samples and no fresh one, their yield, a lower bound, stands in until a fresh one is measured.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def bucket(num_seqs: int) -> int:
 class _Bucket:
     seq_rate: dict[bool, float] = field(default_factory=dict)  # speculate -> sequence-steps per second
     spec_yield: float | None = None  # output tokens per sequence of a fresh speculative step
+    stale_yield: float | None = None  # the same of the stale ones (drafts from rows plain steps left)
+    stale_samples: int = 0
+    stale_after: int = 6  # stale samples after which stale_yield stands in for an unknown spec_yield
     steps: int = 0  # steps decided in this bucket
     best: bool | None = None  # the faster mode when the current interval began
     interval: int = 0  # steps of the faster mode between probes
@@ -54,9 +60,12 @@ class _Bucket:
     def rate(self, speculated: bool) -> float | None:
         """Output tokens per second, where known."""
         steps = self.seq_rate.get(speculated)
-        if steps is None or (speculated and self.spec_yield is None):
-            return None
-        return steps * (self.spec_yield if speculated else 1.0)
+        if not speculated or steps is None:
+            return steps
+        yields = self.spec_yield
+        if yields is None and self.stale_samples >= self.stale_after:
+            yields = self.stale_yield
+        return None if yields is None else steps * yields
 
 
 class SpeculationGate:
@@ -81,7 +90,7 @@ class SpeculationGate:
         """Whether the next step of ``num_decoding`` decoding sequences speculates; ``decode_only`` False:
         the step also has prefill chunks."""
         key = bucket(num_decoding)
-        b = self.buckets.setdefault(key, _Bucket())
+        b = self._bucket(key)
         measured = self._best(b) is not None
         near = None if measured else self._nearest(key)
         if not decode_only or (not measured and b.steps < self.probe_steps and near is not None):
@@ -101,6 +110,11 @@ class SpeculationGate:
             b.mode_steps[mode] += 1
         self.counts[mode] += 1
         return mode
+
+    def _bucket(self, key: int) -> _Bucket:
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(stale_after=self.probe_steps - self.settle_steps)
+        return self.buckets[key]
 
     def _best(self, b: _Bucket) -> bool | None:
         """Whether speculation is the faster mode in ``b``; None: not both measured."""
@@ -180,10 +194,13 @@ class SpeculationGate:
         begin = started if last is None or not pipelined else max(last, started)
         if self._run_length <= self.settle_steps or now <= begin or not num_decoding:
             return
-        b = self.buckets.setdefault(run[1], _Bucket())
+        b = self._bucket(run[1])
         b.seq_rate[speculated] = self._mean(b.seq_rate.get(speculated), num_decoding / (now - begin))
         if speculated and fresh:
             b.spec_yield = self._mean(b.spec_yield, num_tokens / num_decoding)
+        elif speculated:
+            b.stale_yield = self._mean(b.stale_yield, num_tokens / num_decoding)
+            b.stale_samples += 1
         if b.best is not None and speculated != b.best and (fresh or not speculated):
             b.probe_samples += 1
 
