@@ -10,9 +10,12 @@ sequence-steps per second of consecutive steps of that mode; and speculation's y
 sequence and step. A mode's rate (output tokens per second) is the two multiplied (plain decode yields
 one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps now and then.
 Probing costs the time the slower mode's steps take beyond what the faster one would take for their
-tokens; the steps of the faster mode until the next probe are as many as keep that cost, and the
-exploration's before it, below ``probe_cost_share`` of the time (between ``probe_every`` and
-``max_probe_every``). A probe that changes the faster mode starts again from ``probe_every``. The first
+tokens; the steps of the faster mode until the next probe are as many as keep that cost below
+``probe_cost_share`` of the time (between ``probe_every`` and ``max_probe_every``). The first interval
+after a bucket's exploration, and one after a probe that changed the faster mode, are ``probe_every``
+long: one look at a mode's cost may be off (steps of a cold cache, another process on the device), and
+the next probe re-measures it; the exploration's cost, as a probe's that waited for fresh rows (below),
+only defers the next such probe. The first
 ``settle_steps`` of a run of one mode are left out (a switch drains the pipeline, and the first
 speculative steps after plain ones have no drafts yet).
 
@@ -26,7 +29,7 @@ Plain steps leave the MTP block's window rows of their positions unwritten, so d
 a sequence has gone a window past its last plain step. The yield is therefore measured only on steps
 the engine says were ``fresh``, while any speculative step measures the cost. A probe of speculation
 re-measures its cost and keeps the last yield; it waits for fresh steps (up to ``max_stale_steps`` more)
-only every ``fresh_probe_every``-th probe, or while no yield is known. Where speculation loses even at
+only every ``fresh_probe_every``-th probe once that deferral has passed, or while no yield is known. Where speculation loses even at
 ``max_tokens_per_step`` (1 + k) tokens per sequence, a probe ends one sample past its settling steps.
 A bucket whose speculative steps are all stale (reached only after plain steps, with runs shorter than a
 window) would never learn a yield and speculate blindly: after ``probe_steps - settle_steps`` stale
@@ -56,6 +59,7 @@ class _Bucket:
     probes: int = 0  # probes of speculation begun
     mode_steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # since the interval began
     probe_samples: int = 0  # samples of the slower mode taken in the current probe (fresh ones of speculation)
+    fresh_due: int = 0  # the step before which a probe of speculation does not wait for fresh rows
 
     def rate(self, speculated: bool) -> float | None:
         """Output tokens per second, where known."""
@@ -147,8 +151,10 @@ class SpeculationGate:
     def _choose(self, b: _Bucket, spec: float) -> bool:
         best = spec >= b.rate(False)
         if b.best is None or (b.steps >= b.next_probe + self._probe_length(b) and self._probed(b)):
-            changed = b.best is not None and b.best != best  # an interval begins
-            b.interval = self.probe_every if changed else self._interval(b, best, spec)
+            first, changed = b.best is None, b.best is not None and b.best != best  # an interval begins
+            amortised = self._interval(b, best, spec)
+            b.fresh_due = max(b.fresh_due, b.steps + amortised)
+            b.interval = self.probe_every if first or changed else amortised
             b.best, b.next_probe, b.probe_samples = best, b.steps + b.interval, 0
             b.mode_steps = {True: 0, False: 0}
             b.probes += not best
@@ -172,7 +178,7 @@ class SpeculationGate:
         """Whether the probe running has measured the slower mode enough."""
         if b.best is True or self._loses_anyway(b):
             return True  # plain decode, or speculation's cost alone decides
-        if b.spec_yield is not None and b.probes % self.fresh_probe_every:
+        if b.spec_yield is not None and (b.probes % self.fresh_probe_every or b.steps < b.fresh_due):
             return True  # its cost re-measured, its last yield kept
         done = b.probe_samples >= self.probe_steps - self.settle_steps
         return done or b.steps >= b.next_probe + self.probe_steps + self.max_stale_steps
