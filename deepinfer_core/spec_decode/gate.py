@@ -29,8 +29,9 @@ Plain steps leave the MTP block's window rows of their positions unwritten, so d
 a sequence has gone a window past its last plain step. The yield is therefore measured only on steps
 the engine says were ``fresh``, while any speculative step measures the cost. A probe of speculation
 re-measures its cost and keeps the last yield; it waits for fresh steps (up to ``max_stale_steps`` more)
-only every ``fresh_probe_every``-th probe once that deferral has passed, or while no yield is known. Where speculation loses even at
-``max_tokens_per_step`` (1 + k) tokens per sequence, a probe ends one sample past its settling steps.
+only every ``fresh_probe_every``-th probe once that deferral has passed, or while no yield is known.
+Where speculation loses even at ``max_tokens_per_step`` (1 + k) tokens per sequence, a probe ends one
+sample past its settling steps.
 A bucket whose speculative steps are all stale (reached only after plain steps, with runs shorter than a
 window) would never learn a yield and speculate blindly: after ``probe_steps - settle_steps`` stale
 samples and no fresh one, their yield, a lower bound, stands in until a fresh one is measured.
