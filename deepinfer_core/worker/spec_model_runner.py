@@ -164,13 +164,13 @@ class SpecDecodeModelRunner(ModelRunner):
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
             plain_samples = self.sampler(logits.index_select(0, index), states, bitmask)
             plain_out = plain_samples.to_host(self.platform)
-        fillers = filler_mask.to(logits.device) if any(filler) else None
+        fillers = filler_mask if any(filler) else None  # on the host: a uniform verification never reads it
         if verifies:
             lengths = {len(s.token_ids) for s in so.scheduled}
             span = q or (next(iter(lengths)) if len(lengths) == 1 else None)
             verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled, span)
         elif undo is not None:
-            undo.restore(fillers)
+            undo.restore(fillers.to(logits.device))
         drafted = windows = None
         if self._drafts_on_device(so.scheduled):
             drafted = self._draft_on_device(so.scheduled, streams, starts, plain, plain_samples, verifies, verified)
@@ -288,8 +288,8 @@ class SpecDecodeModelRunner(ModelRunner):
                 fillers: torch.Tensor | None, starts: list[int], scheduled: list[ScheduledSeq],
                 span: int | None = None):
         """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
-        drafts and by ``fillers`` are put back. ``span``: the tokens of every scheduled span (fillers
-        included), where all are one length."""
+        drafts and by ``fillers`` (bool [T], on the host) are put back. ``span``: the tokens of every
+        scheduled span (fillers included), where all are one length."""
         device, vocab = logits.device, logits.shape[-1]
         s = len(verifies)
         if (span and s == len(scheduled) and all(v.state.params.greedy for v in verifies)
@@ -325,7 +325,7 @@ class SpecDecodeModelRunner(ModelRunner):
             out = rejection_sample(probs, drafts_d, num_d, uniforms, noise, greedy=greedy_d.bool())
         rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
         if fillers is not None:
-            rejected |= fillers
+            rejected |= fillers.to(device)
         undo.restore(rejected)
         return out
 
