@@ -10,7 +10,8 @@ replay and what stays on the host.
 ``--fp8`` quantises the weights to block FP8 first (``quantize_params_fp8``, the engine with
 ``quantization="fp8"``), as the sweep's ``+fp8`` configs do. ``--prefill`` profiles the prefill instead:
 after a warm-up request, ``--batch`` prompts of ``--prompt-len`` tokens, one chunk of ``--prompt-len``
-tokens per step (the sweep's prefill rows), each step timed to device completion:
+tokens per step (the sweep's prefill rows), each step timed to device completion (``step_ms``: the
+median of a round outside the profiler), then another ``--batch`` profiled:
 
   python benchmarks/profile_decode.py --prefill --batch 2 --prompt-len 4096 --fp8 --out OUT
 
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu_decode as bench  # noqa: E402
@@ -124,21 +126,25 @@ def main(argv=None) -> dict | None:
         add(1, "warmup", 2)
         while engine.has_unfinished_requests():
             engine.step()
-        add(a.batch, "p", 1)
-        times = []
-        with profile(activities=activities) as prof:
+
+        def prefill(tag: str) -> list[float]:
+            add(a.batch, tag, 1)
+            times = []
             while prefilling():
                 sync()
                 t0 = time.perf_counter()
                 engine.step()
                 sync()
                 times.append(time.perf_counter() - t0)
+            return times
+
+        step_ms = statistics.median(prefill("timed")) * 1e3  # outside the profiler, which slows the host
         while engine.has_unfinished_requests():
             engine.step()
-        a.steps = len(times)
-        step_ms = statistics.median(times) * 1e3
+        with profile(activities=activities) as prof:
+            a.steps = len(prefill("profiled"))
         return report(prof, a, f"prefill{a.prompt_len}_{tag}", cuda=cuda, step_ms=step_ms,
-                      prefill_tok_s=a.prompt_len / (step_ms / 1e3), prefill_steps=len(times))
+                      prefill_tok_s=a.prompt_len / (step_ms / 1e3), prefill_steps=a.steps)
     add(a.batch, "", a.steps + 60)
     while prefilling():
         engine.step()
@@ -154,8 +160,8 @@ def main(argv=None) -> dict | None:
 
 def report(prof, a, tag: str, cuda: bool = True, **extra) -> dict:
     """Write ``profile_{tag}.txt`` (the tables) and ``profile_{tag}.json`` under ``--out`` and print the
-    time per step of the top ``--rows`` events by self time: CUDA time, or with ``cuda=False`` (a profile
-    without the CUDA activity, as on the CPU) CPU time."""
+    time per step of the top ``--rows`` events by self time: the kernels' CUDA time, or with ``cuda=False``
+    (a profile without the CUDA activity, as on the CPU) the operators' CPU time."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     events = prof.key_averages()
@@ -166,9 +172,13 @@ def report(prof, a, tag: str, cuda: bool = True, **extra) -> dict:
     def self_us(e):
         return e.self_device_time_total if cuda else e.self_cpu_time_total
 
-    total = sum(self_us(e) for e in events) / 1e3 / a.steps
+    # on the device, kernels only: an operator's self device time is its kernels' again
+    kernels = [e for e in events if e.device_type != DeviceType.CPU] if cuda else list(events)
+    kernels = kernels or list(events)
+    total = sum(self_us(e) for e in kernels) / 1e3 / a.steps
+    ranked = sorted(kernels, key=lambda e: -self_us(e))[:a.rows]
     summary = {"batch": a.batch, "mode": tag, "device_ms_per_step": total, **extra,
-               "top": [(e.key, self_us(e) / 1e3 / a.steps) for e in sorted(events, key=lambda e: -self_us(e))[:a.rows]]}
+               "top": [(e.key, self_us(e) / 1e3 / a.steps) for e in ranked]}
     (out / f"profile_{tag}.json").write_text(json.dumps(summary, indent=1))
     print(f"== {tag}: {'device' if cuda else 'CPU'} time {total:.2f} ms/step"
           + (f", step {extra['step_ms']:.2f} ms" if "step_ms" in extra else ""))
