@@ -41,6 +41,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="tune_moe_fp8.json")
+    ap.add_argument("--profile", action="store_true", help="print the kernels of one call instead of tuning")
     a = ap.parse_args(argv)
     device, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     e, d, inter = a.experts, a.hidden, a.inter
@@ -55,6 +56,9 @@ def main(argv=None) -> list[dict]:
         ids = torch.stack([torch.randperm(e, device=device, generator=g)[:a.top_k] for _ in range(m)])
         weights = torch.rand(m, a.top_k, device=device, generator=g) + 0.2
         args = (x, q13, s13, q2, s2, ids, weights, 10.0)
+        if a.profile:
+            profile_call(m, args)
+            continue
         bf16_ms = cuda_time_ms(partial(triton_ops.moe_experts, x, w13, w2, ids, weights, 10.0), 2, a.iters)
         default = fp8_ops.moe_tiles(ids.numel())
         want = fp8_ops.moe_experts_fp8_tiled(*args, tiles=default).float()
@@ -80,6 +84,30 @@ def main(argv=None) -> list[dict]:
         print(f"best: {best['tiles']} {best['ms']:.3f} ms ({bf16_ms / best['ms']:.2f}x bf16)")
     Path(a.out).write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def profile_call(tokens: int, args: tuple) -> None:
+    """Device time per kernel of one call (after a warm-up call) of each MoE implementation."""
+    from deepinfer_nvidia_sm100 import external, fp8_ops
+    from torch.profiler import ProfilerActivity, profile
+
+    impls = {"triton": fp8_ops.moe_experts_fp8}
+    try:
+        gemm = external._library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous
+        impls["deep_gemm contiguous"] = partial(external.deep_gemm_moe_fp8_with, gemm, external._deep_gemm_alignment())
+    except Exception as exc:  # not importable here
+        print(f"DeepGEMM: {type(exc).__name__}: {exc}")
+    for name, fn in impls.items():
+        fn(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            torch.cuda.synchronize()
+        kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in kernels) / 1e3
+        print(f"\n== {tokens} tokens, {name}: {total:.3f} ms of kernels")
+        for e in kernels[:15]:
+            print(f"{e.self_device_time_total / 1e3:9.3f} ms  {e.count:4d}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":
