@@ -104,6 +104,24 @@ def test_swiglu_quantisation_matches_torch(m, inter, device):
     assert ((got - want).abs() <= step).all()
 
 
+def test_moe_combine_sums_each_tokens_rows_in_one_launch(device):
+    """The DeepGEMM MoE's combine: each token's k rows (gathered by row, a slot without one adds 0) weighted
+    and summed in float32; rows nothing points at (padding, NaN here) are never read."""
+    from deepinfer_nvidia_sm100 import external, fp8_ops
+
+    g = torch.Generator(device).manual_seed(3)
+    tokens, k, d = 37, 6, 4096 + 40  # a ragged last column block
+    rows = torch.randn(300, d, generator=g, device=device).bfloat16()
+    rows[290:] = float("nan")
+    row_of = torch.randint(0, 290, (tokens * k,), generator=g, device=device)
+    row_of[::7] = 300  # no row
+    weights = torch.rand(tokens * k, generator=g, device=device)
+    got = fp8_ops.combine_rows(rows, row_of, weights, tokens, k, torch.bfloat16)
+    want = external.combine_rows_torch(rows, row_of, weights, tokens, k, torch.float32)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, d) and not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+
+
 @pytest.mark.parametrize("m", [1, 64, 200])
 @pytest.mark.parametrize("n, k", LINEAR_SHAPES)
 def test_linear_fp8_at_v4_flash_shapes(n, k, m, reference, device):

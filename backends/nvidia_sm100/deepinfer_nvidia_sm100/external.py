@@ -285,22 +285,35 @@ def deep_gemm_moe_with(gemm: Callable, align: int, x, w13, w2, topk_ids, topk_we
     h = native.swiglu(gate_up.float(), swiglu_limit).to(x.dtype).contiguous()  # SwiGLU in float32
     down = torch.empty((a.shape[0], d), dtype=x.dtype, device=x.device)
     gemm(h, w2, down, m_indices)
-    return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
+    return _combine(down, sorted_pairs, topk_weights, tokens, k, x.dtype)
 
 
 def _combine(down: torch.Tensor, sorted_pairs: torch.Tensor, topk_weights: torch.Tensor, tokens: int,
-             k: int) -> torch.Tensor:
+             k: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows of expert outputs (in ``sorted_pairs`` order; padding rows any value) -> the weighted sum per
-    token in float32, a token's k in slot order; a pair with no row (an expert of another rank) adds 0."""
-    pairs, d = tokens * k, down.shape[-1]
+    token in float32, a token's k in slot order, in ``dtype``; a pair with no row (an expert of another
+    rank) adds 0. On a CUDA device one Triton launch."""
+    pairs = tokens * k
     rows = sorted_pairs.shape[0]
     row_of = torch.full((pairs + 1,), rows, dtype=torch.long, device=down.device)
     row_of.scatter_(0, sorted_pairs, torch.arange(rows, device=down.device))  # padding rows all land on `pairs`
     row_of = row_of[:pairs]
-    has_row = row_of < rows
-    picked = down[row_of.clamp(max=rows - 1)].float().view(tokens, k, d)
-    weights = torch.where(has_row, topk_weights.reshape(-1).float(), 0.0).view(tokens, k, 1)
-    return torch.where(has_row.view(tokens, k, 1), picked * weights, 0.0).sum(dim=1)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    if _triton_quantises(down.device):
+        from deepinfer_nvidia_sm100 import fp8_ops
+
+        return fp8_ops.combine_rows(down, row_of, weights, tokens, k, dtype)
+    return combine_rows_torch(down, row_of, weights, tokens, k, dtype)
+
+
+def combine_rows_torch(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_ops.combine_rows`` in torch ops."""
+    n, d = rows.shape
+    has_row = row_of < n
+    picked = rows[row_of.clamp(max=n - 1)].float().view(tokens, k, d)
+    weights = torch.where(has_row, weights, 0.0).view(tokens, k, 1)
+    return torch.where(has_row.view(tokens, k, 1), picked * weights, 0.0).sum(dim=1).to(dtype)
 
 
 def deep_gemm_moe_experts(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
@@ -385,7 +398,7 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     h = _swiglu_quantize(gate_up, swiglu_limit)
     down = torch.empty((a[0].shape[0], d), dtype=torch.bfloat16, device=x.device)
     gemm(h, (w2, w2_scale.float()), down, m_indices)
-    return _combine(down, sorted_pairs, topk_weights, tokens, k).to(x.dtype)
+    return _combine(down, sorted_pairs, topk_weights, tokens, k, x.dtype)
 
 
 #: MoE calls of at most this many tokens (decode steps) take the masked grouped GEMM: a slab per expert (the

@@ -97,6 +97,27 @@ def swiglu_quantize_kernel(
 
 
 @triton.jit
+def moe_combine_kernel(
+    rows_ptr, stride_r, row_of_ptr, w_ptr, out_ptr, stride_o,
+    D, R,
+    K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t] = sum over slots j of w[t*K + j] * rows[row_of[t*K + j]], in float32 in slot order, for one
+    token t and BLOCK_D columns; a slot whose row is R (none) adds 0."""
+    t, pid_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(row_of_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        ok = r < R
+        vals = tl.load(rows_ptr + tl.where(ok, r, 0) * stride_r + offs, mask=d_mask & ok, other=0.0)
+        acc += vals.to(tl.float32) * tl.where(ok, w, 0.0)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
 def linear_fp8_kernel(
     xq_ptr, stride_xm, xs_ptr, stride_xsm,
     w_ptr, stride_wn,

@@ -88,6 +88,21 @@ def swiglu_quantize(gate_up: torch.Tensor, limit: float) -> tuple[torch.Tensor, 
     return q, s
 
 
+def combine_rows(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, D] in ``dtype``: token t's sum over its k slots of ``weights[t*k + j] * rows[row_of[t*k + j]]``
+    in float32 in slot order (``row_of`` = len(rows): no row, adds 0); one launch. ``rows`` [R, D] with stride
+    1 along D, ``row_of`` int64 and ``weights`` float32 [tokens * k], contiguous."""
+    d = rows.shape[1]
+    out = torch.empty((tokens, d), dtype=dtype, device=rows.device)
+    if tokens:
+        _k().moe_combine_kernel[(tokens, _cdiv(d, 1024))](
+            rows, rows.stride(0), row_of, weights, out, out.stride(0), d, rows.shape[0],
+            K=k, BLOCK_D=1024, num_warps=4,
+        )
+    return out
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     if x.numel() == 0:
