@@ -688,10 +688,11 @@ def test_deep_gemm_masked_fp8_moe_with_repeated_experts_matches_the_reference(re
     assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()
 
 
-@pytest.mark.parametrize("contiguous", [False, True], ids=["triton-above", "contiguous-above"])
+@pytest.mark.parametrize("contiguous", [False, True, None], ids=["triton-above", "contiguous-above", "by-rows"])
 def test_deep_gemm_fp8_moe_takes_the_masked_layout_for_decode_sizes(monkeypatch, reference, contiguous):
-    """Up to MASKED_MAX_TOKENS tokens the masked GEMM; above, the Triton FP8 MoE unless DeepGEMM's contiguous
-    GEMM is opted in."""
+    """Up to MASKED_MAX_TOKENS tokens the masked GEMM; above, the Triton FP8 MoE or DeepGEMM's contiguous
+    GEMM: forced off or on, or (unset) the contiguous one where the experts average CONTIGUOUS_MIN_ROWS rows
+    (4 experts, 3 slots: from 86 tokens) and it passed its self-check."""
     from types import SimpleNamespace
 
     from deepinfer_nvidia_sm100 import external, fp8_ops
@@ -705,17 +706,23 @@ def test_deep_gemm_fp8_moe_takes_the_masked_layout_for_decode_sizes(monkeypatch,
                         lambda name: SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=contiguous_gemm))
     monkeypatch.setattr(external, "_deep_gemm_alignment", lambda: 8)
     monkeypatch.setattr(external, "_contiguous_fp8_moe", lambda: contiguous)
+    monkeypatch.setattr(external, "_CONTIGUOUS_OK", {"cpu": True})
     monkeypatch.setattr(fp8_ops, "moe_experts_fp8", triton)
-    above = "contiguous" if contiguous else "triton"
-    for tokens in (external.MASKED_MAX_TOKENS, external.MASKED_MAX_TOKENS + 1):
+    assert external.CONTIGUOUS_MIN_ROWS * 4 == 86 * 3 - 2
+    for tokens in (external.MASKED_MAX_TOKENS, external.MASKED_MAX_TOKENS + 1, 85, 86):
         calls.clear()
         args = external._moe_fp8_check_inputs(torch.device("cpu"), tokens=tokens)
         got = external.deep_gemm_moe_experts_fp8(*args)
         want = reference.moe_experts_fp8(*[a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
                                            else a for a in args])
+        above = {False: "triton", True: "contiguous", None: "contiguous" if tokens >= 86 else "triton"}[contiguous]
         assert calls == ["masked" if tokens <= external.MASKED_MAX_TOKENS else above] * 2
         assert got.shape == (tokens, args[0].shape[1])
         assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()  # the self-check's inputs, bf16 out
+    monkeypatch.setattr(external, "_CONTIGUOUS_OK", {"cpu": False})  # its self-check failed: never
+    calls.clear()
+    external.deep_gemm_moe_experts_fp8(*external._moe_fp8_check_inputs(torch.device("cpu"), tokens=86))
+    assert calls == ["triton"] * 2
 
 
 def test_adapters_decline_without_their_library_or_a_gpu():

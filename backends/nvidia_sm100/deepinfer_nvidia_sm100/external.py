@@ -483,26 +483,52 @@ def deep_gemm_linear_fp8(x, weight, weight_scale):
 
 def deep_gemm_moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit):
     """``moe_experts_fp8`` through ``deep_gemm.m_grouped_fp8_gemm_nt_masked`` up to
-    :data:`MASKED_MAX_TOKENS` tokens; above, the backend's Triton FP8 MoE, or
-    ``m_grouped_fp8_gemm_nt_contiguous`` when :data:`DEEPGEMM_CONTIGUOUS_MOE_ENV` opts in (bfloat16)."""
+    :data:`MASKED_MAX_TOKENS` tokens; above, ``m_grouped_fp8_gemm_nt_contiguous`` where the experts average
+    :data:`CONTIGUOUS_MIN_ROWS` rows (:func:`_takes_contiguous`), else the backend's Triton FP8 MoE."""
     if x.numel() == 0:
         return torch.zeros_like(x)
     args = (x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit)
     if x.shape[0] <= MASKED_MAX_TOKENS:
         return deep_gemm_moe_fp8_masked_with(_masked_fp8_gemm(), *args)
-    if not _contiguous_fp8_moe():
-        from deepinfer_nvidia_sm100 import fp8_ops
+    if _takes_contiguous(topk_ids.numel(), w13.shape[0], x.device):
+        return _deep_gemm_moe_fp8_contiguous(*args)
+    from deepinfer_nvidia_sm100 import fp8_ops
 
-        return fp8_ops.moe_experts_fp8(*args)
+    return fp8_ops.moe_experts_fp8(*args)
+
+
+def _deep_gemm_moe_fp8_contiguous(*args) -> torch.Tensor:
     return deep_gemm_moe_fp8_with(_library("deep_gemm").m_grouped_fp8_gemm_nt_contiguous, _deep_gemm_alignment(),
                                   *args)
 
 
-@functools.cache
-def _contiguous_fp8_moe() -> bool:
-    """Whether FP8 MoE calls above :data:`MASKED_MAX_TOKENS` tokens take DeepGEMM's contiguous GEMM (asked
-    once)."""
-    return os.environ.get(DEEPGEMM_CONTIGUOUS_MOE_ENV, "") == "1"
+#: a call above MASKED_MAX_TOKENS tokens whose (token, slot) pairs average at least this many rows per expert
+#: takes DeepGEMM's contiguous GEMM: its layout pads every expert's rows to 128, so fewer rows compute
+#: mostly padding. On an H200 at V4-Flash widths (256 experts, top 6; 96 rows per expert) 4096 tokens took
+#: 2.64 ms in its two GEMMs and 4.39 ms in all, before the combine's one launch, against the Triton FP8
+#: MoE's 4.37 ms
+CONTIGUOUS_MIN_ROWS = 64
+_CONTIGUOUS_OK: dict[str, bool] = {}  # device -> whether the contiguous GEMM passed its self-check
+
+
+def _takes_contiguous(pairs: int, experts: int, device: torch.device) -> bool:
+    """Whether a call of ``pairs`` (token, slot) pairs over ``experts`` takes the contiguous GEMM: by
+    :data:`CONTIGUOUS_MIN_ROWS` unless :data:`DEEPGEMM_CONTIGUOUS_MOE_ENV` says (1: always, 0: never), and
+    only where its self-check passed (run here if it has not been, but never inside a CUDA graph capture)."""
+    forced = _contiguous_fp8_moe()
+    if forced is False or (forced is None and pairs < CONTIGUOUS_MIN_ROWS * experts):
+        return False
+    key = str(device)
+    if key not in _CONTIGUOUS_OK:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        _CONTIGUOUS_OK[key] = _self_check("deep_gemm_moe_fp8_contiguous", key)[0]
+    return _CONTIGUOUS_OK[key]
+
+
+def _contiguous_fp8_moe() -> bool | None:
+    """:data:`DEEPGEMM_CONTIGUOUS_MOE_ENV`: True (1), False (0), None (unset: by rows per expert)."""
+    return {"1": True, "0": False}.get(os.environ.get(DEEPGEMM_CONTIGUOUS_MOE_ENV, ""))
 
 
 @functools.cache
@@ -644,7 +670,7 @@ _CHECKS: dict[str, tuple[str, Callable, Callable]] = {
     "deep_gemm": ("moe_experts", deep_gemm_moe_experts, _moe_check_inputs),
     "deep_gemm_fp8": ("linear_fp8", deep_gemm_linear_fp8, _linear_fp8_check_inputs),
     "deep_gemm_moe_fp8": ("moe_experts_fp8", deep_gemm_moe_experts_fp8, _moe_fp8_check_inputs),  # masked
-    "deep_gemm_moe_fp8_contiguous": ("moe_experts_fp8", deep_gemm_moe_experts_fp8,
+    "deep_gemm_moe_fp8_contiguous": ("moe_experts_fp8", _deep_gemm_moe_fp8_contiguous,
                                      functools.partial(_moe_fp8_check_inputs, tokens=MASKED_MAX_TOKENS + 7)),
     "deep_gemm_hc": ("hc_pre", deep_gemm_hc_pre, _hc_check_inputs),
 }
@@ -687,9 +713,8 @@ DEEPGEMM_MOE_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_MOE"
 #: an H200 at V4-Flash widths it took 4096-token prefill from 63,851 to 42,804 tok/s and cost 2.4-11x the
 #: Triton kernel per decode call
 FLASH_MLA_BF16_ENV = "DEEPINFER_NVIDIA_FLASH_MLA_BF16"
-#: DeepGEMM's contiguous FP8 MoE (calls above MASKED_MAX_TOKENS tokens) is opt-in: it pads each of 256
-#: experts to 128 rows, and on an H200 at V4-Flash widths it took 4.46 ms at 4096 tokens, no less than the
-#: Triton FP8 MoE's 4.44 ms (the bfloat16 Triton MoE: 6.66 ms); without it those calls go to the Triton kernel
+#: whether calls above MASKED_MAX_TOKENS tokens take DeepGEMM's contiguous FP8 MoE: 1 always, 0 never; unset,
+#: those whose experts average CONTIGUOUS_MIN_ROWS rows
 DEEPGEMM_CONTIGUOUS_MOE_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_CONTIGUOUS_MOE"
 #: DeepGEMM's mHC mixing GEMM is opt-in until it is measured against the float32 GEMM it replaces
 DEEPGEMM_HC_ENV = "DEEPINFER_NVIDIA_DEEPGEMM_HC"
@@ -710,8 +735,10 @@ def _opt_in(env: str, usable: Callable[[Any, Any, Any, bool], tuple[bool, str]],
 
 
 def _deep_gemm_moe_fp8_usable(device, dtype, model_config, self_check) -> tuple[bool, str]:
-    """The masked GEMM's check; above MASKED_MAX_TOKENS tokens the contiguous GEMM's when it is opted in, the
-    Triton FP8 MoE's availability otherwise."""
+    """The masked GEMM's check, and the Triton FP8 MoE's availability for the calls above MASKED_MAX_TOKENS
+    tokens that the contiguous GEMM does not take; with the contiguous GEMM forced on
+    (:data:`DEEPGEMM_CONTIGUOUS_MOE_ENV` = 1), its check instead. Otherwise the contiguous GEMM's check only
+    decides whether it serves (a failure warns once)."""
     if _contiguous_fp8_moe():
         return _deep_gemm_usable("m_grouped_fp8_gemm_nt_masked", "deep_gemm_moe_fp8",
                                  ("m_grouped_fp8_gemm_nt_contiguous", "deep_gemm_moe_fp8_contiguous")
@@ -721,6 +748,10 @@ def _deep_gemm_moe_fp8_usable(device, dtype, model_config, self_check) -> tuple[
     if ok:
         ok, why = capability.triton_usable(capability.as_device(device))
         reason = "" if ok else f"calls above {MASKED_MAX_TOKENS} tokens go to the Triton FP8 MoE: {why}"
+    if ok and self_check and _contiguous_fp8_moe() is None:
+        key = str(capability.as_device(device))
+        _CONTIGUOUS_OK[key] = (capability.library_feature("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous")
+                               and _self_check("deep_gemm_moe_fp8_contiguous", key)[0])
     return ok, reason
 
 
