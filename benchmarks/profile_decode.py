@@ -127,6 +127,8 @@ def main(argv=None) -> dict | None:
         while engine.has_unfinished_requests():
             engine.step()
 
+        phases = _PhaseTimer(engine.runner, cuda)
+
         def prefill(tag: str) -> list[float]:
             add(a.batch, tag, 1)
             times = []
@@ -138,13 +140,15 @@ def main(argv=None) -> dict | None:
                 times.append(time.perf_counter() - t0)
             return times
 
-        step_ms = statistics.median(prefill("timed")) * 1e3  # outside the profiler, which slows the host
+        with phases:
+            step_ms = statistics.median(prefill("timed")) * 1e3  # outside the profiler, which slows the host
         while engine.has_unfinished_requests():
             engine.step()
         with profile(activities=activities) as prof:
             a.steps = len(prefill("profiled"))
         return report(prof, a, f"prefill{a.prompt_len}_{tag}", cuda=cuda, step_ms=step_ms,
-                      prefill_tok_s=a.prompt_len / (step_ms / 1e3), prefill_steps=a.steps)
+                      prefill_tok_s=a.prompt_len / (step_ms / 1e3), prefill_steps=a.steps,
+                      phases_ms=phases.medians())
     add(a.batch, "", a.steps + 60)
     while prefilling():
         engine.step()
@@ -156,6 +160,51 @@ def main(argv=None) -> dict | None:
             engine.step()
         sync()
     return report(prof, a, tag, cuda=cuda)
+
+
+class _PhaseTimer:
+    """Within ``with``: per call of the runner's ``prepare`` and ``execute``, the host's milliseconds, and
+    for ``execute`` the device's span from its first launch to its last kernel's end (CUDA events), which
+    counts the device's idle gaps inside the forward that a kernel total does not."""
+
+    def __init__(self, runner, cuda: bool):
+        self.runner, self.cuda = runner, cuda
+        self.times: dict[str, list[float]] = {"prepare_host": [], "execute_host": [], "execute_device": []}
+        self._events: list[tuple] = []
+
+    def __enter__(self):
+        self._prepare, self._execute = self.runner.prepare, self.runner.execute
+
+        def prepare(*args, **kw):
+            t0 = time.perf_counter()
+            out = self._prepare(*args, **kw)
+            self.times["prepare_host"].append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        def execute(*args, **kw):
+            start = end = None
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            out = self._execute(*args, **kw)
+            self.times["execute_host"].append((time.perf_counter() - t0) * 1e3)
+            if self.cuda:
+                end.record()
+                self._events.append((start, end))
+            return out
+
+        self.runner.prepare, self.runner.execute = prepare, execute
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.prepare, self.runner.execute = self._prepare, self._execute
+        if self._events:
+            torch.cuda.synchronize()
+            self.times["execute_device"] += [s.elapsed_time(e) for s, e in self._events]
+
+    def medians(self) -> dict[str, float]:
+        return {k: statistics.median(v) for k, v in self.times.items() if v}
 
 
 def report(prof, a, tag: str, cuda: bool = True, **extra) -> dict:
@@ -177,13 +226,21 @@ def report(prof, a, tag: str, cuda: bool = True, **extra) -> dict:
     kernels = kernels or list(events)
     total = sum(self_us(e) for e in kernels) / 1e3 / a.steps
     ranked = sorted(kernels, key=lambda e: -self_us(e))[:a.rows]
+    host_ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:a.rows]
     summary = {"batch": a.batch, "mode": tag, "device_ms_per_step": total, **extra,
-               "top": [(e.key, self_us(e) / 1e3 / a.steps) for e in ranked]}
+               "top": [(e.key, self_us(e) / 1e3 / a.steps) for e in ranked],
+               "host_top": [(e.key, e.count // a.steps, e.self_cpu_time_total / 1e3 / a.steps)
+                            for e in host_ranked]}
     (out / f"profile_{tag}.json").write_text(json.dumps(summary, indent=1))
     print(f"== {tag}: {'device' if cuda else 'CPU'} time {total:.2f} ms/step"
           + (f", step {extra['step_ms']:.2f} ms" if "step_ms" in extra else ""))
     for k, v in summary["top"]:
         print(f"{v:9.3f} ms  {k[:110]}")
+    if extra.get("phases_ms"):
+        print("phases (ms, median): " + ", ".join(f"{k} {v:.2f}" for k, v in extra["phases_ms"].items()))
+    print("host, self CPU time per step:")
+    for k, n, v in summary["host_top"][:15]:
+        print(f"{v:9.3f} ms  {n:6d}x  {k[:100]}")
     return summary
 
 

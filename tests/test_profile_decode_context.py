@@ -66,3 +66,6 @@ def test_prefill_profile_times_one_chunk_per_prompt(profile_decode, tmp_path, ca
     assert summary["prefill_steps"] == BATCH  # the chunk budget is one prompt
     assert summary["step_ms"] > 0 and summary["prefill_tok_s"] == pytest.approx(prompt / summary["step_ms"] * 1e3)
     assert 0 < summary["device_ms_per_step"] and f"== {tag}: CPU time" in capsys.readouterr().out
+    phases = summary["phases_ms"]  # the timed round's runner calls, on the CPU without device spans
+    assert set(phases) == {"prepare_host", "execute_host"} and 0 < phases["execute_host"] < summary["step_ms"]
+    assert summary["host_top"] and all(n >= 0 and ms >= 0 for _, n, ms in summary["host_top"])
