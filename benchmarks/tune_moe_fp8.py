@@ -87,7 +87,9 @@ def main(argv=None) -> list[dict]:
 
 
 def profile_call(tokens: int, args: tuple) -> None:
-    """Device time per kernel of one call (after a warm-up call) of each MoE implementation."""
+    """Device time per kernel of one call (after a warm-up call) of each MoE implementation, and the call's
+    time by ``cuda_time_ms``."""
+    from bench_fp8 import cuda_time_ms
     from deepinfer_nvidia_sm100 import external, fp8_ops
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,7 +107,8 @@ def profile_call(tokens: int, args: tuple) -> None:
             torch.cuda.synchronize()
         kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
         total = sum(e.self_device_time_total for e in kernels) / 1e3
-        print(f"\n== {tokens} tokens, {name}: {total:.3f} ms of kernels")
+        ms = cuda_time_ms(partial(fn, *args), 1, 10)
+        print(f"\n== {tokens} tokens, {name}: {ms:.3f} ms per call, {total:.3f} ms of kernels")
         for e in kernels[:15]:
             print(f"{e.self_device_time_total / 1e3:9.3f} ms  {e.count:4d}x  {e.key[:100]}")
 
