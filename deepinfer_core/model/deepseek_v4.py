@@ -241,10 +241,10 @@ class DeepseekV4Model:
 
         scale = cfg.head_dim**-0.5
         if cache.kv_spec.is_fp8:
-            out = ops.sparse_attention_fp8(q, window_pool, batch.window_indices, a.sinks, scale, cfg.rope_dim,
+            out = ops.sparse_attention_fp8(q, window_pool, batch.window_rows(), a.sinks, scale, cfg.rope_dim,
                                            cache.kv_spec.dtype, extra_pool, extra_idx)
         else:
-            out = ops.sparse_attention(q, window_pool, batch.window_indices, a.sinks, scale, extra_pool, extra_idx)
+            out = ops.sparse_attention(q, window_pool, batch.window_rows(), a.sinks, scale, extra_pool, extra_idx)
         out = ops.rotary_emb(out, cos, sin, True)
         groups = cfg.o_groups
         out = ops.grouped_linear(out.reshape(n_tok, groups, -1), a.wo_a)

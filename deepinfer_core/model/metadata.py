@@ -86,7 +86,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     window_slots: torch.Tensor  # [T] where each token's window KV is written
-    window_indices: torch.Tensor  # [T, W] window-pool rows each query attends (-1 pad)
+    window_indices: torch.Tensor | None  # [T, W] window-pool rows each query attends (-1 pad); see window_rows
     logits_indices: torch.Tensor  # rows whose logits are wanted
     query_start_loc: list[int]
     block_tables: torch.Tensor | None = None  # [S, B] compressed pool: logical block -> physical (-1 none)
@@ -95,6 +95,19 @@ class ForwardBatch:
     compressors: dict[tuple[int, bool], CompressorMeta] = field(default_factory=dict)  # (rate, overlap)
     padded_to: int | None = None  # set when the batch is laid out for a captured graph (GraphPadding)
     padded_context: int | None = None  # and the context bucket of that graph (GraphPadding.context)
+    window_tables: torch.Tensor | None = None  # [S, Bw] window pool from logical block window_first[s]
+    window_first: torch.Tensor | None = None  # [S]
+    window_layout: tuple[int, int] | None = None  # (sliding_window, block_size) of the window tables
+
+    def window_rows(self) -> torch.Tensor:
+        """``window_indices``; where the batch was built without them (unpadded), derived on the batch's
+        device from the window block tables once: a prefill chunk's [T, W] is not built on the host."""
+        if self.window_indices is None:
+            window, block_size = self.window_layout
+            offsets = torch.arange(1 - window, 1, device=self.positions.device)
+            self.window_indices = _rows_torch(self.window_tables, self.token_seq, self.positions.unsqueeze(1)
+                                              + offsets, block_size, self.window_first)
+        return self.window_indices
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +116,8 @@ class ForwardBatch:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every index tensor of the batch by a stable name (compressor fields as ``"rate.overlap.field"``)."""
         out = {k: getattr(self, k) for k in ("input_ids", "positions", "window_slots", "window_indices",
-                                                 "logits_indices", "block_tables", "token_seq")
+                                                 "logits_indices", "block_tables", "token_seq", "window_tables",
+                                                 "window_first")
                if getattr(self, k) is not None}
         for (rate, overlap), meta in sorted(self.compressors.items()):
             out.update({f"{rate}.{int(overlap)}.{k}": v for k, v in vars(meta).items() if v is not None})
@@ -160,6 +174,16 @@ def _rows(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, bl
     """:func:`_rows_np` on the host batch's torch tensors."""
     return torch.from_numpy(_rows_np(tables.numpy(), owner.numpy(), positions.numpy(), block_size, rate,
                                      None if first is None else first.numpy()))
+
+
+def _rows_torch(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
+                first: torch.Tensor) -> torch.Tensor:
+    """:func:`_rows_np` (rate 1, with ``first``) in torch ops on the tensors' device."""
+    owner = owner.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    blocks = torch.div(positions, block_size, rounding_mode="floor") - first[owner]
+    phys = tables[owner, blocks.clamp(0, tables.shape[1] - 1)]
+    rows = phys * block_size + positions.remainder(block_size)
+    return torch.where((positions >= 0) & (blocks >= 0) & (phys >= 0), rows, -1)
 
 
 def _table(rows: list[list[int]]) -> torch.Tensor:
@@ -222,12 +246,14 @@ def build_forward_batch(
                   torch.tensor([s.write_from for s in spans], dtype=lo),
                   _table([s.block_table for s in spans]), owner, ctx[owner] + offset)
     wtables, wfirst = _window_table(spans, sliding_window, block_size)
-    window = lay.positions.unsqueeze(1) + torch.arange(1 - sliding_window, 1, dtype=lo)
     batch = ForwardBatch(
         input_ids=torch.tensor(token_ids, dtype=lo),
         positions=lay.positions,
         window_slots=_rows(wtables, owner, lay.positions, block_size, first=wfirst),
-        window_indices=_rows(wtables, owner, window, block_size, first=wfirst),
+        window_indices=None,
+        window_tables=wtables,
+        window_first=wfirst,
+        window_layout=(sliding_window, block_size),
         logits_indices=torch.tensor(
             logits_indices if logits_indices is not None else [e - 1 for e in starts[1:]], dtype=lo
         ),
