@@ -592,8 +592,8 @@ def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeyp
     monkeypatch.setattr(fp8_ops, "combine_rows", lambda *a: combines.append(a[3]) or external.combine_rows_torch(*a))
     external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args)
     external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args)
-    assert len(calls) == 1 + 2 + 1  # the masked MoE's activations and h; the contiguous one's activations
-    assert len(swiglus) == 1 and len(combines) == 1  # its h, and its sum per token: one launch each
+    assert len(calls) == 1 + 1 + 1  # the activations of the masked MoE and of the contiguous one
+    assert len(swiglus) == 2 and len(combines) == 2  # each one's h, and its sum per token: one launch each
     monkeypatch.setattr(external, "_triton_quantises", lambda device: False)
     assert torch.equal(external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args), want)
 

@@ -297,13 +297,18 @@ def _combine(down: torch.Tensor, sorted_pairs: torch.Tensor, topk_weights: torch
     rows = sorted_pairs.shape[0]
     row_of = torch.full((pairs + 1,), rows, dtype=torch.long, device=down.device)
     row_of.scatter_(0, sorted_pairs, torch.arange(rows, device=down.device))  # padding rows all land on `pairs`
-    row_of = row_of[:pairs]
-    weights = topk_weights.reshape(-1).float().contiguous()
-    if _triton_quantises(down.device):
+    return _sum_rows(down, row_of[:pairs], topk_weights.reshape(-1).float(), tokens, k, dtype)
+
+
+def _sum_rows(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_ops.combine_rows``: on a CUDA device one Triton launch, else :func:`combine_rows_torch`."""
+    row_of, weights = row_of.contiguous(), weights.contiguous()
+    if _triton_quantises(rows.device):
         from deepinfer_nvidia_sm100 import fp8_ops
 
-        return fp8_ops.combine_rows(down, row_of, weights, tokens, k, dtype)
-    return combine_rows_torch(down, row_of, weights, tokens, k, dtype)
+        return fp8_ops.combine_rows(rows, row_of, weights, tokens, k, dtype)
+    return combine_rows_torch(rows, row_of, weights, tokens, k, dtype)
 
 
 def combine_rows_torch(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
@@ -465,13 +470,11 @@ def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scal
     gate_up = torch.empty((groups, max_m, n13), dtype=torch.bfloat16, device=x.device)
     gemm(_scatter_rows(*_quantize_act(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
          masked_m, expected_m)
-    kept = dest.clamp(max=rows - 1)  # trash pairs read some row; their weight is masked below
-    h = _quantize_act(native.swiglu(gate_up.view(rows, n13)[kept].float(), swiglu_limit))
+    kept = dest.clamp(max=rows - 1)  # trash pairs read some row; the combine skips them
+    h = _swiglu_quantize(gate_up.view(rows, n13)[kept], swiglu_limit)
     down = torch.empty((groups, max_m, d), dtype=torch.bfloat16, device=x.device)
     gemm(_scatter_rows(*h, pair, dest, rows, groups), (w2, w2_scale.float()), down, masked_m, expected_m)
-    contrib = down.view(rows, d)[kept].float() * weights.unsqueeze(-1)
-    contrib = torch.where((dest < rows).unsqueeze(-1), contrib, 0.0)
-    return contrib.view(tokens, k, d).sum(dim=1).to(x.dtype)
+    return _sum_rows(down.view(rows, d), dest, weights, tokens, k, x.dtype)  # dest = rows: the trash, adds 0
 
 
 def deep_gemm_linear_fp8(x, weight, weight_scale):
