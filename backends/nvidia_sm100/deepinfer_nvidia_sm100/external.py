@@ -433,13 +433,13 @@ def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: in
     flat = ids.reshape(-1)
     valid = (flat >= 0) & (flat < groups) & (first == torch.arange(k, device=ids.device)).reshape(-1)
     key = torch.where(valid, flat, groups)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(groups + 1, dtype=torch.long, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
-    starts = counts.cumsum(0) - counts
-    rank = torch.empty_like(key)
-    rank[order] = torch.arange(len(key), device=flat.device) - starts[key[order]]
+    # rank among the expert's pairs in pair order, by a running count per expert: at most
+    # MASKED_MAX_TOKENS * k pairs, where a sort's launches cost more than this [pairs, groups + 1] table
+    seen = (key.unsqueeze(1) == torch.arange(groups + 1, device=flat.device)).cumsum(0, dtype=torch.int32)
+    rank = seen.gather(1, key.unsqueeze(1)).squeeze(1).long() - 1
     dest = torch.where(valid, key * max_m + rank, groups * max_m)
-    return dest, counts[:groups].to(torch.int32), weights.reshape(-1)
+    counts = seen[-1, :groups] if len(key) else torch.zeros(groups, dtype=torch.int32, device=flat.device)
+    return dest, counts, weights.reshape(-1)
 
 
 def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, slab_rows: int,
