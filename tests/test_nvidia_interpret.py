@@ -590,12 +590,21 @@ def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeyp
     monkeypatch.setattr(fp8_ops, "swiglu_quantize", lambda gu, limit: swiglus.append(gu.shape) or quantize_act_fp8(
         native.swiglu(gu.float(), limit)))
     monkeypatch.setattr(fp8_ops, "combine_rows", lambda *a: combines.append(a[3]) or external.combine_rows_torch(*a))
-    external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args)
+
+    def swiglu_rows(gu, limit, rows, q, s):  # fp8_ops.swiglu_quantize_rows in torch ops
+        swiglus.append(rows.shape)
+        kept = rows[rows < len(gu)]
+        hq, hs = quantize_act_fp8(native.swiglu(gu[kept].float(), limit))
+        q.view(torch.uint8)[kept], s[kept] = hq.view(torch.uint8), hs
+
+    monkeypatch.setattr(fp8_ops, "swiglu_quantize_rows", swiglu_rows)
+    masked = external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args)
     external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args)
     assert len(calls) == 1 + 1 + 1  # the activations of the masked MoE and of the contiguous one
     assert len(swiglus) == 2 and len(combines) == 2  # each one's h, and its sum per token: one launch each
     monkeypatch.setattr(external, "_triton_quantises", lambda device: False)
     assert torch.equal(external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args), want)
+    assert torch.equal(external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args), masked)
 
 
 def test_deep_gemm_fp8_adapters_match_the_reference(reference):

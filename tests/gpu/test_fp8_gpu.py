@@ -104,6 +104,27 @@ def test_swiglu_quantisation_matches_torch(m, inter, device):
     assert ((got - want).abs() <= step).all()
 
 
+def test_swiglu_quantisation_of_chosen_rows_writes_those_rows_only(device):
+    """The masked MoE's h: rows ``rows`` of gate/up into the same rows of the slab, a row index past the
+    slab (a trash pair) skipped; equal to the whole-tensor kernel on those rows, the others untouched."""
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    g = torch.Generator(device).manual_seed(5)
+    slab, inter = 300, 2048 + 128
+    gu = torch.randn(slab, 2 * inter, generator=g, device=device).bfloat16()
+    rows = torch.randperm(slab, generator=g, device=device)[:100]
+    rows[::9] = slab
+    q = torch.zeros(slab, inter, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    s = torch.full((slab, inter // 128), -1.0, device=device)
+    fp8_ops.swiglu_quantize_rows(gu, 10.0, rows, q, s)
+    want_q, want_s = fp8_ops.swiglu_quantize(gu, 10.0)
+    chosen = torch.zeros(slab, dtype=torch.bool, device=device)
+    chosen[rows[rows < slab]] = True
+    assert torch.equal(q.view(torch.uint8)[chosen], want_q.view(torch.uint8)[chosen])
+    assert torch.equal(s[chosen], want_s[chosen])
+    assert (q.view(torch.uint8)[~chosen] == 0).all() and (s[~chosen] == -1).all()
+
+
 def test_moe_combine_sums_each_tokens_rows_in_one_launch(device):
     """The DeepGEMM MoE's combine: each token's k rows (gathered by row, a slot without one adds 0) weighted
     and summed in float32; rows nothing points at (padding, NaN here) are never read."""

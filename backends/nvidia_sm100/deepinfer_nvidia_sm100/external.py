@@ -453,6 +453,24 @@ def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: 
     return qs[:slab_rows].view(groups, -1, q.shape[1]), ss[:slab_rows].view(groups, -1, s.shape[1])
 
 
+def _swiglu_quantize_slab(gate_up: torch.Tensor, limit: float, dest: torch.Tensor, groups: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked down GEMM's operand: :func:`_swiglu_quantize` of slab rows ``dest`` of ``gate_up``
+    [slab rows, 2I] (a pair in the trash, ``dest`` = slab rows, skipped), in the same rows of a new slab
+    ([groups, M, I], [groups, M, I / 128]; unfilled scales 0). On a CUDA device one Triton launch."""
+    slab, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if not _triton_quantises(gate_up.device):
+        pairs = torch.arange(dest.numel(), device=dest.device)
+        return _scatter_rows(*_swiglu_quantize(gate_up[dest.clamp(max=slab - 1)], limit), pairs, dest, slab,
+                             groups)
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    q = torch.empty((slab, inter), dtype=FP8_DTYPE, device=gate_up.device)
+    s = torch.zeros((slab, -(-inter // FP8_BLOCK)), dtype=torch.float32, device=gate_up.device)
+    fp8_ops.swiglu_quantize_rows(gate_up, limit, dest.contiguous(), q, s)
+    return q.view(groups, -1, inter), s.view(groups, -1, s.shape[1])
+
+
 def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                   swiglu_limit) -> torch.Tensor:
     """``moe_experts_fp8`` through an ``m_grouped_fp8_gemm_nt_masked``-like callable ``gemm((a, sfa), (b, sfb),
@@ -466,14 +484,12 @@ def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scal
     dest, masked_m, weights = masked_layout(topk_ids, topk_weights, groups, max_m)
     expected_m = max(1, -(-tokens * k // groups))
     token = torch.arange(tokens * k, device=x.device) // k
-    pair = torch.arange(tokens * k, device=x.device)
     gate_up = torch.empty((groups, max_m, n13), dtype=torch.bfloat16, device=x.device)
     gemm(_scatter_rows(*_quantize_act(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
          masked_m, expected_m)
-    kept = dest.clamp(max=rows - 1)  # trash pairs read some row; the combine skips them
-    h = _swiglu_quantize(gate_up.view(rows, n13)[kept], swiglu_limit)
+    h = _swiglu_quantize_slab(gate_up.view(rows, n13), swiglu_limit, dest, groups)
     down = torch.empty((groups, max_m, d), dtype=torch.bfloat16, device=x.device)
-    gemm(_scatter_rows(*h, pair, dest, rows, groups), (w2, w2_scale.float()), down, masked_m, expected_m)
+    gemm(h, (w2, w2_scale.float()), down, masked_m, expected_m)
     return _sum_rows(down.view(rows, d), dest, weights, tokens, k, x.dtype)  # dest = rows: the trash, adds 0
 
 

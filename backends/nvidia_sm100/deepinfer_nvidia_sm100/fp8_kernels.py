@@ -75,17 +75,23 @@ def quantize_fp8_kernel(
 def swiglu_quantize_kernel(
     gu_ptr, stride_gm,
     q_ptr, stride_qm, s_ptr, stride_sm,
-    M, I, limit,
-    BLOCK_M: tl.constexpr,
+    idx_ptr, M, R, I, limit,
+    HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """h = swiglu(gate_up) in float32 (gate = columns [0, I), up = [I, 2I)), quantised as
-    :func:`quantize_fp8_kernel` quantises: one block of rows and one 128-channel group g of h."""
+    :func:`quantize_fp8_kernel` quantises: one block of rows and one 128-channel group g of h. With
+    ``HAS_IDX`` the i-th of M rows is row idx[i] of gate_up, q and s alike (skipped when it is R or more)."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = g * GROUP + tl.arange(0, GROUP)
     m_mask = offs_m < M
+    if HAS_IDX:
+        rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        m_mask = m_mask & (rows < R)
+        rows = tl.where(m_mask, rows, 0)
+    else:
+        rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
     valid = m_mask[:, None] & (offs_n < I)[None, :]
-    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
     at = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.minimum(tl.load(at, mask=valid, other=0.0).to(tl.float32), limit)
     up = tl.load(at + I, mask=valid, other=0.0).to(tl.float32)

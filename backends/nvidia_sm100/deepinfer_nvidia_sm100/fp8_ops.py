@@ -82,10 +82,22 @@ def swiglu_quantize(gate_up: torch.Tensor, limit: float) -> tuple[torch.Tensor, 
     s = torch.empty((m, groups), dtype=torch.float32, device=gate_up.device)
     if m:
         _k().swiglu_quantize_kernel[(_cdiv(m, 16), groups)](
-            gate_up, gate_up.stride(0), q, q.stride(0), s, s.stride(0), m, inter, float(limit),
-            BLOCK_M=16, num_warps=4,
+            gate_up, gate_up.stride(0), q, q.stride(0), s, s.stride(0), q, m, m, inter, float(limit),
+            HAS_IDX=False, BLOCK_M=16, num_warps=4,
         )
     return q, s
+
+
+def swiglu_quantize_rows(gate_up: torch.Tensor, limit: float, rows: torch.Tensor, q: torch.Tensor,
+                         s: torch.Tensor) -> None:
+    """:func:`swiglu_quantize` of rows ``rows`` (int64, distinct where below len(gate_up); the others
+    skipped) of ``gate_up``, written to the same rows of ``q`` and ``s``; one launch."""
+    inter = gate_up.shape[1] // 2
+    if rows.numel():
+        _k().swiglu_quantize_kernel[(_cdiv(rows.numel(), 16), _cdiv(inter, GROUP))](
+            gate_up, gate_up.stride(0), q, q.stride(0), s, s.stride(0), rows, rows.numel(), gate_up.shape[0],
+            inter, float(limit), HAS_IDX=True, BLOCK_M=16, num_warps=4,
+        )
 
 
 def combine_rows(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
