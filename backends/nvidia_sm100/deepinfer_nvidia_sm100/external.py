@@ -537,11 +537,25 @@ def _takes_contiguous(pairs: int, experts: int, device: torch.device) -> bool:
     forced = _contiguous_fp8_moe()
     if forced is False or (forced is None and pairs < CONTIGUOUS_MIN_ROWS * experts):
         return False
-    key = str(device)
+    if _device_key(device) not in _CONTIGUOUS_OK and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return _contiguous_passes(device)
+
+
+def _device_key(device: torch.device) -> str:
+    """``device`` with its index ("cuda" and "cuda:0" are one device to the self-check's cache)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def _contiguous_passes(device: torch.device) -> bool:
+    """Whether DeepGEMM's contiguous FP8 GEMM is there and passed its self-check on ``device`` (run once)."""
+    key = _device_key(device)
     if key not in _CONTIGUOUS_OK:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        _CONTIGUOUS_OK[key] = _self_check("deep_gemm_moe_fp8_contiguous", key)[0]
+        _CONTIGUOUS_OK[key] = (capability.library_feature("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous")
+                               and _self_check("deep_gemm_moe_fp8_contiguous", key)[0])
     return _CONTIGUOUS_OK[key]
 
 
@@ -768,9 +782,7 @@ def _deep_gemm_moe_fp8_usable(device, dtype, model_config, self_check) -> tuple[
         ok, why = capability.triton_usable(capability.as_device(device))
         reason = "" if ok else f"calls above {MASKED_MAX_TOKENS} tokens go to the Triton FP8 MoE: {why}"
     if ok and self_check and _contiguous_fp8_moe() is None:
-        key = str(capability.as_device(device))
-        _CONTIGUOUS_OK[key] = (capability.library_feature("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous")
-                               and _self_check("deep_gemm_moe_fp8_contiguous", key)[0])
+        _contiguous_passes(capability.as_device(device))
     return ok, reason
 
 
