@@ -569,9 +569,21 @@ def test_deep_gemm_hc_mixing_gemm_splits_k_for_few_rows(m):
     torch.testing.assert_close(got.double(), a.double() @ fn.double().T, rtol=1e-5, atol=1e-5)
 
 
+def _write_rows(q, s, rows, hq, hs):
+    """Rows ``rows`` of E4M3 ``q`` [R, K] and of scales ``s`` ([R, G], or [slabs, M, G] whose row r is row
+    r % M of slab r // M), of any strides, in torch ops."""
+    q.view(torch.uint8)[rows] = hq.view(torch.uint8)
+    if s.dim() == 2:
+        s[rows] = hs
+    else:
+        s[rows // s.shape[1], rows % s.shape[1]] = hs
+
+
 def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeypatch):
     """Where the backend's Triton kernels run (a CUDA device), DeepGEMM's operands are quantised by the
-    one-launch kernel, not by the torch function; elsewhere (here) by the torch function."""
+    one-launch kernels straight into the GEMMs' layouts (MN-major scales, the rows of each expert's slab),
+    not by the torch function and copies; elsewhere (here) by the torch function. Both give the same
+    results, the kernels stood in for by torch ops that honour the layouts they are given."""
     from deepinfer_nvidia_sm100 import external, fp8_ops
 
     from deepinfer_core.model.fp8 import quantize_act_fp8
@@ -579,32 +591,52 @@ def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeyp
     case = conf.make_cases("linear_fp8", "tiny", torch.bfloat16)[0]
     moe = conf.make_cases("moe_experts_fp8", "tiny", torch.bfloat16)[0]
     assert not external._triton_quantises(case.args[0].device)
-    calls = []
-    monkeypatch.setattr(fp8_ops, "quantize_act", lambda x2: calls.append(x2.shape) or quantize_act_fp8(x2))
+    calls, swiglus, combines = [], [], []
+
+    def laid_out(q, s, mn_major):
+        if not mn_major:
+            return q, s
+        t = fp8_ops.mn_major_scales(*s.shape, s.device)
+        assert t.stride(0) == 1 and t.stride(1) % 4 == 0
+        return q, t.copy_(s)
+
+    def quantize(x2, mn_major=False):
+        calls.append(x2.shape)
+        return laid_out(*quantize_act_fp8(x2), mn_major)
+
+    def quantize_rows(x2, src, dst, q, s):
+        calls.append(src.shape)
+        keep = dst < len(q)
+        _write_rows(q, s, dst[keep], *quantize_act_fp8(x2[src[keep]]))
+
+    def swiglu(gu, limit, mn_major=False):
+        swiglus.append(gu.shape)
+        return laid_out(*quantize_act_fp8(native.swiglu(gu.float(), limit)), mn_major)
+
+    def swiglu_rows(gu, limit, rows, q, s):
+        swiglus.append(rows.shape)
+        keep = rows[rows < len(gu)]
+        _write_rows(q, s, keep, *quantize_act_fp8(native.swiglu(gu[keep].float(), limit)))
+
+    monkeypatch.setattr(fp8_ops, "quantize_act", quantize)
     external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args)
     assert calls == []
-    monkeypatch.setattr(external, "_triton_quantises", lambda device: True)
-    want = external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args)
-    assert len(calls) == 1
-    swiglus, combines = [], []
-    monkeypatch.setattr(fp8_ops, "swiglu_quantize", lambda gu, limit: swiglus.append(gu.shape) or quantize_act_fp8(
-        native.swiglu(gu.float(), limit)))
+    runs = {
+        "linear": lambda: external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args),
+        "masked": lambda: external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args),
+        "contiguous": lambda: external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args),
+    }
+    want = {name: run() for name, run in runs.items()}
+    for name, fn in [("quantize_act_rows", quantize_rows), ("swiglu_quantize", swiglu),
+                     ("swiglu_quantize_rows", swiglu_rows)]:
+        monkeypatch.setattr(fp8_ops, name, fn)
     monkeypatch.setattr(fp8_ops, "combine_rows", lambda *a: combines.append(a[3]) or external.combine_rows_torch(*a))
-
-    def swiglu_rows(gu, limit, rows, q, s):  # fp8_ops.swiglu_quantize_rows in torch ops
-        swiglus.append(rows.shape)
-        kept = rows[rows < len(gu)]
-        hq, hs = quantize_act_fp8(native.swiglu(gu[kept].float(), limit))
-        q.view(torch.uint8)[kept], s[kept] = hq.view(torch.uint8), hs
-
-    monkeypatch.setattr(fp8_ops, "swiglu_quantize_rows", swiglu_rows)
-    masked = external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args)
-    external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args)
-    assert len(calls) == 1 + 1 + 1  # the activations of the masked MoE and of the contiguous one
-    assert len(swiglus) == 2 and len(combines) == 2  # each one's h, and its sum per token: one launch each
-    monkeypatch.setattr(external, "_triton_quantises", lambda device: False)
-    assert torch.equal(external.deep_gemm_linear_fp8_with(_fake_fp8_gemm, *case.args), want)
-    assert torch.equal(external.deep_gemm_moe_fp8_masked_with(_fake_masked_fp8_gemm, *moe.args), masked)
+    monkeypatch.setattr(external, "_triton_quantises", lambda device: True)
+    got = {name: run() for name, run in runs.items()}
+    assert len(calls) == 3  # the linear's activations, then each MoE's, quantised into its layout
+    assert len(swiglus) == 2 and len(combines) == 2  # each MoE's h, and its sum per token: one launch each
+    for name in runs:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_deep_gemm_fp8_adapters_match_the_reference(reference):

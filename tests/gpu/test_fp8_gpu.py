@@ -72,12 +72,42 @@ def test_activation_quantisation_matches_torch_bit_for_bit(m, k, dtype, device):
     x[0] = 0.0
     x = x.to(dtype)
     want_q, want_s = quantize_act_fp8(x)
-    got_q, got_s = fp8_ops.quantize_act(x.to(device))
-    assert torch.equal(got_s.cpu(), want_s)
-    got_bits, want_bits = got_q.cpu().view(torch.uint8), want_q.view(torch.uint8)
-    bad = (got_bits != want_bits).nonzero()[:8].tolist()
-    assert not bad, [(r, c, float(x[r, c]), float(want_s[r, c // 128]), int(got_bits[r, c]), int(want_bits[r, c]))
-                     for r, c in bad]
+    for mn_major in (False, True):
+        got_q, got_s = fp8_ops.quantize_act(x.to(device), mn_major=mn_major)
+        if mn_major:  # DeepGEMM's SM90 layout: column by column, each padded to 16 bytes
+            assert got_s.stride() == (1, -(-m // 4) * 4)
+        assert torch.equal(got_s.cpu(), want_s)
+        got_bits, want_bits = got_q.cpu().view(torch.uint8), want_q.view(torch.uint8)
+        bad = (got_bits != want_bits).nonzero()[:8].tolist()
+        assert not bad, [(r, c, float(x[r, c]), float(want_s[r, c // 128]), int(got_bits[r, c]),
+                          int(want_bits[r, c])) for r, c in bad]
+
+
+def test_activation_quantisation_into_slab_rows(device):
+    """The masked MoE's first operand: token rows quantised straight into their pairs' rows of the expert
+    slabs, scales MN-major per slab; a pair whose row is past the slabs skipped, the other rows untouched;
+    equal to the whole-tensor kernel's rows."""
+    from deepinfer_nvidia_sm100 import fp8_ops
+
+    g = torch.Generator(device).manual_seed(7)
+    tokens, k, slabs, slab_m, d = 50, 6, 8, 128, 4096 + 128
+    x = torch.randn(tokens, d, generator=g, device=device).bfloat16()
+    src = torch.arange(tokens * k, device=device) // k
+    dst = torch.randperm(slabs * slab_m, generator=g, device=device)[: tokens * k]
+    dst[::7] = slabs * slab_m
+    q = torch.zeros(slabs * slab_m, d, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    s = fp8_ops.mn_major_scales(slab_m, d // 128, device, slabs=slabs)
+    s.fill_(-1.0)
+    fp8_ops.quantize_act_rows(x, src, dst, q, s)
+    want_q, want_s = fp8_ops.quantize_act(x)
+    keep = dst < slabs * slab_m
+    rows, tok = dst[keep], src[keep]
+    flat_s = s.reshape(slabs * slab_m, -1)
+    assert torch.equal(q.view(torch.uint8)[rows], want_q.view(torch.uint8)[tok])
+    assert torch.equal(flat_s[rows], want_s[tok])
+    chosen = torch.zeros(slabs * slab_m, dtype=torch.bool, device=device)
+    chosen[rows] = True
+    assert (q.view(torch.uint8)[~chosen] == 0).all() and (flat_s[~chosen] == -1).all()
 
 
 @pytest.mark.parametrize("m, inter", [(3, 2048), (300, 2048), (77, 300)])
@@ -95,6 +125,9 @@ def test_swiglu_quantisation_matches_torch(m, inter, device):
     gu[0, :5] = 1e4  # past the clamp
     want_q, want_s = quantize_act_fp8(native.swiglu(gu.float(), 10.0))
     q, s = fp8_ops.swiglu_quantize(gu.to(device), 10.0)
+    q2, s2 = fp8_ops.swiglu_quantize(gu.to(device), 10.0, mn_major=True)  # DeepGEMM's layout, same values
+    assert s2.stride() == (1, -(-m // 4) * 4)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
     q, s = q.cpu(), s.cpu()
     assert q.shape == want_q.shape and s.shape == want_s.shape
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
@@ -114,15 +147,18 @@ def test_swiglu_quantisation_of_chosen_rows_writes_those_rows_only(device):
     gu = torch.randn(slab, 2 * inter, generator=g, device=device).bfloat16()
     rows = torch.randperm(slab, generator=g, device=device)[:100]
     rows[::9] = slab
-    q = torch.zeros(slab, inter, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
-    s = torch.full((slab, inter // 128), -1.0, device=device)
-    fp8_ops.swiglu_quantize_rows(gu, 10.0, rows, q, s)
     want_q, want_s = fp8_ops.swiglu_quantize(gu, 10.0)
     chosen = torch.zeros(slab, dtype=torch.bool, device=device)
     chosen[rows[rows < slab]] = True
-    assert torch.equal(q.view(torch.uint8)[chosen], want_q.view(torch.uint8)[chosen])
-    assert torch.equal(s[chosen], want_s[chosen])
-    assert (q.view(torch.uint8)[~chosen] == 0).all() and (s[~chosen] == -1).all()
+    row_major = torch.full((slab, inter // 128), -1.0, device=device)
+    slabs = fp8_ops.mn_major_scales(slab // 3, inter // 128, device, slabs=3).fill_(-1.0)  # DeepGEMM's layout
+    for s in (row_major, slabs):
+        q = torch.zeros(slab, inter, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+        fp8_ops.swiglu_quantize_rows(gu, 10.0, rows, q, s)
+        flat = s.reshape(slab, -1)
+        assert torch.equal(q.view(torch.uint8)[chosen], want_q.view(torch.uint8)[chosen])
+        assert torch.equal(flat[chosen], want_s[chosen])
+        assert (q.view(torch.uint8)[~chosen] == 0).all() and (flat[~chosen] == -1).all()
 
 
 def test_moe_combine_sums_each_tokens_rows_in_one_launch(device):

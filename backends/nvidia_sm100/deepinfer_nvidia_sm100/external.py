@@ -353,13 +353,32 @@ def _triton_quantises(device: torch.device) -> bool:
 
 def _quantize_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The operand DeepGEMM takes for activation rows: E4M3 and float32 scales per 128 columns. On a CUDA
-    device the Triton kernel (one launch, bit for bit :func:`quantize_act_fp8`); else that torch function,
-    a dozen launches and float32 copies of the rows."""
+    device the Triton kernel (one launch, bit for bit :func:`quantize_act_fp8`) with the scales already in
+    the MN-major layout DeepGEMM would otherwise transpose them into; else that torch function, a dozen
+    launches and float32 copies of the rows."""
     if not _triton_quantises(x2.device):
         return quantize_act_fp8(x2)
     from deepinfer_nvidia_sm100 import fp8_ops
 
-    return fp8_ops.quantize_act(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return fp8_ops.quantize_act(x2 if x2.stride(-1) == 1 else x2.contiguous(), mn_major=True)
+
+
+def _quantize_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: int, slabs: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_act` of rows ``src`` of ``x`` [T, K] put in rows ``dst`` (``rows`` or more: none) of
+    ``rows`` rows, or of ``slabs`` slabs of ``rows / slabs`` rows ([slabs, M, K], [slabs, M, K / 128]);
+    unfilled scales are 0. On a CUDA device one Triton launch, with no copy of the rows between."""
+    k = x.shape[1]
+    if not _triton_quantises(x.device):
+        q, s = _scatter_rows(*quantize_act_fp8(x), src, dst, rows)
+        s = s if slabs is None else s.view(slabs, -1, s.shape[1])
+    else:
+        from deepinfer_nvidia_sm100 import fp8_ops
+
+        q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+        s = fp8_ops.mn_major_scales(rows // (slabs or 1), -(-k // FP8_BLOCK), x.device, slabs=slabs, zero=True)
+        fp8_ops.quantize_act_rows(x if x.stride(-1) == 1 else x.contiguous(), src, dst, q, s)
+    return (q, s) if slabs is None else (q.view(slabs, -1, k), s)
 
 
 def deep_gemm_linear_fp8_with(gemm: Callable, x, weight, weight_scale) -> torch.Tensor:
@@ -377,12 +396,7 @@ def _swiglu_quantize(gate_up: torch.Tensor, limit: float) -> tuple[torch.Tensor,
         return quantize_act_fp8(native.swiglu(gate_up.float(), limit))
     from deepinfer_nvidia_sm100 import fp8_ops
 
-    return fp8_ops.swiglu_quantize(gate_up, limit)
-
-
-def _gather_rows(q: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``rows`` of E4M3 ``q`` and their scales ``s``."""
-    return q.view(torch.uint8)[rows].view(q.dtype), s[rows]  # no float8 indexing on every build
+    return fp8_ops.swiglu_quantize(gate_up, limit, mn_major=True)
 
 
 def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
@@ -397,7 +411,8 @@ def deep_gemm_moe_fp8_with(gemm: Callable, align: int, x, w13, w13_scale, w2, w2
     sorted_pairs, block_expert = expert_layout(topk_ids, w13.shape[0], align)
     row_ok = sorted_pairs < tokens * k
     m_indices = torch.where(row_ok, block_expert.repeat_interleave(align), -1).to(torch.int32)
-    a = _gather_rows(*_quantize_act(x), torch.where(row_ok, sorted_pairs // k, 0))
+    a = _quantize_rows(x, torch.where(row_ok, sorted_pairs // k, 0), torch.arange(len(sorted_pairs), device=x.device),
+                       len(sorted_pairs))
     gate_up = torch.empty((a[0].shape[0], w13.shape[1]), dtype=torch.bfloat16, device=x.device)
     gemm(a, (w13, w13_scale.float()), gate_up, m_indices)
     h = _swiglu_quantize(gate_up, swiglu_limit)
@@ -442,15 +457,15 @@ def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: in
     return dest, counts, weights.reshape(-1)
 
 
-def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, slab_rows: int,
-                  groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 rows ``q`` and their scales ``s``, row ``source[i]`` to slab row ``dest[i]``: ([groups, M, K],
-    [groups, M, K / 128]) views of slabs of ``slab_rows`` (+1 trash) rows; unfilled scales are 0."""
-    qs = torch.empty((slab_rows + 1, q.shape[1]), dtype=q.dtype, device=q.device)
-    ss = torch.zeros((slab_rows + 1, s.shape[1]), dtype=s.dtype, device=s.device)
+def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 rows ``q`` and their scales ``s``, row ``source[i]`` to row ``dest[i]`` (``rows``: a trash row)
+    of ``rows`` rows; unfilled scales are 0."""
+    qs = torch.empty((rows + 1, q.shape[1]), dtype=q.dtype, device=q.device)
+    ss = torch.zeros((rows + 1, s.shape[1]), dtype=s.dtype, device=s.device)
     qs.view(torch.uint8)[dest] = q.view(torch.uint8)[source]  # no index_put for float8 on every build
     ss[dest] = s[source]
-    return qs[:slab_rows].view(groups, -1, q.shape[1]), ss[:slab_rows].view(groups, -1, s.shape[1])
+    return qs[:rows], ss[:rows]
 
 
 def _swiglu_quantize_slab(gate_up: torch.Tensor, limit: float, dest: torch.Tensor, groups: int
@@ -461,14 +476,14 @@ def _swiglu_quantize_slab(gate_up: torch.Tensor, limit: float, dest: torch.Tenso
     slab, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if not _triton_quantises(gate_up.device):
         pairs = torch.arange(dest.numel(), device=dest.device)
-        return _scatter_rows(*_swiglu_quantize(gate_up[dest.clamp(max=slab - 1)], limit), pairs, dest, slab,
-                             groups)
+        q, s = _scatter_rows(*_swiglu_quantize(gate_up[dest.clamp(max=slab - 1)], limit), pairs, dest, slab)
+        return q.view(groups, -1, inter), s.view(groups, -1, s.shape[1])
     from deepinfer_nvidia_sm100 import fp8_ops
 
     q = torch.empty((slab, inter), dtype=FP8_DTYPE, device=gate_up.device)
-    s = torch.zeros((slab, -(-inter // FP8_BLOCK)), dtype=torch.float32, device=gate_up.device)
+    s = fp8_ops.mn_major_scales(slab // groups, -(-inter // FP8_BLOCK), gate_up.device, slabs=groups, zero=True)
     fp8_ops.swiglu_quantize_rows(gate_up, limit, dest.contiguous(), q, s)
-    return q.view(groups, -1, inter), s.view(groups, -1, s.shape[1])
+    return q.view(groups, -1, inter), s
 
 
 def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
@@ -485,8 +500,7 @@ def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scal
     expected_m = max(1, -(-tokens * k // groups))
     token = torch.arange(tokens * k, device=x.device) // k
     gate_up = torch.empty((groups, max_m, n13), dtype=torch.bfloat16, device=x.device)
-    gemm(_scatter_rows(*_quantize_act(x), token, dest, rows, groups), (w13, w13_scale.float()), gate_up,
-         masked_m, expected_m)
+    gemm(_quantize_rows(x, token, dest, rows, groups), (w13, w13_scale.float()), gate_up, masked_m, expected_m)
     h = _swiglu_quantize_slab(gate_up.view(rows, n13), swiglu_limit, dest, groups)
     down = torch.empty((groups, max_m, d), dtype=torch.bfloat16, device=x.device)
     gemm(h, (w2, w2_scale.float()), down, masked_m, expected_m)

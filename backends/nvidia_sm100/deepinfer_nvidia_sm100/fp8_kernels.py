@@ -52,45 +52,62 @@ def _dot(a, b, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
+def chosen_rows(offs_m, m_mask, src_ptr, dst_ptr, R, HAS_IDX: tl.constexpr):
+    """(source row, destination row, mask) of rows ``offs_m``: with ``HAS_IDX`` src[i] and dst[i], a
+    destination of R or more skipped; else row i both."""
+    if HAS_IDX:
+        src = tl.load(src_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        dst = tl.load(dst_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        m_mask = m_mask & (dst < R)
+    else:
+        src = offs_m.to(tl.int64)
+        dst = src
+    return tl.where(m_mask, src, 0), tl.where(m_mask, dst, 0), m_mask
+
+
+@triton.jit
+def scale_offsets(rows, g, SLAB_M, stride_se, stride_sm, stride_sk):
+    """Where the scale of group g of destination row ``rows`` lives: row r is row r % SLAB_M of slab
+    r // SLAB_M (one slab when SLAB_M exceeds every row), so slabs of MN-major scales can be written."""
+    return (rows // SLAB_M) * stride_se + (rows % SLAB_M) * stride_sm + g * stride_sk
+
+
+@triton.jit
 def quantize_fp8_kernel(
     x_ptr, stride_xm,
-    q_ptr, stride_qm, s_ptr, stride_sm,
-    M, K,
-    BLOCK_M: tl.constexpr,
+    q_ptr, stride_qm, s_ptr, stride_se, stride_sm, stride_sk,
+    src_ptr, dst_ptr, M, R, K, SLAB_M,
+    HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """q[m, g*128 : (g+1)*128] (E4M3) and s[m, g] (float32) for one block of rows and one group g."""
+    """q[m, g*128 : (g+1)*128] (E4M3) and its scale (float32) for one block of rows and one group g;
+    with ``HAS_IDX`` the i-th of M rows is row src[i] of x, written to row dst[i] of q and of the scales
+    (skipped when dst[i] is R or more)."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = g * GROUP + tl.arange(0, GROUP)
-    m_mask = offs_m < M
+    src, dst, m_mask = chosen_rows(offs_m, offs_m < M, src_ptr, dst_ptr, R, HAS_IDX)
     valid = m_mask[:, None] & (offs_k < K)[None, :]
-    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
     xq, xs = quantize_rows(x, valid)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], xq.to(q_ptr.dtype.element_ty), mask=valid)
-    tl.store(s_ptr + rows * stride_sm + g, xs, mask=m_mask)
+    tl.store(q_ptr + dst[:, None] * stride_qm + offs_k[None, :], xq.to(q_ptr.dtype.element_ty), mask=valid)
+    tl.store(s_ptr + scale_offsets(dst, g, SLAB_M, stride_se, stride_sm, stride_sk), xs, mask=m_mask)
 
 
 @triton.jit
 def swiglu_quantize_kernel(
     gu_ptr, stride_gm,
-    q_ptr, stride_qm, s_ptr, stride_sm,
-    idx_ptr, M, R, I, limit,
+    q_ptr, stride_qm, s_ptr, stride_se, stride_sm, stride_sk,
+    idx_ptr, M, R, I, SLAB_M, limit,
     HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """h = swiglu(gate_up) in float32 (gate = columns [0, I), up = [I, 2I)), quantised as
     :func:`quantize_fp8_kernel` quantises: one block of rows and one 128-channel group g of h. With
-    ``HAS_IDX`` the i-th of M rows is row idx[i] of gate_up, q and s alike (skipped when it is R or more)."""
+    ``HAS_IDX`` the i-th of M rows is row idx[i] of gate_up, q and the scales alike (skipped when it is R
+    or more)."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = g * GROUP + tl.arange(0, GROUP)
-    m_mask = offs_m < M
-    if HAS_IDX:
-        rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        m_mask = m_mask & (rows < R)
-        rows = tl.where(m_mask, rows, 0)
-    else:
-        rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    rows, _, m_mask = chosen_rows(offs_m, offs_m < M, idx_ptr, idx_ptr, R, HAS_IDX)
     valid = m_mask[:, None] & (offs_n < I)[None, :]
     at = gu_ptr + rows[:, None] * stride_gm + offs_n[None, :]
     gate = tl.minimum(tl.load(at, mask=valid, other=0.0).to(tl.float32), limit)
@@ -99,7 +116,7 @@ def swiglu_quantize_kernel(
     h = gate * tl.sigmoid(gate) * up
     hq, hs = quantize_rows(tl.where(valid, h, 0.0), valid)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_n[None, :], hq.to(q_ptr.dtype.element_ty), mask=valid)
-    tl.store(s_ptr + rows * stride_sm + g, hs, mask=m_mask)
+    tl.store(s_ptr + scale_offsets(rows, g, SLAB_M, stride_se, stride_sm, stride_sk), hs, mask=m_mask)
 
 
 @triton.jit

@@ -58,46 +58,93 @@ def _linear_tiles(m: int) -> tuple[int, int, int]:
     return 128, 128, 8
 
 
-def quantize_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mn_major_scales(m: int, groups: int, device: torch.device, slabs: int | None = None,
+                    zero: bool = False) -> torch.Tensor:
+    """Float32 scales [m, groups] (or [slabs, m, groups]) stored column by column, each column padded to a
+    multiple of 4 rows (16 bytes): the layout DeepGEMM's SM90 GEMMs read activation scales in, so that
+    they need no transposing copy of their own."""
+    lead = () if slabs is None else (slabs,)
+    alloc = torch.zeros if zero else torch.empty
+    cols = alloc((*lead, groups, _cdiv(m, 4) * 4), dtype=torch.float32, device=device)
+    return cols[..., :m].transpose(-1, -2)
+
+
+def _scale_strides(s: torch.Tensor, rows: int) -> tuple[int, int, int, int]:
+    """(slab stride, row stride, group stride, rows per slab) of scales [R, groups] or [slabs, M, groups]."""
+    if s.dim() == 2:
+        return 0, s.stride(0), s.stride(1), max(rows, 1)
+    return s.stride(0), s.stride(1), s.stride(2), s.shape[1]
+
+
+def quantize_act(x2: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [M, K] (stride 1 along K) -> (E4M3 [M, K], float32 scales [M, ceil(K/128)]), bit for bit
-    :func:`deepinfer_core.model.fp8.quantize_act_fp8`."""
+    :func:`deepinfer_core.model.fp8.quantize_act_fp8`; ``mn_major``: the scales in
+    :func:`mn_major_scales`' layout."""
     m, k = x2.shape
     groups = _cdiv(k, GROUP)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
-    # 16-row tiles: on an H200 they quantised bit for bit, 32-row tiles did not (cause not yet found)
-    _k().quantize_fp8_kernel[(_cdiv(m, 16), groups)](
-        x2, x2.stride(0), q, q.stride(0), s, s.stride(0), m, k, BLOCK_M=16, num_warps=4,
-    )
+    if mn_major:
+        s = mn_major_scales(m, groups, x2.device)
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    _launch_quantize(x2, q, s, None, None, m, m)
     return q, s
 
 
-def swiglu_quantize(gate_up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_rows(x2: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, q: torch.Tensor,
+                      s: torch.Tensor) -> None:
+    """:func:`quantize_act` of rows ``src`` of ``x2`` written to rows ``dst`` (a row of len(q) or more
+    skipped) of ``q`` [R, K] and of ``s``: [R, groups], or [slabs, M, groups] of any strides whose row r is
+    row r % M of slab r // M; one launch."""
+    if src.numel():
+        _launch_quantize(x2, q, s, src.contiguous(), dst.contiguous(), src.numel(), q.shape[0])
+
+
+def _launch_quantize(x2, q, s, src, dst, m, rows) -> None:
+    if not m:
+        return
+    se, sm, sk, slab_m = _scale_strides(s, rows)
+    # 16-row tiles: on an H200 they quantised bit for bit, 32-row tiles did not (cause not yet found)
+    _k().quantize_fp8_kernel[(_cdiv(m, 16), _cdiv(x2.shape[1], GROUP))](
+        x2, x2.stride(0), q, q.stride(0), s, se, sm, sk, q if src is None else src, q if dst is None else dst,
+        m, rows, x2.shape[1], slab_m, HAS_IDX=src is not None, BLOCK_M=16, num_warps=4,
+    )
+
+
+def swiglu_quantize(gate_up: torch.Tensor, limit: float, mn_major: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [M, 2I] of gate and up (stride 1 along them) -> swiglu in float32 as (E4M3 [M, I], float32
-    scales [M, ceil(I/128)]), one launch; as :func:`quantize_act` on ``native.swiglu``'s float32 rows."""
+    scales [M, ceil(I/128)]), one launch; as :func:`quantize_act` on ``native.swiglu``'s float32 rows
+    (``mn_major`` likewise)."""
     m, two_i = gate_up.shape
     inter = two_i // 2
     groups = _cdiv(inter, GROUP)
     q = torch.empty((m, inter), dtype=FP8_DTYPE, device=gate_up.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=gate_up.device)
-    if m:
-        _k().swiglu_quantize_kernel[(_cdiv(m, 16), groups)](
-            gate_up, gate_up.stride(0), q, q.stride(0), s, s.stride(0), q, m, m, inter, float(limit),
-            HAS_IDX=False, BLOCK_M=16, num_warps=4,
-        )
+    if mn_major:
+        s = mn_major_scales(m, groups, gate_up.device)
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=gate_up.device)
+    _launch_swiglu(gate_up, limit, None, m, q, s)
     return q, s
 
 
 def swiglu_quantize_rows(gate_up: torch.Tensor, limit: float, rows: torch.Tensor, q: torch.Tensor,
                          s: torch.Tensor) -> None:
     """:func:`swiglu_quantize` of rows ``rows`` (int64, distinct where below len(gate_up); the others
-    skipped) of ``gate_up``, written to the same rows of ``q`` and ``s``; one launch."""
+    skipped) of ``gate_up``, written to the same rows of ``q`` and of ``s`` (as in
+    :func:`quantize_act_rows`); one launch."""
+    _launch_swiglu(gate_up, limit, rows, rows.numel(), q, s)
+
+
+def _launch_swiglu(gate_up, limit, rows, m, q, s) -> None:
+    if not m:
+        return
     inter = gate_up.shape[1] // 2
-    if rows.numel():
-        _k().swiglu_quantize_kernel[(_cdiv(rows.numel(), 16), _cdiv(inter, GROUP))](
-            gate_up, gate_up.stride(0), q, q.stride(0), s, s.stride(0), rows, rows.numel(), gate_up.shape[0],
-            inter, float(limit), HAS_IDX=True, BLOCK_M=16, num_warps=4,
-        )
+    se, sm, sk, slab_m = _scale_strides(s, gate_up.shape[0])
+    _k().swiglu_quantize_kernel[(_cdiv(m, 16), _cdiv(inter, GROUP))](
+        gate_up, gate_up.stride(0), q, q.stride(0), s, se, sm, sk, q if rows is None else rows, m,
+        gate_up.shape[0], inter, slab_m, float(limit), HAS_IDX=rows is not None, BLOCK_M=16, num_warps=4,
+    )
 
 
 def combine_rows(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
