@@ -186,8 +186,42 @@ _WORKER = textwrap.dedent(
         step = want.abs() / 8 + want_s.repeat_interleave(128, -1)[:, :320] * 2.0**-9
         assert ((got - want).abs() <= step).all()
 
+    def masked_layout():
+        # the one-launch layout of the masked MoE against the torch one: ids outside [0, G), a token's
+        # repeated expert (its weights summed in slot order), more pairs than one 64-pair block
+        from deepinfer_nvidia_sm100 import external, fp8_ops
+        g = torch.Generator().manual_seed(1)
+        for tokens, k, groups in [(1, 6, 256), (37, 8, 16), (5, 3, 4)]:
+            ids = torch.randint(0, groups, (tokens, k), generator=g)
+            ids[0, -1], ids[-1, 0] = -1, groups
+            weights = torch.rand(tokens, k, generator=g)
+            want = external.masked_layout(ids.int(), weights, groups, 128)
+            dest, counts, merged, token = fp8_ops.masked_layout(ids.int(), weights, groups, 128)
+            assert torch.equal(dest, want[0]) and torch.equal(counts, want[1]), (tokens, k, groups)
+            torch.testing.assert_close(merged, want[2], rtol=1e-6, atol=0)
+            assert torch.equal(token, torch.arange(tokens * k) // k)
+
+    def quantize_into_slabs():
+        # rows quantised straight into slab rows with MN-major scales per slab, bit for bit the reference's
+        from deepinfer_core.model.fp8 import quantize_act_fp8
+        from deepinfer_nvidia_sm100 import fp8_ops
+        x = torch.randn(10, 300) * 3
+        src = torch.arange(30) // 3
+        dst = torch.randperm(64)[:30]
+        dst[::7] = 64  # past the slabs: skipped
+        q = torch.zeros(64, 300, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        s = fp8_ops.mn_major_scales(16, 3, x.device, slabs=4).fill_(-1.0)
+        fp8_ops.quantize_act_rows(x, src, dst, q, s)
+        want_q, want_s = quantize_act_fp8(x)
+        keep = dst < 64
+        flat = s.reshape(64, 3)
+        assert torch.equal(q.view(torch.uint8)[dst[keep]], want_q.view(torch.uint8)[src[keep]])
+        assert torch.equal(flat[dst[keep]], want_s[src[keep]])
+        assert (flat[~torch.isin(torch.arange(64), dst[keep])] == -1).all()
+
     checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding,
-              "swiglu_quantize": swiglu_quantize}
+              "swiglu_quantize": swiglu_quantize, "masked_layout": masked_layout,
+              "quantize_into_slabs": quantize_into_slabs}
     out = {"__device__": str(device)}
     for key, job in jobs.items():
         try:
@@ -229,6 +263,8 @@ FP8_WIDE = dict(tokens=20, top_k=4, hidden=384, q_lora=320, moe_inter=256, local
 JOBS.update({f"wide/{op}/{d}": _job(op, d, "fp8_wide", FP8_WIDE) for op in FP8_OPS for d in ("bfloat16", "float32")})
 JOBS["fp8_rounding"] = _job(check="fp8_rounding")
 JOBS["swiglu_quantize"] = _job(check="swiglu_quantize")
+JOBS["masked_layout"] = _job(check="masked_layout")
+JOBS["quantize_into_slabs"] = _job(check="quantize_into_slabs")
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +321,16 @@ def test_interpreted_fp8_quantisation_rounds_like_torch(interpreted):
 @needs_triton
 def test_interpreted_swiglu_quantisation_matches_torch(interpreted):
     _report(interpreted, "swiglu_quantize")
+
+
+@needs_triton
+def test_interpreted_masked_moe_layout_matches_torch(interpreted):
+    _report(interpreted, "masked_layout")
+
+
+@needs_triton
+def test_interpreted_quantisation_into_slab_rows(interpreted):
+    _report(interpreted, "quantize_into_slabs")
 
 
 @needs_triton
@@ -627,8 +673,11 @@ def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeyp
         "contiguous": lambda: external.deep_gemm_moe_fp8_with(_fake_fp8_gemm, 8, *moe.args),
     }
     want = {name: run() for name, run in runs.items()}
+    def layout(ids, weights, groups, max_m):
+        return (*external.masked_layout(ids, weights, groups, max_m), torch.arange(ids.numel()) // ids.shape[-1])
+
     for name, fn in [("quantize_act_rows", quantize_rows), ("swiglu_quantize", swiglu),
-                     ("swiglu_quantize_rows", swiglu_rows)]:
+                     ("swiglu_quantize_rows", swiglu_rows), ("masked_layout", layout)]:
         monkeypatch.setattr(fp8_ops, name, fn)
     monkeypatch.setattr(fp8_ops, "combine_rows", lambda *a: combines.append(a[3]) or external.combine_rows_torch(*a))
     monkeypatch.setattr(external, "_triton_quantises", lambda device: True)

@@ -161,6 +161,23 @@ def test_swiglu_quantisation_of_chosen_rows_writes_those_rows_only(device):
         assert (q.view(torch.uint8)[~chosen] == 0).all() and (flat[~chosen] == -1).all()
 
 
+@pytest.mark.parametrize("tokens, k, groups", [(1, 6, 256), (64, 6, 256), (37, 8, 16)])
+def test_masked_moe_layout_in_one_launch_matches_torch(tokens, k, groups, device):
+    """The masked MoE's layout kernel: the torch layout's slab rows, pairs per expert and merged weights
+    (ids outside [0, G) to the trash, a token's repeated expert once), and each pair's token."""
+    from deepinfer_nvidia_sm100 import external, fp8_ops
+
+    g = torch.Generator(device).manual_seed(tokens + k)
+    ids = torch.randint(0, groups, (tokens, k), generator=g, device=device, dtype=torch.int32)
+    ids[0, -1], ids[-1, 0] = -1, groups
+    weights = torch.rand(tokens, k, generator=g, device=device)
+    want = external.masked_layout(ids, weights, groups, 128)
+    dest, counts, merged, token = fp8_ops.masked_layout(ids, weights, groups, 128)
+    assert torch.equal(dest, want[0]) and torch.equal(counts, want[1])
+    torch.testing.assert_close(merged, want[2], rtol=1e-6, atol=0)
+    assert torch.equal(token, torch.arange(tokens * k, device=device) // k)
+
+
 def test_moe_combine_sums_each_tokens_rows_in_one_launch(device):
     """The DeepGEMM MoE's combine: each token's k rows (gathered by row, a slot without one adds 0) weighted
     and summed in float32; rows nothing points at (padding, NaN here) are never read."""

@@ -457,6 +457,18 @@ def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: in
     return dest, counts, weights.reshape(-1)
 
 
+def _masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: int, max_m: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`masked_layout` and each pair's token: on a CUDA device one Triton launch, not two dozen."""
+    if _triton_quantises(topk_ids.device):
+        from deepinfer_nvidia_sm100 import fp8_ops
+
+        return fp8_ops.masked_layout(topk_ids, topk_weights, groups, max_m)
+    k = topk_ids.shape[-1]
+    token = torch.arange(topk_ids.numel(), device=topk_ids.device) // k
+    return (*masked_layout(topk_ids, topk_weights, groups, max_m), token)
+
+
 def _scatter_rows(q: torch.Tensor, s: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, rows: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 rows ``q`` and their scales ``s``, row ``source[i]`` to row ``dest[i]`` (``rows``: a trash row)
@@ -496,9 +508,8 @@ def deep_gemm_moe_fp8_masked_with(gemm: Callable, x, w13, w13_scale, w2, w2_scal
     groups, n13 = w13.shape[0], w13.shape[1]
     max_m = -(-tokens // MASKED_M_ALIGN) * MASKED_M_ALIGN
     rows = groups * max_m
-    dest, masked_m, weights = masked_layout(topk_ids, topk_weights, groups, max_m)
+    dest, masked_m, weights, token = _masked_layout(topk_ids, topk_weights, groups, max_m)
     expected_m = max(1, -(-tokens * k // groups))
-    token = torch.arange(tokens * k, device=x.device) // k
     gate_up = torch.empty((groups, max_m, n13), dtype=torch.bfloat16, device=x.device)
     gemm(_quantize_rows(x, token, dest, rows, groups), (w13, w13_scale.float()), gate_up, masked_m, expected_m)
     h = _swiglu_quantize_slab(gate_up.view(rows, n13), swiglu_limit, dest, groups)

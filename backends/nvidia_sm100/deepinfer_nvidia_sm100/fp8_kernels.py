@@ -141,6 +141,72 @@ def moe_combine_kernel(
 
 
 @triton.jit
+def repeats_earlier_slot(ids_ptr, q, q_mask, ids, K: tl.constexpr):
+    """Whether each (token, slot) pair ``q`` (id ``ids``) repeats the id of an earlier slot of its token."""
+    first_slot = (q // K) * K
+    repeat = q < 0
+    for j in tl.static_range(K):
+        other = first_slot + j
+        earlier = q_mask & (other < q)
+        repeat = repeat | (earlier & (tl.load(ids_ptr + other, mask=earlier, other=-1) == ids))
+    return repeat
+
+
+@triton.jit
+def pair_keys(ids_ptr, q, q_mask, G, K: tl.constexpr):
+    """The expert of each pair ``q``: its id, or G where the id is outside [0, G) or repeats an earlier
+    slot of the same token."""
+    ids = tl.load(ids_ptr + q, mask=q_mask, other=-1)
+    repeat = repeats_earlier_slot(ids_ptr, q, q_mask, ids, K)
+    return tl.where(q_mask & (ids >= 0) & (ids < G) & ~repeat, ids, G)
+
+
+@triton.jit
+def masked_layout_kernel(
+    ids_ptr, tw_ptr, dest_ptr, token_ptr, w_ptr, counts_ptr,
+    P, G, MAX_M, PAIR_BLOCKS,
+    K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The masked MoE's layout (``external.masked_layout``) in one launch. The first PAIR_BLOCKS programs
+    take BLOCK pairs each: slab row (expert * MAX_M + rank among the expert's pairs in pair order, or the
+    trash row G * MAX_M), token, and weight (a slot's own plus those of the later slots repeating its id,
+    in slot order; 0 for a repeat). The others count the pairs of BLOCK experts each."""
+    pid = tl.program_id(0)
+    if pid < PAIR_BLOCKS:
+        p = pid * BLOCK + tl.arange(0, BLOCK)
+        p_mask = p < P
+        ids = tl.load(ids_ptr + p, mask=p_mask, other=-1)
+        repeat = repeats_earlier_slot(ids_ptr, p, p_mask, ids, K)
+        key = tl.where(p_mask & (ids >= 0) & (ids < G) & ~repeat, ids, G)
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, P, BLOCK):
+            q = start + tl.arange(0, BLOCK)
+            kq = pair_keys(ids_ptr, q, q < P, G, K)
+            same = (kq[None, :] == key[:, None]) & (q[None, :] < p[:, None])
+            rank += tl.sum(same.to(tl.int32), 1)
+        first_slot = (p // K) * K
+        w = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            other = first_slot + j
+            later = p_mask & (other >= p)
+            o_id = tl.load(ids_ptr + other, mask=later, other=-1)
+            o_w = tl.load(tw_ptr + other, mask=later, other=0.0).to(tl.float32)
+            w += tl.where(later & (o_id == ids), o_w, 0.0)
+        dest = tl.where(key < G, key.to(tl.int64) * MAX_M + rank, G * MAX_M)
+        tl.store(dest_ptr + p, dest, mask=p_mask)
+        tl.store(token_ptr + p, (p // K).to(tl.int64), mask=p_mask)
+        tl.store(w_ptr + p, tl.where(repeat, 0.0, w), mask=p_mask)
+    else:
+        e = (pid - PAIR_BLOCKS) * BLOCK + tl.arange(0, BLOCK)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, P, BLOCK):
+            q = start + tl.arange(0, BLOCK)
+            kq = pair_keys(ids_ptr, q, q < P, G, K)
+            count += tl.sum((kq[None, :] == e[:, None]).to(tl.int32), 1)
+        tl.store(counts_ptr + e, count, mask=e < G)
+
+
+@triton.jit
 def linear_fp8_kernel(
     xq_ptr, stride_xm, xs_ptr, stride_xsm,
     w_ptr, stride_wn,

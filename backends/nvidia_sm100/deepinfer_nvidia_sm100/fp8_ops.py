@@ -147,6 +147,25 @@ def _launch_swiglu(gate_up, limit, rows, m, q, s) -> None:
     )
 
 
+def masked_layout(topk_ids: torch.Tensor, topk_weights: torch.Tensor, groups: int, max_m: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``external.masked_layout`` in one launch: (slab row [P] int64, pairs per expert [groups] int32,
+    weights [P] float32, token [P] int64) of the P = tokens * k (token, slot) pairs."""
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_weights.reshape(-1).contiguous()
+    pairs, k = ids.numel(), topk_ids.shape[-1]
+    dest = torch.empty(pairs, dtype=torch.int64, device=ids.device)
+    token = torch.empty(pairs, dtype=torch.int64, device=ids.device)
+    weights = torch.empty(pairs, dtype=torch.float32, device=ids.device)
+    counts = torch.empty(groups, dtype=torch.int32, device=ids.device)
+    block = 64
+    pair_blocks = _cdiv(pairs, block)
+    _k().masked_layout_kernel[(pair_blocks + _cdiv(groups, block),)](
+        ids, tw, dest, token, weights, counts, pairs, groups, max_m, pair_blocks, K=k, BLOCK=block, num_warps=4,
+    )
+    return dest, counts, weights, token
+
+
 def combine_rows(rows: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, tokens: int, k: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """[tokens, D] in ``dtype``: token t's sum over its k slots of ``weights[t*k + j] * rows[row_of[t*k + j]]``
