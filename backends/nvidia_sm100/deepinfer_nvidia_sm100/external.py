@@ -367,7 +367,8 @@ def _quantize_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: 
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_quantize_act` of rows ``src`` of ``x`` [T, K] put in rows ``dst`` (``rows`` or more: none) of
     ``rows`` rows, or of ``slabs`` slabs of ``rows / slabs`` rows ([slabs, M, K], [slabs, M, K / 128]);
-    unfilled scales are 0. On a CUDA device one Triton launch, with no copy of the rows between."""
+    the rows nothing is put in are left unset on a CUDA device (the masked GEMM computes them into rows
+    nothing reads), 0 elsewhere. On a CUDA device one Triton launch, with no copy of the rows between."""
     k = x.shape[1]
     if not _triton_quantises(x.device):
         q, s = _scatter_rows(*quantize_act_fp8(x), src, dst, rows)
@@ -376,7 +377,7 @@ def _quantize_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: 
         from deepinfer_nvidia_sm100 import fp8_ops
 
         q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
-        s = fp8_ops.mn_major_scales(rows // (slabs or 1), -(-k // FP8_BLOCK), x.device, slabs=slabs, zero=True)
+        s = fp8_ops.mn_major_scales(rows // (slabs or 1), -(-k // FP8_BLOCK), x.device, slabs=slabs)
         fp8_ops.quantize_act_rows(x if x.stride(-1) == 1 else x.contiguous(), src, dst, q, s)
     return (q, s) if slabs is None else (q.view(slabs, -1, k), s)
 
@@ -484,7 +485,8 @@ def _swiglu_quantize_slab(gate_up: torch.Tensor, limit: float, dest: torch.Tenso
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The masked down GEMM's operand: :func:`_swiglu_quantize` of slab rows ``dest`` of ``gate_up``
     [slab rows, 2I] (a pair in the trash, ``dest`` = slab rows, skipped), in the same rows of a new slab
-    ([groups, M, I], [groups, M, I / 128]; unfilled scales 0). On a CUDA device one Triton launch."""
+    ([groups, M, I], [groups, M, I / 128]; unfilled rows as in :func:`_quantize_rows`). On a CUDA device one
+    Triton launch."""
     slab, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if not _triton_quantises(gate_up.device):
         pairs = torch.arange(dest.numel(), device=dest.device)
@@ -493,7 +495,7 @@ def _swiglu_quantize_slab(gate_up: torch.Tensor, limit: float, dest: torch.Tenso
     from deepinfer_nvidia_sm100 import fp8_ops
 
     q = torch.empty((slab, inter), dtype=FP8_DTYPE, device=gate_up.device)
-    s = fp8_ops.mn_major_scales(slab // groups, -(-inter // FP8_BLOCK), gate_up.device, slabs=groups, zero=True)
+    s = fp8_ops.mn_major_scales(slab // groups, -(-inter // FP8_BLOCK), gate_up.device, slabs=groups)
     fp8_ops.swiglu_quantize_rows(gate_up, limit, dest.contiguous(), q, s)
     return q.view(groups, -1, inter), s
 

@@ -58,14 +58,12 @@ def _linear_tiles(m: int) -> tuple[int, int, int]:
     return 128, 128, 8
 
 
-def mn_major_scales(m: int, groups: int, device: torch.device, slabs: int | None = None,
-                    zero: bool = False) -> torch.Tensor:
+def mn_major_scales(m: int, groups: int, device: torch.device, slabs: int | None = None) -> torch.Tensor:
     """Float32 scales [m, groups] (or [slabs, m, groups]) stored column by column, each column padded to a
     multiple of 4 rows (16 bytes): the layout DeepGEMM's SM90 GEMMs read activation scales in, so that
     they need no transposing copy of their own."""
     lead = () if slabs is None else (slabs,)
-    alloc = torch.zeros if zero else torch.empty
-    cols = alloc((*lead, groups, _cdiv(m, 4) * 4), dtype=torch.float32, device=device)
+    cols = torch.empty((*lead, groups, _cdiv(m, 4) * 4), dtype=torch.float32, device=device)
     return cols[..., :m].transpose(-1, -2)
 
 
