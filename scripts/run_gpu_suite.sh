@@ -17,7 +17,7 @@
 # GPU_SUITE_STEPS (the test steps to run, default "gpu_suite conformance"; e.g. one each in two processes),
 # GPU_SUITE_WORKERS (pytest-xdist processes sharing the GPU; default 8 when xdist is installed, 0 runs
 # serially; on one H200 the GPU suite alone takes over 10 minutes serially, and 8 workers ran 160 of
-# its 187 tests in 205 s).
+# its 187 tests in 205 s), OMP_NUM_THREADS (default: the host's cores shared among the workers).
 
 set -u -o pipefail
 
@@ -29,6 +29,10 @@ PY="${PYTHON:-python3}"
 read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
 if "$PY" -c "import xdist" 2>/dev/null; then WORKERS="${GPU_SUITE_WORKERS:-8}"; else WORKERS=0; fi
 [ "$WORKERS" -gt 0 ] && EXTRA=(-n "$WORKERS" "${EXTRA[@]}")
+# the engine tests' float64 cpu_ref references run on the host: give each worker its share of the cores,
+# not a thread per core each (OMP_NUM_THREADS overrides)
+SHARE=$(( $(nproc 2>/dev/null || echo 8) / (WORKERS > 1 ? WORKERS : 1) ))
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( SHARE > 0 ? SHARE : 1 ))}"
 "$PY" -c "import pytest_timeout" 2>/dev/null && EXTRA=(--timeout=600 "${EXTRA[@]}")
 export PYTHONUNBUFFERED=1
 SUMMARY="$LOG_DIR/summary.txt"
