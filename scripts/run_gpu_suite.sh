@@ -9,7 +9,7 @@
 #                (works offline: nothing is downloaded)
 #   env          nvidia-smi, versions, `deepinfer backends` (which implementation serves each op)
 #   gpu_suite    pytest -m gpu tests/gpu: op conformance at tiny + v4_flash, engine vs cpu_ref float64,
-#                bad input, device/topology/NCCL hooks
+#                bad input, device/topology/NCCL hooks; each test's time in gpu_suite_times.tsv as it ends
 #   conformance  pytest tests/test_conformance.py --backend nvidia_sm100, tiny (all dtypes) and the
 #                slow v4_flash preset (bfloat16, float32)
 # The exit status is non-zero when a step failed; LOG_DIR/summary.txt lists each step's status.
@@ -98,7 +98,8 @@ STEPS=" ${GPU_SUITE_STEPS:-gpu_suite conformance} "
 
 # --- the GPU suite ---------------------------------------------------------------------------------
 if [[ "$STEPS" == *" gpu_suite "* ]]; then
-    "$PY" -m pytest tests/gpu -m gpu -rs -v --durations=15 \
+    : > "$LOG_DIR/gpu_suite_times.tsv"
+    DEEPINFER_TEST_TIMES="$LOG_DIR/gpu_suite_times.tsv" "$PY" -m pytest tests/gpu -m gpu -rs -v --durations=15 \
         --junitxml="$LOG_DIR/gpu_suite.xml" "${EXTRA[@]}" 2>&1 | tee "$LOG_DIR/gpu_suite.log"
     record gpu_suite "${PIPESTATUS[0]}"
 fi

@@ -8,12 +8,23 @@ reference, which TF32 matmuls (10-bit mantissa) would not.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from gpu_support import BACKEND
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``DEEPINFER_TEST_TIMES`` set, one line per test phase (node id, phase, seconds, outcome)
+    appended to that file as it ends: the times survive a run stopped by its time limit, which pytest's
+    ``--durations`` table (printed at the end) does not."""
+    path = os.environ.get("DEEPINFER_TEST_TIMES")
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:  # with xdist the controller writes every report
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
