@@ -67,6 +67,12 @@ def mn_major_scales(m: int, groups: int, device: torch.device, slabs: int | None
     return cols[..., :m].transpose(-1, -2)
 
 
+def _new_scales(m: int, groups: int, device: torch.device, mn_major: bool) -> torch.Tensor:
+    if mn_major:
+        return mn_major_scales(m, groups, device)
+    return torch.empty((m, groups), dtype=torch.float32, device=device)
+
+
 def _scale_strides(s: torch.Tensor, rows: int) -> tuple[int, int, int, int]:
     """(slab stride, row stride, group stride, rows per slab) of scales [R, groups] or [slabs, M, groups]."""
     if s.dim() == 2:
@@ -81,10 +87,7 @@ def quantize_act(x2: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor
     m, k = x2.shape
     groups = _cdiv(k, GROUP)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
-    if mn_major:
-        s = mn_major_scales(m, groups, x2.device)
-    else:
-        s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    s = _new_scales(m, groups, x2.device, mn_major)
     _launch_quantize(x2, q, s, None, None, m, m)
     return q, s
 
@@ -118,10 +121,7 @@ def swiglu_quantize(gate_up: torch.Tensor, limit: float, mn_major: bool = False
     inter = two_i // 2
     groups = _cdiv(inter, GROUP)
     q = torch.empty((m, inter), dtype=FP8_DTYPE, device=gate_up.device)
-    if mn_major:
-        s = mn_major_scales(m, groups, gate_up.device)
-    else:
-        s = torch.empty((m, groups), dtype=torch.float32, device=gate_up.device)
+    s = _new_scales(m, groups, gate_up.device, mn_major)
     _launch_swiglu(gate_up, limit, None, m, q, s)
     return q, s
 
