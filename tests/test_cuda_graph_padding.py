@@ -116,3 +116,30 @@ def test_padded_equals_unpadded_logits(make_llm, tiny_path, q):
     assert changed > len(cache.window_kv)  # the step wrote compressed entries, not just window rows
     for i in range(len(prompts)):
         engine.abort_request(str(i))
+
+
+def test_padded_batch_packs_from_one_buffer():
+    """A padded batch's tensors are views of one buffer laid out as ``packed`` lays them out: packing is
+    that buffer, equal to concatenating the tensors; a copy with other tensors, or one that derives its
+    window rows later, packs its own tensors again."""
+    from deepinfer_core.model.cache import CompressorSpec
+
+    specs = {CompressorSpec(4, 8, True), CompressorSpec(16, 8, False)}
+    spans = [SeqSpan(37, 2, [3, 5, 9], [1, 4, 6], 0, 0), SeqSpan(14, 2, [2], [0], 1, 0)]
+    pad = GraphPadding(4, {4: 16, 16: 4}, 64, query_len=2)
+    host = build_forward_batch([7, 8, 9, 10], spans, specs, 16, 8, pad=pad)
+    flat = torch.cat([t.reshape(-1) for t in host.tensors().values()])
+    assert host.storage is not None and torch.equal(host.packed(), flat)
+    for t in host.tensors().values():
+        assert t.untyped_storage().data_ptr() == host.storage.untyped_storage().data_ptr()
+    out = torch.empty_like(flat)
+    assert host.packed(out=out) is out and torch.equal(out, flat)
+    moved = host.replace_tensors({"input_ids": torch.tensor([1, 2, 3, 4, 0, 0, 0, 0])})
+    assert moved.storage is None and moved.packed()[:4].tolist() == [1, 2, 3, 4]
+    again = host.with_storage(flat.clone())
+    assert torch.equal(again.packed(), flat) and again.storage is not None
+    eager = build_forward_batch([7, 8, 9, 10], spans, specs, 16, 8)
+    eager = eager.with_storage(eager.packed())
+    width = eager.packed().numel()
+    eager.window_rows()
+    assert eager.storage is None and eager.packed().numel() > width

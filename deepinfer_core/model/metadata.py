@@ -8,7 +8,7 @@ query may attend are derived on the device, inside the forward (:func:`compresse
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -62,6 +62,12 @@ class CompressorMeta:
     boundary_dst: torch.Tensor  # [Nb] compressed block whose boundary record they are saved into
 
 
+_META_FIELDS = tuple(f.name for f in fields(CompressorMeta))
+#: the batch-level index tensors, in the order of ``ForwardBatch.tensors``
+_TOP_FIELDS = ("input_ids", "positions", "window_slots", "window_indices", "logits_indices", "block_tables",
+               "token_seq", "window_tables", "window_first")
+
+
 @dataclass(frozen=True)
 class GraphPadding:
     """The fixed layout of a captured graph: ``num_seqs`` sequences of ``query_len`` new tokens each (1 for
@@ -98,6 +104,7 @@ class ForwardBatch:
     window_tables: torch.Tensor | None = None  # [S, Bw] window pool from logical block window_first[s]
     window_first: torch.Tensor | None = None  # [S]
     window_layout: tuple[int, int] | None = None  # (sliding_window, block_size) of the window tables
+    storage: torch.Tensor | None = None  # the flat tensor every tensor of ``tensors()`` is a view of, packed
 
     def window_rows(self) -> torch.Tensor:
         """``window_indices``; where the batch was built without them (unpadded), derived on the batch's
@@ -107,6 +114,7 @@ class ForwardBatch:
             offsets = torch.arange(1 - window, 1, device=self.positions.device)
             self.window_indices = _rows_torch(self.window_tables, self.token_seq, self.positions.unsqueeze(1)
                                               + offsets, block_size, self.window_first)
+            self.storage = None
         return self.window_indices
 
     @property
@@ -115,10 +123,7 @@ class ForwardBatch:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every index tensor of the batch by a stable name (compressor fields as ``"rate.overlap.field"``)."""
-        out = {k: getattr(self, k) for k in ("input_ids", "positions", "window_slots", "window_indices",
-                                                 "logits_indices", "block_tables", "token_seq", "window_tables",
-                                                 "window_first")
-               if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in _TOP_FIELDS if getattr(self, k) is not None}
         for (rate, overlap), meta in sorted(self.compressors.items()):
             out.update({f"{rate}.{int(overlap)}.{k}": v for k, v in vars(meta).items() if v is not None})
         return out
@@ -131,10 +136,12 @@ class ForwardBatch:
             prefix = f"{key[0]}.{int(key[1])}."
             fields = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
             comps[key] = CompressorMeta(**{**vars(meta), **fields})
-        return ForwardBatch(**{**vars(self), **top, "compressors": comps})
+        return ForwardBatch(**{**vars(self), **top, "compressors": comps, "storage": None})
 
     def packed(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every index tensor flattened into one int64 tensor (the order of :meth:`tensors`)."""
+        if self.storage is not None:
+            return self.storage if out is None else out.copy_(self.storage)
         return torch.cat([t.reshape(-1) for t in self.tensors().values()], out=out)
 
     def with_storage(self, flat: torch.Tensor) -> ForwardBatch:
@@ -143,7 +150,10 @@ class ForwardBatch:
         for name, t in self.tensors().items():
             views[name] = flat[offset:offset + t.numel()].view(t.shape)
             offset += t.numel()
-        return self.replace_tensors(views)
+        batch = self.replace_tensors(views)
+        if offset == flat.numel():
+            batch.storage = flat
+        return batch
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         return self.replace_tensors({k: v.to(device) for k, v in self.tensors().items()})
@@ -366,19 +376,29 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
         "block_tables": tables,
         "token_seq": owner,
     }
-    t = {k: torch.from_numpy(v) for k, v in arrays.items()}
-    batch = ForwardBatch(
-        **t,
-        query_start_loc=list(range(0, n * q + 1, q)),  # the real sequences only: their logits are the first rows
-        padded_to=size,
-        padded_context=pad.context,
-    )
-    for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
-        meta = _padded_compressor_meta(rate, overlap, lay, block_size)
-        batch.compressors[rate, overlap] = CompressorMeta(
-            **{k: None if v is None else torch.from_numpy(np.ascontiguousarray(v)) for k, v in meta.items()})
-        batch.entry_widths[rate] = pad.max_entries[rate]
-    return batch.to(device)
+    metas = {key: _padded_compressor_meta(*key, lay, block_size)
+             for key in sorted({(spec.rate, spec.overlap) for spec in compressor_specs})}
+    batch = _packed_batch(arrays, metas,
+                          query_start_loc=list(range(0, n * q + 1, q)),  # the real sequences' logits come first
+                          padded_to=size, padded_context=pad.context,
+                          entry_widths={rate: pad.max_entries[rate] for rate, _ in metas})
+    return batch if torch.device(device).type == "cpu" else batch.to(device)
+
+
+def _packed_batch(top: dict[str, np.ndarray], metas: dict[tuple[int, bool], dict[str, np.ndarray | None]],
+                  **rest) -> ForwardBatch:
+    """A batch of the arrays ``top`` and ``metas`` (by :class:`CompressorMeta` field) copied once into one
+    int64 buffer, ``storage``: its tensors are views of it laid out as :meth:`ForwardBatch.packed` lays
+    them out, so packing and loading it are single copies."""
+    parts = [top[k] for k in _TOP_FIELDS if top.get(k) is not None]
+    for key in sorted(metas):
+        parts += [v for v in (metas[key][f] for f in _META_FIELDS) if v is not None]
+    storage = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64, copy=False))
+    views = iter([v if p.ndim == 1 else v.view(p.shape) for v, p in zip(storage.split([p.size for p in parts]), parts)])
+    tensors = {k: next(views) if top.get(k) is not None else None for k in _TOP_FIELDS}
+    comps = {key: CompressorMeta(**{f: None if metas[key][f] is None else next(views) for f in _META_FIELDS})
+             for key in sorted(metas)}
+    return ForwardBatch(**tensors, compressors=comps, storage=storage, **rest)
 
 
 def _rows_np(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int, rate: int = 1,
@@ -387,7 +407,7 @@ def _rows_np(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block
     -1 where the position is negative or its block is not resident. With ``first``, column 0 of a
     sequence's table is its logical block ``first[seq]``."""
     per_block = block_size // rate
-    owner = np.broadcast_to(owner.reshape(-1, *([1] * (positions.ndim - 1))), positions.shape)
+    owner = owner.reshape(-1, *([1] * (positions.ndim - 1)))  # broadcast against positions by the indexing
     blocks = positions // block_size
     if first is not None:
         blocks = blocks - first[owner]
