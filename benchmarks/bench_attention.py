@@ -9,6 +9,8 @@ Measured, each over the same inputs (GPU work timed with CUDA events, median of 
 
 * ``triton``: ``deepinfer_nvidia_sm100.triton_ops.sparse_attention`` on bfloat16 pools (what the engine
   runs without FlashMLA);
+* ``triton_1split``: the same kernel with one program per query token (``splits=1``, what batch-invariant
+  mode runs; ``triton`` splits each query's index columns over programs when the batch has few tokens);
 * ``engine``: the op table's ``sparse_attention`` at V4-Flash widths when it is not that kernel (an
   adapter that passed its self-check, or on the CPU the core's torch body);
 * ``engine_fp8``: the op table's ``sparse_attention_fp8`` on DeepSeek's FP8 KV entries (584 bytes a row,
@@ -248,6 +250,7 @@ class Implementations:
 
                 triton_fn = triton_ops.sparse_attention
                 self.makers["triton"] = lambda c: (lambda: triton_fn(*c.args()))
+                self.makers["triton_1split"] = lambda c: (lambda: triton_fn(*c.args(), splits=1))
             except (Skip, ImportError) as exc:
                 self.skipped["triton"] = str(exc)
         else:
@@ -377,7 +380,8 @@ def launch_configs(case: Case, time_us: Callable) -> dict[str, Any]:
 # --- report ----------------------------------------------------------------------------------------
 
 
-SHORT = {"triton": "triton", "engine": "engine", "engine_fp8": "eng_fp8", "flash_mla_decode": "fm_dec",
+SHORT = {"triton": "triton", "triton_1split": "tri_1split", "engine": "engine", "engine_fp8": "eng_fp8",
+         "flash_mla_decode": "fm_dec",
          "flash_mla_decode_meta": "fm_dec+meta", "flash_mla_sparse_fwd": "fm_fwd"}
 
 

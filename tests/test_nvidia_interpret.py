@@ -219,7 +219,32 @@ _WORKER = textwrap.dedent(
         assert torch.equal(flat[dst[keep]], want_s[src[keep]])
         assert (flat[~torch.isin(torch.arange(64), dst[keep])] == -1).all()
 
-    checks = {"nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding,
+    def split_attention():
+        # the columns split over programs and merged with the sinks: every split count (more splits than
+        # column steps, splits of -1 only, ranges across the two lists), 64 x 512 and 16 heads x two
+        # value tiles, against the float64 body; a query without keys still gives 0
+        from deepinfer_core.ops import native
+        from deepinfer_nvidia_sm100 import triton_ops
+        g = torch.Generator().manual_seed(3)
+        for heads, d in [(64, 512), (16, 512)]:
+            q = torch.randn(3, heads, d, generator=g)
+            kv, ekv = torch.randn(96, d, generator=g), torch.randn(48, d, generator=g)
+            idx = torch.randint(-1, 96, (3, 130), generator=g)
+            idx[1, 32:96] = -1
+            idx[2] = -1
+            eidx = torch.randint(-1, 48, (3, 70), generator=g)
+            eidx[2] = -1
+            sinks = torch.randn(heads, generator=g)
+            want = native.sparse_attention(q.double(), kv.double(), idx, sinks.double(), d**-0.5, ekv.double(), eidx)
+            assert torch.equal(want[2], torch.zeros_like(want[2]))
+            for splits in (None, 1, 2, 3, 5, 7, 64):
+                got = triton_ops.sparse_attention(q, kv, idx, sinks, d**-0.5, ekv, eidx, splits=splits)
+                err = (got.double() - want).abs().max().item()
+                assert err < 1e-4, (heads, splits, err)
+            assert triton_ops.attention_splits(3, 200, 32) == 4 and triton_ops.attention_splits(65, 640, 32) == 1
+
+    checks = {"split_attention": split_attention, "nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm,
+              "fp8_rounding": fp8_rounding,
               "swiglu_quantize": swiglu_quantize, "masked_layout": masked_layout,
               "quantize_into_slabs": quantize_into_slabs}
     out = {"__device__": str(device)}
@@ -253,6 +278,7 @@ JOBS = {f"tiny/{op}/{_dtype_id(dt)}": _job(op, _dtype_id(dt)) for op in sorted(C
 JOBS.update({f"wide/{op}/{d}": _job(op, d, "wide", WIDE) for op in TRITON_OPS for d in ("bfloat16", "float32")})
 JOBS["big_moe"] = _job("moe_experts", "bfloat16", "big_moe", BIG_MOE)
 JOBS["nan_rows"] = _job(check="nan_rows")
+JOBS["split_attention"] = _job(check="split_attention")
 JOBS["wide_rms_norm"] = _job(check="wide_rms_norm")
 #: the block-FP8 ops (``fp8_ops``: a Triton launcher and a torch stand-in each). Triton 3.6's interpreter
 #: gets E4M3 dots and float-to-E4M3 rounding wrong, so there the kernels multiply the same exact E4M3
@@ -342,6 +368,11 @@ def test_interpreted_moe_with_many_pairs_and_rms_norm_beyond_one_block(interpret
 @needs_triton
 def test_interpreted_sparse_attention_never_reads_nan_rows(interpreted):
     _report(interpreted, "nan_rows")
+
+
+@needs_triton
+def test_interpreted_split_sparse_attention_matches_cpu_ref(interpreted):
+    _report(interpreted, "split_attention")
 
 
 # --- the native torch bodies below the kernels (no triton needed) -------------------------------------

@@ -172,7 +172,8 @@ def sparse_attention(
     extra_kv: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return triton_ops.sparse_attention(q, kv, indices, sinks, scale, extra_kv, extra_indices, keep_extra=True)
+    return triton_ops.sparse_attention(q, kv, indices, sinks, scale, extra_kv, extra_indices, keep_extra=True,
+                                       splits=1)
 
 
 def indexer_topk(

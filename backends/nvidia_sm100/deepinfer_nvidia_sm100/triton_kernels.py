@@ -19,17 +19,18 @@ def _attend_rows(
     m_i, l_i, acc,
     q_ptr, stride_qh, offs_h, h_mask,
     pool_ptr, stride_pool, pool_rows,
-    idx_ptr, n_idx, scale,
+    idx_ptr, k_lo, k_hi, scale,
     D, dv_start,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    """The online softmax over index columns [k_lo, k_hi) of one query's list."""
     compute_ty = q_ptr.dtype.element_ty
     offs_v = dv_start + tl.arange(0, BLOCK_DV)
     v_mask = offs_v < D
-    for k0 in range(0, n_idx, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
+        idx = tl.load(idx_ptr + offs_k, mask=offs_k < k_hi, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < pool_rows)
         rows = tl.where(valid, idx, 0)
         s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
@@ -78,19 +79,96 @@ def sparse_attention_kernel(
     q_t = q_ptr + t * stride_qt
     m_i, l_i, acc = _attend_rows(
         m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, kv_ptr, stride_kv, kv_rows,
-        idx_ptr + t * stride_it, n_idx, scale, D, dv_start,
+        idx_ptr + t * stride_it, 0, n_idx, scale, D, dv_start,
         BLOCK_H, BLOCK_K, BLOCK_DK, BLOCK_DV, DOT_PREC,
     )
     if HAS_EXTRA:
         m_i, l_i, acc = _attend_rows(
             m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, ekv_ptr, stride_ekv, ekv_rows,
-            eidx_ptr + t * stride_eit, n_eidx, scale, D, dv_start,
+            eidx_ptr + t * stride_eit, 0, n_eidx, scale, D, dv_start,
             BLOCK_H, BLOCK_K, BLOCK_DK, BLOCK_DV, DOT_PREC,
         )
     out = acc / l_i[:, None]
     offs_v = dv_start + tl.arange(0, BLOCK_DV)
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_v < D)[None, :])
+
+
+@triton.jit
+def sparse_attention_split_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kv, kv_rows,
+    idx_ptr, stride_it, n_idx,
+    ekv_ptr, stride_ekv, ekv_rows,
+    eidx_ptr, stride_eit, n_eidx,
+    m_ptr, l_ptr, part_ptr,
+    H, D, scale, CHUNK, S,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Split ``j`` of query ``t``: the softmax state (max, sum, unnormalised value) over columns
+    [j * CHUNK, (j + 1) * CHUNK) of the query's window list followed by its extra list, no sink; the
+    states of the S splits are merged by :func:`sparse_attention_combine_kernel`."""
+    t = tl.program_id(0).to(tl.int64)
+    blocks_v = tl.cdiv(D, BLOCK_DV)
+    offs_h = (tl.program_id(1) // blocks_v) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    dv_start = (tl.program_id(1) % blocks_v) * BLOCK_DV
+    j = tl.program_id(2)
+    lo = j * CHUNK
+    hi = lo + CHUNK
+    m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    q_t = q_ptr + t * stride_qt
+    m_i, l_i, acc = _attend_rows(
+        m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, kv_ptr, stride_kv, kv_rows,
+        idx_ptr + t * stride_it, tl.minimum(lo, n_idx), tl.minimum(hi, n_idx), scale, D, dv_start,
+        BLOCK_H, BLOCK_K, BLOCK_DK, BLOCK_DV, DOT_PREC,
+    )
+    if HAS_EXTRA:
+        m_i, l_i, acc = _attend_rows(
+            m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, ekv_ptr, stride_ekv, ekv_rows,
+            eidx_ptr + t * stride_eit, tl.minimum(tl.maximum(lo - n_idx, 0), n_eidx),
+            tl.minimum(tl.maximum(hi - n_idx, 0), n_eidx), scale, D, dv_start,
+            BLOCK_H, BLOCK_K, BLOCK_DK, BLOCK_DV, DOT_PREC,
+        )
+    row = (t * S + j) * H + offs_h  # [T, S, H] states, [T, S, H, D] values
+    tl.store(m_ptr + row, m_i, mask=h_mask)
+    tl.store(l_ptr + row, l_i, mask=h_mask)
+    offs_v = dv_start + tl.arange(0, BLOCK_DV)
+    tl.store(part_ptr + row[:, None] * D + offs_v[None, :], acc, mask=h_mask[:, None] & (offs_v < D)[None, :])
+
+
+@triton.jit
+def sparse_attention_combine_kernel(
+    m_ptr, l_ptr, part_ptr, sink_ptr, out_ptr, stride_ot, stride_oh,
+    H, D, S,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge query ``t``'s S split states with the heads' sinks, which enter the denominator only."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_v = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    v_mask = offs_v < D
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    m = tl.maximum(sink, -1e30)
+    for j in range(S):
+        m = tl.maximum(m, tl.load(m_ptr + (t * S + j) * H + offs_h, mask=h_mask, other=-1e30))
+    den = tl.exp(sink - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for j in range(S):
+        row = (t * S + j) * H + offs_h
+        w = tl.exp(tl.load(m_ptr + row, mask=h_mask, other=-1e30) - m)
+        den += tl.load(l_ptr + row, mask=h_mask, other=0.0) * w
+        part = tl.load(part_ptr + row[:, None] * D + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :],
+                       other=0.0)
+        acc += part * w[:, None]
+    out = acc / den[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & v_mask[None, :])
 
 
 # --- lightning indexer scores ---------------------------------------------------------------------

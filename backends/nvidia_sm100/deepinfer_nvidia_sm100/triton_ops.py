@@ -142,9 +142,12 @@ def sparse_attention(
     extra_indices: torch.Tensor | None = None,
     *,
     keep_extra: bool = False,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """``keep_extra``: take the extra pool's branch whenever one is given, even with no index column
-    (batch-invariant mode: the kernel a query runs then does not depend on its batch's widest list)."""
+    (batch-invariant mode: the kernel a query runs then does not depend on its batch's widest list).
+    ``splits``: how many programs share each query's index lists (None: enough to fill the GPU when the
+    batch has few queries, see :func:`attention_splits`; 1 in batch-invariant mode)."""
     has_extra = extra_kv is not None and extra_indices is not None and (keep_extra or extra_indices.shape[-1] > 0)
     tokens, heads, d = q.shape
     out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
@@ -160,6 +163,14 @@ def sparse_attention(
     block_h = 16 if heads <= 16 else 32 if heads <= 32 else 64
     block_dv = min(_pow2(d), 512 if block_h == 64 else 256)
     block_dk = min(_pow2(d), 128)
+    block_k = 32
+    programs = _cdiv(heads, block_h) * _cdiv(d, block_dv)
+    columns = indices.shape[-1] + (eidx.shape[-1] if has_extra else 0)
+    if splits is None:
+        splits = attention_splits(tokens * programs, columns, block_k)
+    if splits > 1:
+        return _split_attention(q, kv, indices, sinks, scale, ekv, eidx, has_extra, out, splits, columns,
+                                block_h, block_k, block_dk, block_dv)
     grid = (tokens, _cdiv(heads, block_h), _cdiv(d, block_dv))
     _k().sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -169,8 +180,55 @@ def sparse_attention(
         eidx, eidx.stride(0), eidx.shape[-1] if has_extra else 0,
         sinks, out, out.stride(0), out.stride(1),
         heads, d, float(scale),
-        HAS_EXTRA=has_extra, BLOCK_H=block_h, BLOCK_K=32, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        HAS_EXTRA=has_extra, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
         DOT_PREC=_prec(q.dtype), num_warps=4 if block_dv <= 128 else 8,
+    )
+    return out
+
+
+#: programs a split attention aims to launch (about one per SM of an H100/H200, 132)
+SPLIT_TARGET_PROGRAMS = 128
+#: index columns one split covers at least
+SPLIT_MIN_COLUMNS = 64
+
+
+def attention_splits(programs: int, columns: int, block_k: int) -> int:
+    """Splits of each query's index columns for a launch of ``programs`` programs without splitting: a
+    decode batch of a few queries runs one program per query on one SM each, which reads the query's
+    whole list alone (at batch 1, one SM of the GPU). Split, every program covers at least
+    ``SPLIT_MIN_COLUMNS`` columns (whole ``block_k`` steps) and the launch about ``SPLIT_TARGET_PROGRAMS``."""
+    if programs <= 0 or programs * 2 > SPLIT_TARGET_PROGRAMS:
+        return 1
+    chunk = max(SPLIT_MIN_COLUMNS, block_k)
+    return max(1, min(SPLIT_TARGET_PROGRAMS // programs, _cdiv(columns, chunk)))
+
+
+def _split_attention(q, kv, indices, sinks, scale, ekv, eidx, has_extra, out, splits, columns,
+                     block_h, block_k, block_dk, block_dv):
+    """:func:`sparse_attention` over ``splits`` column ranges per query, merged with the sinks after."""
+    tokens, heads, d = q.shape
+    chunk = _cdiv(_cdiv(columns, splits), block_k) * block_k
+    splits = _cdiv(columns, chunk)
+    m = torch.empty((tokens, splits, heads), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    part = torch.empty((tokens, splits, heads, d), dtype=torch.float32, device=q.device)
+    grid = (tokens, _cdiv(heads, block_h) * _cdiv(d, block_dv), splits)
+    _k().sparse_attention_split_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0), kv.shape[0],
+        indices, indices.stride(0), indices.shape[-1],
+        ekv, ekv.stride(0), ekv.shape[0],
+        eidx, eidx.stride(0), eidx.shape[-1] if has_extra else 0,
+        m, l, part,
+        heads, d, float(scale), chunk, splits,
+        HAS_EXTRA=has_extra, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        DOT_PREC=_prec(q.dtype), num_warps=4 if block_dv <= 128 else 8,
+    )
+    combine_h = min(block_h, 16)
+    combine_v = min(_pow2(d), 128)
+    _k().sparse_attention_combine_kernel[(tokens, _cdiv(heads, combine_h), _cdiv(d, combine_v))](
+        m, l, part, sinks, out, out.stride(0), out.stride(1), heads, d, splits,
+        BLOCK_H=combine_h, BLOCK_DV=combine_v, num_warps=4,
     )
     return out
 
