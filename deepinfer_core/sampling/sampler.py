@@ -26,6 +26,7 @@ import torch
 
 from deepinfer_core.ops import OpTable
 from deepinfer_core.platform import Event, Platform
+from deepinfer_core.sampling.argmax import argmax
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -158,7 +159,7 @@ class Sampler:
                 g.dead_end = dead
         if any(s.params.has_penalties for s in seqs):
             logits = self._penalise(logits, seqs)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         random_rows = [row for row, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
             sampled, rows = self._sample(logits, [seqs[r] for r in random_rows], random_rows)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.sampling.argmax import argmax
 from deepinfer_core.sampling.sampler import _signed, _splitmix64, exponential_noise, noise_seed
 
 _ACCEPT_TAG = 0x5D3C_A11E_D0_5EED  # separates the acceptance uniforms from the sampling noise
@@ -75,11 +76,11 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     """``rejection_sample`` when every sequence is greedy: exact match against the argmax of
     ``target_logits`` [S, K+1, V], no probabilities or noise."""
     k = target_logits.shape[1] - 1
-    argmax = target_logits.argmax(dim=-1)  # [S, K+1]
+    best = argmax(target_logits)  # [S, K+1]
     drafts = draft_token_ids.clamp(min=0)
     valid = torch.arange(k, device=drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
-    num_accepted = ((drafts == argmax[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
-    return _output(drafts, num_accepted, argmax)
+    num_accepted = ((drafts == best[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
+    return _output(drafts, num_accepted, best)
 
 
 def _output(drafts: torch.Tensor, num_accepted: torch.Tensor, replacements: torch.Tensor) -> VerifyOutput:
