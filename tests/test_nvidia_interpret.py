@@ -243,8 +243,31 @@ _WORKER = textwrap.dedent(
                 assert err < 1e-4, (heads, splits, err)
             assert triton_ops.attention_splits(3, 200, 32) == 4 and triton_ops.attention_splits(65, 640, 32) == 1
 
-    checks = {"split_attention": split_attention, "nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm,
-              "fp8_rounding": fp8_rounding,
+    def hc_slices():
+        # hc_pre / hc_head with each token's collapse over several programs: the same bits as one program a
+        # token, and the float64 body's values (1536 channels: three 512-channel slices)
+        from deepinfer_core.ops import native
+        from deepinfer_nvidia_sm100 import hc_ops
+        g = torch.Generator().manual_seed(5)
+        n, d = 4, 1536
+        for dtype in (torch.float32, torch.bfloat16):
+            streams = (torch.randn(3, n, d, generator=g) * 2).to(dtype)
+            fn = torch.randn((2 + n) * n, n * d, generator=g) * (n * d) ** -0.5
+            base, scale = torch.randn((2 + n) * n, generator=g) * 0.5, 0.5 + torch.rand(3, generator=g)
+            args = (streams, fn, base, scale, 20, 1e-6, 1e-6)
+            one = hc_ops._collapse(*args, head=False, slices=1)
+            for slices in (None, 2, 3, 7):
+                got = hc_ops._collapse(*args, head=False, slices=slices)
+                assert all(torch.equal(a, b) for a, b in zip(got, one)), (dtype, slices)
+                head = hc_ops._collapse(*args, head=True, slices=slices)[2]
+                assert torch.equal(head, hc_ops._collapse(*args, head=True, slices=1)[2])
+            want = native.hc_pre(streams.double(), fn.double(), base.double(), scale.double(), 20, 1e-6, 1e-6)
+            tol = 1e-4 if dtype == torch.float32 else 5e-2
+            for a, b in zip(one, want):
+                assert (a.double() - b).abs().max() < tol, dtype
+
+    checks = {"hc_slices": hc_slices, "split_attention": split_attention, "nan_rows": nan_rows,
+              "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding,
               "swiglu_quantize": swiglu_quantize, "masked_layout": masked_layout,
               "quantize_into_slabs": quantize_into_slabs}
     out = {"__device__": str(device)}
@@ -279,6 +302,7 @@ JOBS.update({f"wide/{op}/{d}": _job(op, d, "wide", WIDE) for op in TRITON_OPS fo
 JOBS["big_moe"] = _job("moe_experts", "bfloat16", "big_moe", BIG_MOE)
 JOBS["nan_rows"] = _job(check="nan_rows")
 JOBS["split_attention"] = _job(check="split_attention")
+JOBS["hc_slices"] = _job(check="hc_slices")
 JOBS["wide_rms_norm"] = _job(check="wide_rms_norm")
 #: the block-FP8 ops (``fp8_ops``: a Triton launcher and a torch stand-in each). Triton 3.6's interpreter
 #: gets E4M3 dots and float-to-E4M3 rounding wrong, so there the kernels multiply the same exact E4M3
@@ -368,6 +392,11 @@ def test_interpreted_moe_with_many_pairs_and_rms_norm_beyond_one_block(interpret
 @needs_triton
 def test_interpreted_sparse_attention_never_reads_nan_rows(interpreted):
     _report(interpreted, "nan_rows")
+
+
+@needs_triton
+def test_interpreted_hc_pre_split_over_channels_keeps_its_bits(interpreted):
+    _report(interpreted, "hc_slices")
 
 
 @needs_triton

@@ -12,12 +12,15 @@ import triton.language as tl
 def hc_pre_kernel(
     streams_ptr, stride_st, stride_sn, mixes_ptr, stride_mt, base_ptr, scale_ptr,
     post_ptr, comb_ptr, out_ptr, stride_ot,
-    N, D, iters, hc_eps, norm_eps,
+    N, D, D_SLICE, iters, hc_eps, norm_eps,
     HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``mixes`` holds fn . flatten(streams) (not yet RMS-normalised: the factor is applied here).
-    HEAD: the final collapse (``pre`` only, one scale)."""
+    HEAD: the final collapse (``pre`` only, one scale). Program (t, j) collapses channels
+    [j * D_SLICE, (j + 1) * D_SLICE) of token t; each computes the RMS factor and ``pre`` over the whole
+    row, the same values, and program j = 0 writes ``post`` and ``comb``."""
     t = tl.program_id(0)
+    j = tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     row = streams_ptr + t * stride_st + offs_n[:, None] * stride_sn
@@ -32,30 +35,32 @@ def hc_pre_kernel(
     m_pre = tl.load(mixes + offs_n, mask=n_mask, other=0.0) * inv
     pre = tl.sigmoid(m_pre * tl.load(scale_ptr) + tl.load(base_ptr + offs_n, mask=n_mask, other=0.0)) + hc_eps
     if not HEAD:
-        m_post = tl.load(mixes + N + offs_n, mask=n_mask, other=0.0) * inv
-        post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + offs_n, mask=n_mask,
-                                                                            other=0.0))
-        tl.store(post_ptr + t * N + offs_n, post, mask=n_mask)
-        jk = offs_n[:, None] * N + offs_n[None, :]
-        jk_mask = n_mask[:, None] & n_mask[None, :]
-        logits = tl.load(mixes + 2 * N + jk, mask=jk_mask, other=0.0) * inv * tl.load(scale_ptr + 2)
-        logits = logits + tl.load(base_ptr + 2 * N + jk, mask=jk_mask, other=0.0)
-        logits = tl.where(jk_mask, logits, float("-inf"))
-        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        e = tl.where(jk_mask, e, 0.0)
-        comb = tl.where(jk_mask, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        if j == 0:
+            m_post = tl.load(mixes + N + offs_n, mask=n_mask, other=0.0) * inv
+            post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + offs_n, mask=n_mask,
+                                                                                other=0.0))
+            tl.store(post_ptr + t * N + offs_n, post, mask=n_mask)
+            jk = offs_n[:, None] * N + offs_n[None, :]
+            jk_mask = n_mask[:, None] & n_mask[None, :]
+            logits = tl.load(mixes + 2 * N + jk, mask=jk_mask, other=0.0) * inv * tl.load(scale_ptr + 2)
+            logits = logits + tl.load(base_ptr + 2 * N + jk, mask=jk_mask, other=0.0)
+            logits = tl.where(jk_mask, logits, float("-inf"))
+            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            e = tl.where(jk_mask, e, 0.0)
+            comb = tl.where(jk_mask, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * N * N + jk, comb, mask=jk_mask)
+            for _ in range(iters - 1):
+                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + jk, comb, mask=jk_mask)
     out = out_ptr + t * stride_ot
-    for d0 in range(0, D, BLOCK_D):
+    d_hi = tl.minimum(j * D_SLICE + D_SLICE, D)
+    for d0 in range(j * D_SLICE, d_hi, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        m = n_mask[:, None] & (offs_d < D)[None, :]
+        m = n_mask[:, None] & (offs_d < d_hi)[None, :]
         x = tl.load(row + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
         collapsed = tl.sum(pre[:, None] * x, axis=0)
-        tl.store(out + offs_d, collapsed.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+        tl.store(out + offs_d, collapsed.to(out_ptr.dtype.element_ty), mask=offs_d < d_hi)
 
 
 @triton.jit
