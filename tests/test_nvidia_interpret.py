@@ -266,8 +266,27 @@ _WORKER = textwrap.dedent(
             for a, b in zip(one, want):
                 assert (a.double() - b).abs().max() < tol, dtype
 
-    checks = {"hc_slices": hc_slices, "split_attention": split_attention, "nan_rows": nan_rows,
-              "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding,
+    def select_topk():
+        # one sort in registers against the core's stable selection: ties (many equal scores, 0.0 and
+        # -0.0), -inf scores and invalid candidates, NaN, widths up to the kernel's limit, topk above
+        # and below the width
+        from deepinfer_core.ops import native
+        from deepinfer_nvidia_sm100 import triton_ops
+        g = torch.Generator().manual_seed(7)
+        for width, topk in [(1, 4), (37, 512), (64, 16), (1000, 512), (2048, 512), (2049, 512)]:
+            scores = torch.randint(-3, 4, (3, width), generator=g).float() * 0.5
+            scores[0] = torch.randn(width, generator=g)
+            scores[1, ::5] = -0.0
+            cand = torch.randint(-1, 900, (3, width), generator=g)
+            cand[2, : width // 2] = -1
+            scores[cand < 0] = float("-inf")
+            scores[2, width // 3] = float("nan")
+            got = triton_ops.select_topk(scores, cand, 800, topk)
+            want = native.select_topk(scores, (cand >= 0) & (cand < 800), cand, topk)
+            assert torch.equal(got, want), (width, topk)
+
+    checks = {"select_topk": select_topk, "hc_slices": hc_slices, "split_attention": split_attention,
+              "nan_rows": nan_rows, "wide_rms_norm": wide_rms_norm, "fp8_rounding": fp8_rounding,
               "swiglu_quantize": swiglu_quantize, "masked_layout": masked_layout,
               "quantize_into_slabs": quantize_into_slabs}
     out = {"__device__": str(device)}
@@ -303,6 +322,7 @@ JOBS["big_moe"] = _job("moe_experts", "bfloat16", "big_moe", BIG_MOE)
 JOBS["nan_rows"] = _job(check="nan_rows")
 JOBS["split_attention"] = _job(check="split_attention")
 JOBS["hc_slices"] = _job(check="hc_slices")
+JOBS["select_topk"] = _job(check="select_topk")
 JOBS["wide_rms_norm"] = _job(check="wide_rms_norm")
 #: the block-FP8 ops (``fp8_ops``: a Triton launcher and a torch stand-in each). Triton 3.6's interpreter
 #: gets E4M3 dots and float-to-E4M3 rounding wrong, so there the kernels multiply the same exact E4M3
@@ -392,6 +412,11 @@ def test_interpreted_moe_with_many_pairs_and_rms_norm_beyond_one_block(interpret
 @needs_triton
 def test_interpreted_sparse_attention_never_reads_nan_rows(interpreted):
     _report(interpreted, "nan_rows")
+
+
+@needs_triton
+def test_interpreted_select_topk_is_the_stable_selection(interpreted):
+    _report(interpreted, "select_topk")
 
 
 @needs_triton

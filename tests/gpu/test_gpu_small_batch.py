@@ -46,3 +46,17 @@ def test_greedy_argmax_on_the_gpu(rows):
     x = torch.randint(0, 4, (rows, 129280), generator=g, device="cuda").float()  # many equal maxima
     assert torch.equal(argmax(x), x.argmax(dim=-1))
     assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("width", [64, 1024, 2048, 4096])
+def test_select_topk_on_the_gpu(width):
+    from deepinfer_nvidia_sm100 import triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(width)
+    scores = torch.randn(8, width, generator=g, device="cuda")
+    scores[1] = torch.randint(0, 3, (width,), generator=g, device="cuda").float()  # ties
+    cand = torch.randint(-1, 50000, (8, width), generator=g, device="cuda")
+    scores[cand < 0] = float("-inf")
+    got = triton_ops.select_topk(scores, cand, 40000, 512)
+    want = native.select_topk(scores, (cand >= 0) & (cand < 40000), cand, 512)
+    assert torch.equal(got, want)

@@ -210,6 +210,34 @@ def indexer_scores_kernel(
     tl.store(out_ptr + t * stride_ot + offs_c, score, mask=c_mask)
 
 
+@triton.jit
+def select_topk_kernel(
+    scores_ptr, stride_st, cand_ptr, stride_ct, key_rows, C,
+    out_ptr, stride_ot, K, TOPK,
+    BLOCK: tl.constexpr,
+):
+    """Row t's ``TOPK`` picks: the candidates of its K best of C scores in the order of a stable
+    descending sort (ties towards the earlier column, NaN first), an invalid candidate as -1, -1 past K.
+    One bitonic sort of the row in registers over (score, column) packed into one int64 key."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    s = tl.load(scores_ptr + t * stride_st + offs, mask=offs < C, other=float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with 0.0, as in the sort
+    bits = s.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the float order as a signed integer order
+    key = tl.where(s != s, 0x7FFFFFFF, key)
+    packed = key.to(tl.int64) * 4294967296 + (2147483647 - offs).to(tl.int64)
+    packed = tl.sort(packed, descending=True)
+    column = 2147483647 - (packed & 4294967295)
+    take = offs < K
+    cand = tl.load(cand_ptr + t * stride_ct + column, mask=take, other=-1).to(tl.int64)
+    cand = tl.where((cand >= 0) & (cand < key_rows), cand, -1)
+    tl.store(out_ptr + t * stride_ot + offs, cand, mask=take)
+    for p0 in range(K, TOPK, BLOCK):
+        pad = p0 + tl.arange(0, BLOCK)
+        tl.store(out_ptr + t * stride_ot + pad, tl.full([BLOCK], -1, dtype=tl.int64), mask=pad < TOPK)
+
+
 # --- compressor windows ---------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.ops.native import select_topk
+from deepinfer_core.ops.native import select_topk as core_select_topk
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -273,8 +273,28 @@ def indexer_topk(
             candidates, candidates.stride(0), n_cand, scores, scores.stride(0), heads, d, float(scale),
             BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_D=block_d, DOT_PREC=_prec(q.dtype), num_warps=4,
         )
-    valid = (candidates >= 0) & (candidates < keys.shape[0])
-    return select_topk(scores, valid, candidates, topk)
+    return select_topk(scores, candidates, keys.shape[0], topk)
+
+
+#: rows up to this wide are selected by one sort in registers (``select_topk_kernel``); wider ones by the
+#: core's partial selection
+SELECT_MAX_WIDTH = 2048
+
+
+def select_topk(scores: torch.Tensor, candidates: torch.Tensor, key_rows: int, topk: int) -> torch.Tensor:
+    """The core's ``select_topk`` (stable descending order, invalid or missing picks -1) where a candidate
+    is valid in ``[0, key_rows)``; a row of up to SELECT_MAX_WIDTH candidates is one kernel, where torch's
+    sort and the picks' gathers were some six (21 us for 1024 candidates at batch 1 on the H200)."""
+    tokens, width = scores.shape
+    if not tokens or not width or width > SELECT_MAX_WIDTH:
+        return core_select_topk(scores, (candidates >= 0) & (candidates < key_rows), candidates, topk)
+    out = torch.empty((tokens, topk), dtype=candidates.dtype, device=scores.device)
+    block = max(_pow2(width), 16)
+    _k().select_topk_kernel[(tokens,)](
+        scores, scores.stride(0), candidates, candidates.stride(0), key_rows, width,
+        out, out.stride(0), min(topk, width), topk, BLOCK=block, num_warps=4 if block <= 512 else 8,
+    )
+    return out
 
 
 # --- MoE -------------------------------------------------------------------------------------------
