@@ -364,6 +364,8 @@ def test_interpreted_op_matches_cpu_ref(op, dtype, interpreted):
     assert result["provider"] == PROVIDER
     if op in TRITON_OPS and dtype in KERNEL_DTYPES:
         assert result["module"] == f"deepinfer_nvidia_sm100.{_kernel_module(op)}", op
+    if op == "moe_route" and dtype in KERNEL_DTYPES:  # the batch-invariant kernel serves by default too
+        assert result["module"] == "deepinfer_nvidia_sm100.invariant_ops", op
     if op in FP8_OPS:
         assert result["module"] == ("deepinfer_nvidia_sm100.fp8_ops" if dtype in KERNEL_DTYPES else NATIVE), op
         assert result["name"] == op, op

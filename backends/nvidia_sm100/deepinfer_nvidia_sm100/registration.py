@@ -87,6 +87,8 @@ def register_all(registry: OpRegistry) -> None:
     for op, fn in {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}.items():
         registry.register(op, fn, priority=TRITON, predicate=triton_applies,
                           batch_invariant=op in invariant_ops.INVARIANT_BY_CONSTRUCTION)
+    for op, fn in invariant_ops.DEFAULT_OPS.items():
+        registry.register(op, fn, priority=TRITON, predicate=triton_applies, batch_invariant=True)
     for op, fn in fp8_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TRITON, predicate=triton_fp8_applies)
     for ops, env in ((triton_ops.FP4_OPS, FP4_TRITON_ENV), (triton_ops.FP8_KV_OPS, FP8_KV_TRITON_ENV)):
