@@ -132,12 +132,12 @@ def main(out_path: str) -> None:
     from deepinfer_nvidia_sm100 import triton_ops
 
     torch.set_num_threads(1)
-    out: dict = {"fp8": {}, "dense": {}, "tables": {}}
+    out: dict = {"fp8": {}, "fp8_split": {}, "dense": {}, "tables": {}}
     for name, dtype in CASES:
         args = attention_case(name, dtype)
         out["fp8"][case_id(name, dtype)] = triton_ops.sparse_attention_fp8(*args)
-        # one program a query, as the FP8 kernel runs: the same order of operations
-        out["dense"][case_id(name, dtype)] = triton_ops.sparse_attention(*dense_args(args), splits=1)
+        out["fp8_split"][case_id(name, dtype)] = triton_ops.sparse_attention_fp8(*args, splits=3)
+        out["dense"][case_id(name, dtype)] = triton_ops.sparse_attention(*dense_args(args))
     for dtype in (torch.float32, torch.bfloat16):
         out["tables"][str(dtype)] = op_table_record("sparse_attention_fp8", dtype)
     torch.save(out, out_path)

@@ -94,11 +94,10 @@ def test_fp8_attention_at_v4_flash_decode_shapes(batch, dtype, device):
     assert cosine >= MIN_COSINE[dtype], f"{name}: cosine {cosine}"
     same = native.sparse_attention_fp8(*args)  # the native body in the queries' dtype
     assert _row_error(same, want) <= TOL[dtype], name
-    # the dense Triton kernel on the decoded rows, one program a query as the FP8 kernel: what is left is
-    # the attention's own rounding
+    # the dense Triton kernel on the decoded rows: what is left is the attention's own rounding
     q, wpool, widx, sinks, scale, rope, rope_dtype, cpool, cidx = args
     dense = triton_ops.sparse_attention(q, unpack_kv_fp8(wpool, HEAD_DIM, rope, rope_dtype, dtype), widx, sinks, scale,
-                                        unpack_kv_fp8(cpool, HEAD_DIM, rope, rope_dtype, dtype), cidx, splits=1)
+                                        unpack_kv_fp8(cpool, HEAD_DIM, rope, rope_dtype, dtype), cidx)
     assert _row_error(got, dense) <= TOL[dtype], name
     print(f"\n{name}: {err:.3g} from float64 (the native body in {dtype}: {_row_error(same, want):.3g}), "
           f"{_row_error(got, dense):.3g} from the dense kernel, {(got != dense).double().mean().item():.2%} differ")

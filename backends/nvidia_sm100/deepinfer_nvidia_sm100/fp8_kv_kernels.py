@@ -70,12 +70,12 @@ def _attend_fp8_rows(
     m_i, l_i, acc,
     q_ptr, stride_qh, offs_h, h_mask,
     pool_ptr, stride_pool, pool_rows,
-    idx_ptr, n_idx, scale, dv_start,
+    idx_ptr, k_lo, k_hi, scale, dv_start,
     D: tl.constexpr, NOPE: tl.constexpr, SCALE_AT: tl.constexpr, ROPE_FMT: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """:func:`~.triton_kernels._attend_rows` over FP8 entries."""
+    """:func:`~.triton_kernels._attend_rows` over FP8 entries (index columns [k_lo, k_hi))."""
     compute_ty = q_ptr.dtype.element_ty
     offs_g = tl.arange(0, SCALE_GROUP)
     offs_r = tl.arange(0, BLOCK_R)
@@ -83,9 +83,9 @@ def _attend_fp8_rows(
     offs_v = dv_start + tl.arange(0, BLOCK_DV)
     v_nope = offs_v < NOPE
     v_rope = (offs_v >= NOPE) & (offs_v < D)
-    for k0 in range(0, n_idx, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
+        idx = tl.load(idx_ptr + offs_k, mask=offs_k < k_hi, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < pool_rows)
         row_off = tl.where(valid, idx, 0) * stride_pool
         if ALIGNED:
@@ -153,16 +153,63 @@ def sparse_attention_fp8_kernel(
     q_t = q_ptr + t * stride_qt
     m_i, l_i, acc = _attend_fp8_rows(
         m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, kv_ptr, stride_kv, kv_rows,
-        idx_ptr + t * stride_it, n_idx, scale, dv_start,
+        idx_ptr + t * stride_it, 0, n_idx, scale, dv_start,
         D, NOPE, SCALE_AT, ROPE_FMT, ALIGNED, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_DV, DOT_PREC,
     )
     if HAS_EXTRA:
         m_i, l_i, acc = _attend_fp8_rows(
             m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, ekv_ptr, stride_ekv, ekv_rows,
-            eidx_ptr + t * stride_eit, n_eidx, scale, dv_start,
+            eidx_ptr + t * stride_eit, 0, n_eidx, scale, dv_start,
             D, NOPE, SCALE_AT, ROPE_FMT, ALIGNED, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_DV, DOT_PREC,
         )
     out = acc / l_i[:, None]
     offs_v = dv_start + tl.arange(0, BLOCK_DV)
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_v < D)[None, :])
+
+
+@triton.jit
+def sparse_attention_fp8_split_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kv, kv_rows,
+    idx_ptr, stride_it, n_idx,
+    ekv_ptr, stride_ekv, ekv_rows,
+    eidx_ptr, stride_eit, n_eidx,
+    m_ptr, l_ptr, part_ptr,
+    H, scale, CHUNK, S,
+    D: tl.constexpr, NOPE: tl.constexpr, SCALE_AT: tl.constexpr, ROPE_FMT: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """:func:`~.triton_kernels.sparse_attention_split_kernel` over FP8 entries; merged by
+    :func:`~.triton_kernels.sparse_attention_combine_kernel`."""
+    t = tl.program_id(0).to(tl.int64)
+    blocks_v = tl.cdiv(D, BLOCK_DV)
+    offs_h = (tl.program_id(1) // blocks_v) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    dv_start = (tl.program_id(1) % blocks_v) * BLOCK_DV
+    j = tl.program_id(2)
+    lo = j * CHUNK
+    hi = lo + CHUNK
+    m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    q_t = q_ptr + t * stride_qt
+    m_i, l_i, acc = _attend_fp8_rows(
+        m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, kv_ptr, stride_kv, kv_rows,
+        idx_ptr + t * stride_it, tl.minimum(lo, n_idx), tl.minimum(hi, n_idx), scale, dv_start,
+        D, NOPE, SCALE_AT, ROPE_FMT, ALIGNED, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_DV, DOT_PREC,
+    )
+    if HAS_EXTRA:
+        m_i, l_i, acc = _attend_fp8_rows(
+            m_i, l_i, acc, q_t, stride_qh, offs_h, h_mask, ekv_ptr, stride_ekv, ekv_rows,
+            eidx_ptr + t * stride_eit, tl.minimum(tl.maximum(lo - n_idx, 0), n_eidx),
+            tl.minimum(tl.maximum(hi - n_idx, 0), n_eidx), scale, dv_start,
+            D, NOPE, SCALE_AT, ROPE_FMT, ALIGNED, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_DV, DOT_PREC,
+        )
+    row = (t * S + j) * H + offs_h
+    tl.store(m_ptr + row, m_i, mask=h_mask)
+    tl.store(l_ptr + row, l_i, mask=h_mask)
+    offs_v = dv_start + tl.arange(0, BLOCK_DV)
+    tl.store(part_ptr + row[:, None] * D + offs_v[None, :], acc, mask=h_mask[:, None] & (offs_v < D)[None, :])

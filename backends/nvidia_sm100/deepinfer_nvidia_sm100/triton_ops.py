@@ -224,6 +224,13 @@ def _split_attention(q, kv, indices, sinks, scale, ekv, eidx, has_extra, out, sp
         HAS_EXTRA=has_extra, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
         DOT_PREC=_prec(q.dtype), num_warps=4 if block_dv <= 128 else 8,
     )
+    return _combine(m, l, part, sinks, out, block_h)
+
+
+def _combine(m, l, part, sinks, out, block_h):
+    """Merge the split softmax states ``m``, ``l`` [T, S, H] and values ``part`` [T, S, H, D] with the
+    sinks into ``out``."""
+    tokens, splits, heads, d = part.shape
     combine_h = min(block_h, 16)
     combine_v = min(_pow2(d), 128)
     _k().sparse_attention_combine_kernel[(tokens, _cdiv(heads, combine_h), _cdiv(d, combine_v))](
@@ -533,10 +540,13 @@ def sparse_attention_fp8(
     rope_dtype: torch.dtype,
     extra_kv: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """:func:`sparse_attention` reading the FP8 entries as they are stored (:mod:`.fp8_kv_kernels`: the
-    gathered uint8 rows decoded in registers), with its tiles. RoPE values in a dtype the kernels do not
-    take (float64) go to the core's native body. No host read-back: every size comes from shapes."""
+    gathered uint8 rows decoded in registers), with its tiles and its column splits for a small batch.
+    RoPE values in a dtype the kernels do not take (float64) go to the core's native body. No host
+    read-back: every size comes from shapes."""
     from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes
     from deepinfer_core.ops import native
 
@@ -562,6 +572,28 @@ def sparse_attention_fp8(
     block_dv = min(_pow2(d), 512 if block_h == 64 else 256)
     # float32 at 64 x 512 with 32 keys a step: ptxas (sm_90a) spills 8.7 kB a thread; with 16, 0.7 kB
     block_k = 16 if q.dtype == torch.float32 and block_h * block_dv > 64 * 256 else 32
+    columns = indices.shape[-1] + (eidx.shape[-1] if has_extra else 0)
+    if splits is None:
+        splits = attention_splits(tokens * _cdiv(heads, block_h) * _cdiv(d, block_dv), columns, block_k)
+    if splits > 1:
+        chunk = _cdiv(_cdiv(columns, splits), block_k) * block_k
+        splits = _cdiv(columns, chunk)
+        m = torch.empty((tokens, splits, heads), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        part = torch.empty((tokens, splits, heads, d), dtype=torch.float32, device=q.device)
+        _k_fp8_kv().sparse_attention_fp8_split_kernel[(tokens, _cdiv(heads, block_h) * _cdiv(d, block_dv), splits)](
+            q, q.stride(0), q.stride(1),
+            kv, kv.stride(0), kv.shape[0],
+            indices, indices.stride(0), indices.shape[-1],
+            ekv, ekv.stride(0), ekv.shape[0],
+            eidx, eidx.stride(0), eidx.shape[-1] if has_extra else 0,
+            m, l, part, heads, float(scale), chunk, splits,
+            D=d, NOPE=nope, SCALE_AT=nope + rope_dim * rope_dtype.itemsize, ROPE_FMT=_ROUND[rope_dtype],
+            ALIGNED=aligned, HAS_EXTRA=has_extra,
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_R=max(16, _pow2(rope_dim)), BLOCK_DV=block_dv,
+            DOT_PREC=_prec(q.dtype), num_warps=4 if block_dv <= 128 else 8,
+        )
+        return _combine(m, l, part, sinks, out, block_h)
     grid = (tokens, _cdiv(heads, block_h), _cdiv(d, block_dv))
     _k_fp8_kv().sparse_attention_fp8_kernel[grid](
         q, q.stride(0), q.stride(1),
