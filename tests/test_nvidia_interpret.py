@@ -471,7 +471,8 @@ def test_ops_are_registered_only_for_this_backend():
         priorities = sorted(i.priority for i in impls)
         assert priorities[0] == 1 and max(priorities) <= 3, op  # a kernel pack at 10 overrides them
     assert INVARIANT < 10
-    assert {op for op, impls in default.items() if len(impls) > 1} == {*TRITON_OPS, *FP8_OPS, *FP4_FP8_KV_OPS}
+    assert {op for op, impls in default.items() if len(impls) > 1} == {*TRITON_OPS, *FP8_OPS, *FP4_FP8_KV_OPS,
+                                                                       *invariant_ops.DEFAULT_OPS}
 
 
 def test_cpu_switch_controls_availability_and_device(monkeypatch):
