@@ -536,7 +536,7 @@ def test_plan_prefers_kernels_where_they_run(monkeypatch):
     monkeypatch.setattr(capability, "triton_usable", lambda device=None: (True, ""))
     for env in ("DEEPINFER_NVIDIA_FP8_TRITON", "DEEPINFER_NVIDIA_FP4_TRITON", "DEEPINFER_NVIDIA_FP8_KV_TRITON"):
         monkeypatch.delenv(env, raising=False)
-    default = set(TRITON_OPS) | set(FP4_FP8_KV_OPS) | set(FP8_OPS)
+    default = set(TRITON_OPS) | set(FP4_FP8_KV_OPS) | set(FP8_OPS) | {"moe_route"}  # the routing kernel too
     chosen = plan(torch.device("cpu"), torch.bfloat16)
     assert {op for op, impl in chosen.items() if impl == "triton"} == default
     monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TRITON", "0")  # the FP8 GEMM and MoE to the torch bodies

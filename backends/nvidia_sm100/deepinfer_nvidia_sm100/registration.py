@@ -110,6 +110,7 @@ def _names() -> dict[Callable, str]:
                                           *fp8_ops.ALL_OPS.values(), *triton_ops.FP4_OPS.values(),
                                           *triton_ops.FP8_KV_OPS.values())})
     names.update({fn: "triton (batch-invariant)" for fn in invariant_ops.ALL_OPS.values()})
+    names.update({fn: "triton" for fn in invariant_ops.DEFAULT_OPS.values()})  # the default mode's kernel too
     names.update({a.fn: a.library for a in external.ADAPTERS})
     return names
 
