@@ -112,8 +112,9 @@ class ForwardBatch:
         if self.window_indices is None:
             window, block_size = self.window_layout
             offsets = torch.arange(1 - window, 1, device=self.positions.device)
-            self.window_indices = _rows_torch(self.window_tables, self.token_seq, self.positions.unsqueeze(1)
-                                              + offsets, block_size, self.window_first)
+            self.window_indices = _pool_rows(self.window_tables, self.token_seq, self.positions.unsqueeze(1)
+                                             + offsets, block_size, first=self.window_first,
+                                             xp=_Xp(self.positions.device))
             self.storage = None
         return self.window_indices
 
@@ -181,19 +182,9 @@ def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
           rate: int = 1, first: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`_rows_np` on the host batch's torch tensors."""
-    return torch.from_numpy(_rows_np(tables.numpy(), owner.numpy(), positions.numpy(), block_size, rate,
+    """:func:`_pool_rows` on the host batch's torch tensors."""
+    return torch.from_numpy(_pool_rows(tables.numpy(), owner.numpy(), positions.numpy(), block_size, rate,
                                      None if first is None else first.numpy()))
-
-
-def _rows_torch(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
-                first: torch.Tensor) -> torch.Tensor:
-    """:func:`_rows_np` (rate 1, with ``first``) in torch ops on the tensors' device."""
-    owner = owner.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
-    blocks = torch.div(positions, block_size, rounding_mode="floor") - first[owner]
-    phys = tables[owner, blocks.clamp(0, tables.shape[1] - 1)]
-    rows = phys * block_size + positions.remainder(block_size)
-    return torch.where((positions >= 0) & (blocks >= 0) & (phys >= 0), rows, -1)
 
 
 def _table(rows: list[list[int]]) -> torch.Tensor:
@@ -343,41 +334,9 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
     if n > size or any(s.num_new != q for s in spans) or len(token_ids) != n * q:
         raise ValueError(f"a graph of {size} sequences runs steps of at most {size} sequences, "
                          f"{q} new token(s) each")
-    for spec in compressor_specs:
-        if q > (2 if spec.overlap else 1) * spec.rate:
-            raise ValueError(f"{q} new tokens per sequence overrun the {spec.rate}-rate compressor's ring")
-    longest = max([s.context_len + q for s in spans] + [0])
-    for rate, entries in pad.max_entries.items():
-        if longest // rate > entries:
-            raise ValueError(f"a sequence of {longest} tokens attends {longest // rate} entries of rate {rate}; "
-                             f"this graph layout holds {entries}")
-    extra = size - n
-    ctx = np.array([s.context_len for s in spans] + [0] * extra, dtype=np.int64)
-    seq = np.arange(size)
-    owner = np.repeat(seq, q)
-    positions = ctx[owner] + np.arange(size * q) % q
-    width = pad.num_blocks(block_size)  # blocks past the candidates' reach are not needed on the device
-    tables = np.full((size, width), -1, dtype=np.int64)
-    for i, s in enumerate(spans):
-        row = s.block_table[:width]
-        tables[i, :len(row)] = row
-    lay = _Layout(ctx, ctx + q, seq * q, np.array([s.state_slot for s in spans] + [-1] * extra, dtype=np.int64),
-                  np.array([s.write_from for s in spans] + [0] * extra, dtype=np.int64), tables, owner, positions)
-    wfirst = np.array([max(0, s.context_len - sliding_window + 1) // block_size for s in spans] + [0] * extra,
-                      dtype=np.int64)
-    wtables = _table([s.window_block_table[f:] for s, f in zip(spans, wfirst.tolist())] + [[]] * extra).numpy()
-    window = positions[:, None] + np.arange(1 - sliding_window, 1)
-    arrays = {
-        "input_ids": np.array(token_ids + [0] * (extra * q), dtype=np.int64),
-        "positions": positions,
-        "window_slots": _rows_np(wtables, owner, positions, block_size, first=wfirst),
-        "window_indices": _rows_np(wtables, owner, window, block_size, first=wfirst),
-        "logits_indices": np.arange(size * q),
-        "block_tables": tables,
-        "token_seq": owner,
-    }
-    metas = {key: _padded_compressor_meta(*key, lay, block_size)
-             for key in sorted({(spec.rate, spec.overlap) for spec in compressor_specs})}
+    _check_padded(spans, compressor_specs, pad, 0)
+    facts = PaddedFacts.from_spans(spans, token_ids, pad, block_size, sliding_window)
+    arrays, metas = _padded_arrays(_Xp(), facts, compressor_specs, q, block_size, sliding_window)
     batch = _packed_batch(arrays, metas,
                           query_start_loc=list(range(0, n * q + 1, q)),  # the real sequences' logits come first
                           padded_to=size, padded_context=pad.context,
@@ -385,14 +344,151 @@ def _build_padded(token_ids: list[int], spans: list[SeqSpan], compressor_specs: 
     return batch if torch.device(device).type == "cpu" else batch.to(device)
 
 
+def _check_padded(spans: list[SeqSpan], compressor_specs: set[CompressorSpec], pad: GraphPadding, shift: int) -> None:
+    """Raise unless ``pad`` holds ``spans`` moved on by up to ``shift`` positions."""
+    q = pad.query_len
+    for spec in compressor_specs:
+        if q > (2 if spec.overlap else 1) * spec.rate:
+            raise ValueError(f"{q} new tokens per sequence overrun the {spec.rate}-rate compressor's ring")
+    longest = max([s.context_len + shift + q for s in spans] + [0])
+    for rate, entries in pad.max_entries.items():
+        if longest // rate > entries:
+            raise ValueError(f"a sequence of {longest} tokens attends {longest // rate} entries of rate {rate}; "
+                             f"this graph layout holds {entries}")
+
+
+@dataclass
+class PaddedFacts:
+    """What a padded layout is derived from, per sequence of ``size`` (padding ones last): the tokens
+    cached before the step, its new tokens, block tables (the window pool's from logical block ``wfirst``)
+    and state slot. numpy arrays on the host; torch tensors (:meth:`views`) on a device, where the layout
+    is derived by :func:`derive_padded`."""
+
+    ctx: np.ndarray | torch.Tensor  # [S]
+    input_ids: np.ndarray | torch.Tensor  # [S * q]
+    tables: np.ndarray | torch.Tensor  # [S, B]
+    wtables: np.ndarray | torch.Tensor  # [S, Bw]
+    wfirst: np.ndarray | torch.Tensor  # [S]
+    slots: np.ndarray | torch.Tensor  # [S]
+    write_from: np.ndarray | torch.Tensor  # [S]
+
+    @classmethod
+    def from_spans(cls, spans: list[SeqSpan], token_ids: list[int], pad: GraphPadding, block_size: int,
+                   sliding_window: int, window_blocks: int | None = None) -> PaddedFacts:
+        """The facts of ``spans`` laid out for ``pad``; ``window_blocks``: a window table of that many columns
+        (else as many as the longest row needs)."""
+        extra = pad.num_seqs - len(spans)
+        width = pad.num_blocks(block_size)  # blocks past the candidates' reach are not needed on the device
+        tables = np.full((pad.num_seqs, width), -1, dtype=np.int64)
+        for i, s in enumerate(spans):
+            row = s.block_table[:width]
+            tables[i, :len(row)] = row
+        wfirst = [max(0, s.context_len - sliding_window + 1) // block_size for s in spans]
+        rows = [s.window_block_table[f:] for s, f in zip(spans, wfirst)] + [[]] * extra
+        if window_blocks is None:
+            wtables = _table(rows).numpy()
+        else:
+            wtables = np.full((pad.num_seqs, window_blocks), -1, dtype=np.int64)
+            for i, row in enumerate(rows):
+                wtables[i, :min(len(row), window_blocks)] = row[:window_blocks]
+
+        def per_seq(values: list[int], fill: int) -> np.ndarray:
+            return np.array(values + [fill] * extra, dtype=np.int64)
+
+        ids = np.array(list(token_ids) + [0] * (extra * pad.query_len), dtype=np.int64)
+        return cls(per_seq([s.context_len for s in spans], 0), ids, tables, wtables, per_seq(wfirst, 0),
+                   per_seq([s.state_slot for s in spans], -1), per_seq([s.write_from for s in spans], 0))
+
+    def packed(self) -> torch.Tensor:
+        """Every array flattened into one int64 tensor (field order)."""
+        return torch.from_numpy(np.concatenate([getattr(self, f.name).reshape(-1) for f in fields(self)]))
+
+    def views(self, flat: torch.Tensor) -> PaddedFacts:
+        """These facts' shapes as views of ``flat`` (laid out as :meth:`packed` lays them out)."""
+        parts, offset = {}, 0
+        for f in fields(self):
+            shape = getattr(self, f.name).shape
+            n = int(np.prod(shape))
+            parts[f.name] = flat[offset:offset + n].view(shape)
+            offset += n
+        return PaddedFacts(**parts)
+
+
+class _Xp:
+    """The array calls of :func:`_padded_arrays` that numpy (``device`` None) and torch spell differently."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
+
+    def arange(self, n: int):
+        return np.arange(n) if self.device is None else torch.arange(n, device=self.device)
+
+    def repeat(self, x, n: int):
+        return np.repeat(x, n) if self.device is None else torch.repeat_interleave(x, n)
+
+    def clip(self, x, lo=None, hi=None):
+        return np.clip(x, lo, hi) if self.device is None else torch.clamp(x, lo, hi)
+
+    def maximum(self, a, b):
+        return np.maximum(a, b) if self.device is None else torch.maximum(a, b)
+
+    def where(self, cond, a, b):
+        return np.where(cond, a, b) if self.device is None else torch.where(cond, a, b)
+
+    def zeros(self, *shape: int):
+        if self.device is None:
+            return np.zeros(shape, dtype=np.int64)
+        return torch.zeros(shape, dtype=torch.long, device=self.device)
+
+
+def _padded_arrays(xp: _Xp, f: PaddedFacts, compressor_specs: set[CompressorSpec], q: int, block_size: int,
+                   sliding_window: int) -> tuple[dict, dict]:
+    """The padded layout's top-level arrays and compressor fields (by :class:`CompressorMeta` field) from
+    ``f``, in numpy or torch (``xp``)."""
+    size = f.ctx.shape[0]
+    seq = xp.arange(size)
+    owner = xp.repeat(seq, q)
+    positions = f.ctx[owner] + xp.arange(size * q) % q
+    lay = _Layout(f.ctx, f.ctx + q, seq * q, f.slots, f.write_from, f.tables, owner, positions)
+    window = positions[:, None] + xp.arange(sliding_window)[None, :] - (sliding_window - 1)
+    arrays = {
+        "input_ids": f.input_ids,
+        "positions": positions,
+        "window_slots": _pool_rows(f.wtables, owner, positions, block_size, first=f.wfirst, xp=xp),
+        "window_indices": _pool_rows(f.wtables, owner, window, block_size, first=f.wfirst, xp=xp),
+        "logits_indices": xp.arange(size * q),
+        "block_tables": f.tables,
+        "token_seq": owner,
+    }
+    metas = {key: _padded_compressor_meta(*key, lay, block_size, xp)
+             for key in sorted({(spec.rate, spec.overlap) for spec in compressor_specs})}
+    return arrays, metas
+
+
+def derive_padded(static: ForwardBatch, facts: PaddedFacts, compressor_specs: set[CompressorSpec],
+                  block_size: int, sliding_window: int) -> None:
+    """Lay out ``facts`` (device tensors) into ``static``'s packed buffer on the device, as
+    :func:`build_forward_batch` with a padding would on the host: the host need not know ``facts.ctx``
+    or ``facts.input_ids`` (a step launched before the one before it ends)."""
+    q = facts.input_ids.shape[0] // facts.ctx.shape[0]
+    arrays, metas = _padded_arrays(_Xp(facts.ctx.device), facts, compressor_specs, q, block_size, sliding_window)
+    torch.cat([p.reshape(-1) for p in _flat_parts(arrays, metas)], out=static.storage)
+
+
+def _flat_parts(top: dict, metas: dict) -> list:
+    """The arrays of a padded layout in the order of :meth:`ForwardBatch.packed`."""
+    parts = [top[k] for k in _TOP_FIELDS if top.get(k) is not None]
+    for key in sorted(metas):
+        parts += [v for v in (metas[key][f] for f in _META_FIELDS) if v is not None]
+    return parts
+
+
 def _packed_batch(top: dict[str, np.ndarray], metas: dict[tuple[int, bool], dict[str, np.ndarray | None]],
                   **rest) -> ForwardBatch:
     """A batch of the arrays ``top`` and ``metas`` (by :class:`CompressorMeta` field) copied once into one
     int64 buffer, ``storage``: its tensors are views of it laid out as :meth:`ForwardBatch.packed` lays
     them out, so packing and loading it are single copies."""
-    parts = [top[k] for k in _TOP_FIELDS if top.get(k) is not None]
-    for key in sorted(metas):
-        parts += [v for v in (metas[key][f] for f in _META_FIELDS) if v is not None]
+    parts = _flat_parts(top, metas)
     storage = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64, copy=False))
     views = iter([v if p.ndim == 1 else v.view(p.shape) for v, p in zip(storage.split([p.size for p in parts]), parts)])
     tensors = {k: next(views) if top.get(k) is not None else None for k in _TOP_FIELDS}
@@ -401,64 +497,67 @@ def _packed_batch(top: dict[str, np.ndarray], metas: dict[tuple[int, bool], dict
     return ForwardBatch(**tensors, compressors=comps, storage=storage, **rest)
 
 
-def _rows_np(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int, rate: int = 1,
-             first: np.ndarray | None = None) -> np.ndarray:
+def _pool_rows(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int, rate: int = 1,
+             first: np.ndarray | None = None, xp: _Xp | None = None) -> np.ndarray:
     """Pool row of source ``positions`` of sequence ``owner`` (or of the entry whose window starts there);
-    -1 where the position is negative or its block is not resident. With ``first``, column 0 of a
-    sequence's table is its logical block ``first[seq]``."""
+    -1 where the position is negative or its block is not resident (or past the table). With ``first``,
+    column 0 of a sequence's table is its logical block ``first[seq]``. numpy arrays, or torch tensors
+    with ``xp``."""
+    xp = xp or _Xp()
     per_block = block_size // rate
     owner = owner.reshape(-1, *([1] * (positions.ndim - 1)))  # broadcast against positions by the indexing
     blocks = positions // block_size
     if first is not None:
         blocks = blocks - first[owner]
-    phys = tables[owner, np.minimum(np.maximum(blocks, 0), tables.shape[1] - 1)]
+    width = tables.shape[1]
+    phys = tables[owner, xp.clip(blocks, 0, width - 1)]
     rows = phys * per_block + (positions // rate) % per_block
-    return np.where((positions >= 0) & (blocks >= 0) & (phys >= 0), rows, -1)
+    return xp.where((positions >= 0) & (blocks >= 0) & (blocks < width) & (phys >= 0), rows, -1)
 
 
-def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) -> dict[str, np.ndarray]:
-    """The fields of the padded layout's :class:`CompressorMeta` (numpy; ``lay`` holds numpy arrays)."""
-    size = len(lay.ctx)
-    q = len(lay.positions) // size
+def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int, xp: _Xp) -> dict:
+    """The fields of the padded layout's :class:`CompressorMeta` (numpy or torch, as ``lay`` holds)."""
+    size = lay.ctx.shape[0]
+    q = lay.positions.shape[0] // size
     rows = (2 if overlap else 1) * rate
-    within, seq = np.arange(rate), np.arange(size)
-    read_pos = lay.ctx[:, None] - rows + np.arange(rows)  # [S, rows]; negative ones are never used
+    within, seq = xp.arange(rate), xp.arange(size)
+    read_pos = lay.ctx[:, None] - rows + xp.arange(rows)  # [S, rows]; negative ones are never used
     dummy = size * rows + size * q
 
-    def source(s: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def source(s, p):
         """Index into cat(ring[ring_read], fresh rows, dummy row) of position ``p`` of sequence ``s``; a
         position past the step's tokens reads the sequence's last one (only windows that do not close)."""
         ctx = lay.ctx[s][:, None]
         old = s[:, None] * rows + p - ctx + rows
-        fresh = size * rows + s[:, None] * q + np.minimum(p - ctx, q - 1)
-        return np.where(p >= ctx, fresh, np.where(p >= 0, old, dummy))
+        fresh = size * rows + s[:, None] * q + xp.clip(p - ctx, None, q - 1)
+        return xp.where(p >= ctx, fresh, xp.where(p >= 0, old, dummy))
 
     # the windows q tokens can close: the last ``per_seq`` ending at or before the sequence's end
     per_seq = (q - 1) // rate + 1
-    wseq = np.repeat(seq, per_seq)
-    win = (lay.seq_len // rate)[wseq] - per_seq + np.arange(size * per_seq) % per_seq
+    wseq = xp.repeat(seq, per_seq)
+    win = (lay.seq_len // rate)[wseq] - per_seq + xp.arange(size * per_seq) % per_seq
     closes = ((win + 1) * rate > lay.ctx[wseq]) & (win >= 0) & (win * rate >= lay.write_from[wseq])
-    start = np.where(closes, win * rate, np.maximum(lay.seq_len[wseq] - rate, 0))
-    slots = _rows_np(lay.tables, wseq, start, block_size, rate)
+    start = xp.where(closes, win * rate, xp.clip(lay.seq_len[wseq] - rate, 0))
+    slots = _pool_rows(lay.tables, wseq, start, block_size, rate, xp=xp)
     meta = {
         "ring_read": (lay.slots[:, None] * rows + read_pos % rows).reshape(-1),
         "cur_idx": source(wseq, start[:, None] + within),
         "prev_idx": source(wseq, start[:, None] - rate + within) if overlap else None,
-        "entry_slots": np.where(closes, slots, -1),
+        "entry_slots": xp.where(closes, slots, -1),
         "entry_positions": start,
         "ring_write": lay.slots[lay.owner] * rows + lay.positions % rows,
-        "ring_write_src": np.arange(size * q),
+        "ring_write_src": xp.arange(size * q),
         "bias_idx": lay.positions % rate,
-        "boundary_src": np.zeros((0, rate), dtype=np.int64),
-        "boundary_dst": np.zeros(0, dtype=np.int64),
+        "boundary_src": xp.zeros(0, rate),
+        "boundary_dst": xp.zeros(0),
     }
     if overlap:  # the block ends q tokens can cross
         per_seq = (q - 1) // block_size + 1
-        bseq = np.repeat(seq, per_seq)
-        ends = ((lay.seq_len // block_size)[bseq] - per_seq + 1 + np.arange(size * per_seq) % per_seq) * block_size
-        crossed = (ends > np.maximum(lay.ctx, lay.write_from)[bseq]) & (ends > 0)
-        ends = np.where(crossed, ends, lay.seq_len[bseq])
-        dst = lay.tables[bseq, np.minimum(np.maximum(ends // block_size - 1, 0), lay.tables.shape[1] - 1)]
+        bseq = xp.repeat(seq, per_seq)
+        ends = ((lay.seq_len // block_size)[bseq] - per_seq + 1 + xp.arange(size * per_seq) % per_seq) * block_size
+        crossed = (ends > xp.maximum(lay.ctx, lay.write_from)[bseq]) & (ends > 0)
+        ends = xp.where(crossed, ends, lay.seq_len[bseq])
+        dst = lay.tables[bseq, xp.clip(ends // block_size - 1, 0, lay.tables.shape[1] - 1)]
         meta["boundary_src"] = source(bseq, ends[:, None] - rate + within)
-        meta["boundary_dst"] = np.where(crossed, dst, -1)
+        meta["boundary_dst"] = xp.where(crossed, dst, -1)
     return meta
