@@ -371,3 +371,58 @@ def test_async_speculation_through_graphs(schedule, tiny_path, make_llm, make_as
     assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref, PROMPTS)
     assert [q for _, q in steps].count(4) >= 2 and len(sizes_run) >= 2, (steps, sizes_run)
     assert llm.llm_engine.counts["overlapped"] > 0
+
+
+def count_chained(llm) -> list[int]:
+    """[steps launched before the step before ended, laid out on the device from its result]."""
+    runner, counts = llm.llm_engine.runner, [0]
+    original = runner._execute_chained
+
+    def chained(so):
+        counts[0] += 1
+        return original(so)
+
+    runner._execute_chained = chained
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
+    """Async scheduling through the graphs: a step of greedy verifications launches while the step before
+    is in flight, its spans moved on by that step's accepted drafts and its tokens, drafts, layout and
+    drafting layout derived on the device. The trained model (real acceptance; spans crossing window and
+    block boundaries, max_tokens cutting drafts near the end, a stop token inside accepted drafts): the
+    outputs are those without speculation, and every sequence gets the drafts, with their confidences,
+    that the same engine proposes when each step waits for the one before (the worker shifting the spans
+    on the host)."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
+    params = [greedy(20 + 3 * i) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    params[2] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[2][13]])
+    ref[2] = ref[2][: ref[2].index(ref[2][13]) + 1]
+    runs = {}
+    for chain in (False, True):
+        llm = make_async(None, dtype="float64", block_size=32, **spec(k))
+        with_drafting_graphs(llm, k, [1, 2, 4, 8])
+        if not chain:
+            llm.llm_engine.runner._chains = lambda so: False
+        chained, seen = count_chained(llm), recorded_drafts(llm)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref, chain
+        first = min(s for s, _, _ in seen)
+        proposals = {}
+        for seq, drafts, confidences in seen:
+            proposals.setdefault(seq - first, []).append((drafts, confidences))
+        runs[chain] = (proposals, chained[0], llm.llm_engine.spec_decode_stats())
+    assert runs[False][1] == 0 and runs[True][1] >= 5, runs[True][1]
+    assert runs[True][2]["num_accepted_tokens"] > 0
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert runs[True][2][key] == runs[False][2][key], key
+    unchained, chained = runs[False][0], runs[True][0]
+    assert unchained.keys() == chained.keys()
+    for seq in unchained:
+        assert [d for d, _ in chained[seq]] == [d for d, _ in unchained[seq]], seq
+        for (_, a), (_, b) in zip(chained[seq], unchained[seq]):
+            assert a == pytest.approx(b, rel=1e-12, abs=1e-12)

@@ -20,7 +20,14 @@ import torch
 
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-from deepinfer_core.model.metadata import ForwardBatch, GraphPadding, SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import (
+    ForwardBatch,
+    GraphPadding,
+    PaddedFacts,
+    SeqSpan,
+    build_forward_batch,
+    derive_padded,
+)
 from deepinfer_core.platform import Graph, Platform
 
 
@@ -57,8 +64,9 @@ class MtpGraphs:
         self.platform = platform or Platform(model.device)
         cfg = model.cfg
         self.window, self.block_size = cfg.sliding_window, cache.block_size
-        # the window blocks a draft step reaches, from the first one the catch-up's window reaches
-        self.cols = (self.window + 2 * self.k) // self.block_size + 2
+        # the window blocks a draft step reaches, from the first one the catch-up's window reaches (up to k
+        # positions before the catch-up's first: see ``propose``'s ``shift``)
+        self.cols = (self.window + 3 * self.k) // self.block_size + 2
         self.inputs: dict[int, _Inputs] = {}
         for size in self.sizes:
             catch_up = self._catch_up([], [], size)
@@ -139,19 +147,25 @@ class MtpGraphs:
 
     @torch.inference_mode()
     def propose(self, catch_spans: list[SeqSpan], ids: list[int] | torch.Tensor, accepted: list[int] | torch.Tensor,
-                rows: list[int] | torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: list[int] | torch.Tensor, streams: torch.Tensor, shift: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts of ``len(catch_spans)`` sequences ([n, k] tokens and probabilities, on the device):
         ``catch_spans`` of ``k + 1`` positions each, their block tables reaching ``k`` positions past the
         last, ``ids`` [n * (k + 1)] their next tokens (fillers past the kept ones), ``accepted`` [n] the
         kept positions of each less one, ``rows`` [n * (k + 1)] the target streams' row of every catch-up
-        position. ``ids``, ``accepted`` and ``rows`` may be lists or device tensors."""
+        position. ``ids``, ``accepted`` and ``rows`` may be lists or device tensors. ``shift`` [n] (device,
+        at most k each): the spans start that much later than ``catch_spans`` say (their tables reach
+        that much further), which only the device knows; the catch-up is then laid out there."""
         n = len(catch_spans)
         size = self.size_for(n)
         inputs = self.inputs[size]
         on_device = isinstance(ids, torch.Tensor)
-        catch_up = self._catch_up(catch_spans, [] if on_device else ids, size)
-        host_accepted = [0] * n if isinstance(accepted, torch.Tensor) else accepted
-        inputs.packed.copy_(self.platform.upload(self._pack(catch_up, host_accepted, catch_spans, size)))
+        if shift is not None:
+            self._derive(inputs, catch_spans, shift, size)
+        else:
+            catch_up = self._catch_up(catch_spans, [] if on_device else ids, size)
+            host_accepted = [0] * n if isinstance(accepted, torch.Tensor) else accepted
+            inputs.packed.copy_(self.platform.upload(self._pack(catch_up, host_accepted, catch_spans, size)))
         if on_device:
             inputs.catch_up.input_ids[: n * self.q].copy_(ids.clamp(min=0))
         if isinstance(accepted, torch.Tensor):
@@ -166,3 +180,17 @@ class MtpGraphs:
         else:
             tokens, confs = self._run(size)
         return tokens[:n], confs[:n]
+
+    def _derive(self, inputs: _Inputs, catch_spans: list[SeqSpan], shift: torch.Tensor, size: int) -> None:
+        """The static inputs of ``catch_spans`` moved on by ``shift``, laid out on the device (accepted
+        counts 0, tokens 0: the caller fills them in)."""
+        n = len(catch_spans)
+        pad = GraphPadding(size, {}, None, self.q)
+        facts = PaddedFacts.from_spans(catch_spans, [0] * (n * self.q), pad, self.block_size, self.window,
+                                       window_blocks=self.cols)
+        device = facts.views(self.platform.upload(facts.packed()))
+        device.ctx[:n] += shift
+        derive_padded(inputs.catch_up, device, set(), self.block_size, self.window)
+        inputs.accepted.zero_()
+        inputs.table.copy_(device.wtables)
+        inputs.table_first.copy_(device.wfirst)

@@ -111,13 +111,15 @@ class MtpProposer:
         return (self.graphs.size_for(len(spans)) is not None
                 and all(s.draft and 1 <= len(s.next_ids) <= self.k + 1 for s in spans))
 
-    def catch_up_span(self, start: int, rows: list[int], block_table: list[int], window_block_table: list[int]
-                      ) -> tuple[SeqSpan, list[int]]:
+    def catch_up_span(self, start: int, rows: list[int], block_table: list[int], window_block_table: list[int],
+                      shift: int = 0) -> tuple[SeqSpan, list[int]]:
         """A padded catch-up's span of ``k + 1`` positions from ``start`` (its tables reaching ``k`` positions
-        past its last) and the target streams' row of each position: ``rows``, its last one repeated."""
+        past its last, ``shift`` more where the span may move on that much) and the target streams' row of
+        each position: ``rows``, its last one repeated."""
         q = self.k + 1
-        table, window = pad_tables(block_table, window_block_table, start + q - 1 + self.k, self.cache.block_size)
-        return SeqSpan(start, q, table, window, -1), rows + [rows[-1]] * (q - len(rows))
+        table, window = pad_tables(block_table, window_block_table, start + q - 1 + self.k + shift,
+                                   self.cache.block_size)
+        return SeqSpan(start, q, table, window, -1), rows + rows[-1:] * (q - len(rows))
 
     def _propose_padded(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
         """The catch-up padded to k + 1 positions per span and the draft steps, through ``self.graphs``."""

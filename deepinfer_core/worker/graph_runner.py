@@ -23,7 +23,14 @@ import torch
 
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-from deepinfer_core.model.metadata import ForwardBatch, GraphPadding, SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import (
+    ForwardBatch,
+    GraphPadding,
+    PaddedFacts,
+    SeqSpan,
+    build_forward_batch,
+    derive_padded,
+)
 from deepinfer_core.platform import Graph, Platform
 
 
@@ -60,12 +67,16 @@ class _Staging:
         self.copied = [platform.new_event() for _ in range(2)]
         self.turn = 0
 
-    def copy(self, host: ForwardBatch, packed: torch.Tensor) -> None:
+    def copy(self, host: ForwardBatch | torch.Tensor, packed: torch.Tensor) -> None:
+        """``packed`` (device) := ``host``, a batch's packed tensors or a flat tensor."""
         k, self.turn = self.turn, 1 - self.turn
         if self.copied[k] is not None:
             self.copied[k].synchronize()
         staging = self.buffers[k][: packed.numel()]
-        host.packed(out=staging)
+        if isinstance(host, torch.Tensor):
+            staging.copy_(host)
+        else:
+            host.packed(out=staging)
         packed.copy_(staging, non_blocking=True)
         if self.copied[k] is not None:
             self.copied[k].record()
@@ -147,6 +158,24 @@ class GraphRunner:
         static = self.inputs[self._key(host)]
         self.staging.copy(host, static.packed)
         static.batch.query_start_loc = host.query_start_loc
+        return static.batch
+
+    def upload(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat host tensor on the device, through the staging buffers where it fits them."""
+        if flat.numel() > self.staging.buffers[0].numel():
+            return self.platform.upload(flat)
+        out = torch.empty(flat.numel(), dtype=torch.long, device=self.platform.device)
+        self.staging.copy(flat, out)
+        return out
+
+    def derive(self, pad: GraphPadding, facts: PaddedFacts, num_seqs: int) -> ForwardBatch:
+        """:meth:`load` of a batch laid out on the device from ``facts`` (device tensors, ``pad``'s shapes) for
+        ``num_seqs`` real sequences (see :func:`~deepinfer_core.model.metadata.derive_padded`)."""
+        static = self.inputs[pad.num_seqs, pad.context, pad.query_len]
+        derive_padded(static.batch, facts, self.model.compressor_specs(), self.block_size,
+                      self.model.cfg.sliding_window)
+        q = pad.query_len
+        static.batch.query_start_loc = list(range(0, num_seqs * q + 1, q))
         return static.batch
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

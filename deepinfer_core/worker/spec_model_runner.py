@@ -37,7 +37,7 @@ import torch
 
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
-from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
+from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
@@ -82,6 +82,32 @@ class _Verify:
     drafts: list[int]
 
 
+@dataclass
+class _Chain:
+    """What a step that drafted on the device leaves there for the next step, launched before it ends:
+    per sequence (by row), the token the next span starts with, the drafts accepted (how far the next
+    span moves on) and the new drafts; and the drafts each sequence verified (host)."""
+
+    pending: _Pending
+    rows: dict[int, int]  # seq id -> row
+    last: torch.Tensor  # [n]
+    accepted: torch.Tensor  # [n]
+    drafts: torch.Tensor  # [n, k]
+    num_drafts: dict[int, int]
+
+
+class _HostCopy:
+    """Device tensors on their way to the host (``Platform.to_host``); ``lists`` waits for them."""
+
+    def __init__(self, platform, tensors: list[torch.Tensor]):
+        self._tensors, self._ready = platform.to_host(tensors)
+
+    def lists(self) -> list[list]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [t.tolist() for t in self._tensors]
+
+
 class SpecDecodeModelRunner(ModelRunner):
     def __init__(self, *args, num_speculative_tokens: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
@@ -96,11 +122,15 @@ class SpecDecodeModelRunner(ModelRunner):
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
         self._drafts: dict[int, list[int]] = {}  # seq id -> the drafts its last step proposed
         self._layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _uniform_layout
+        self._chain: _Chain | None = None  # the device results of ``_pending``, when it drafted on the device
 
     def execute_model(self, so: SchedulerOutput) -> _Pending:
-        if self._pending is not None:  # the step before ends first: this one may build on its result
-            pending, self._pending = self._pending, None
+        if self._pending is not None:
+            if self._chains(so):  # laid out on the device from the step before's result, which may be in flight
+                return self._execute_chained(so)
+            pending, self._pending = self._pending, None  # the step before ends first: this one builds on it
             pending.get_output()
+        self._chain = None
         for seq_id in so.finished_seq_ids:
             self._accepted.pop(seq_id, None)
             self._drafts.pop(seq_id, None)
@@ -178,8 +208,95 @@ class SpecDecodeModelRunner(ModelRunner):
             # the window blocks as the step saw them: once it ends, the engine releases those the next
             # query cannot see, which the drafter's query at the step's first position may still see
             windows = [list(s.window_block_table) for s in so.scheduled]
+        if verified is not None:  # on its way to the host now: the next step may be queued before it is read
+            verified = _HostCopy(self.platform, [verified.output_token_ids, verified.num_accepted])
+        if drafted is not None:
+            drafted = _HostCopy(self.platform, list(drafted))
         self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified,
                                                         drafted, windows))
+        if drafted is not None:
+            self._chain.pending = self._pending
+        return self._pending
+
+    def _chains(self, so: SchedulerOutput) -> bool:
+        """Whether the step can launch while the step before is in flight, laid out on the device from its
+        result (``self._chain``): that step drafted on the device and its output is not read yet; this one
+        is a speculative step of greedy verifications only, every span its sequence's placeholders (moved on
+        by that step's accepted drafts) with at most k drafts that ``max_tokens`` cannot cut, in a batch
+        that a verification graph with the undo log inside and a drafting graph hold; no sequence of the
+        step before leaves."""
+        chain, graphs, k = self._chain, self.graph_runner, self.k
+        if (chain is None or chain.pending is not self._pending or self._pending._output is not None
+                or not so.speculate or not so.scheduled or so.grammar_bitmask is not None
+                or getattr(graphs, "prologue", None) is None or 1 + k not in graphs.query_lens
+                or self.proposer.graphs is None or self.proposer.graphs.size_for(len(so.scheduled)) is None
+                or any(seq_id in chain.rows for seq_id in so.finished_seq_ids)):
+            return False
+        for s in so.scheduled:
+            state = self.requests.get(s.seq_id)
+            if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
+                    or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
+                    or any(t != PLACEHOLDER for t in s.token_ids)
+                    or not state.params.greedy or not can_speculate(state.params)):
+                return False
+            max_tokens = state.params.max_tokens
+            if max_tokens is not None and (max_tokens - len(state.output_token_ids) - 2
+                                           - chain.num_drafts[s.seq_id] < s.num_drafts):
+                return False
+        return self._chained_padding(so.scheduled) is not None
+
+    def _chained_spans(self, scheduled: list[ScheduledSeq]) -> list[SeqSpan]:
+        """The spans of a chained step where the step before accepted nothing, their tables reaching as far as
+        if it accepted every draft."""
+        q = self.k + 1
+        return [SeqSpan(s.start, q, *pad_tables(s.block_table, s.window_block_table, s.start + self.k + q - 1,
+                                                self.block_size), s.state_slot, s.write_from) for s in scheduled]
+
+    def _chained_padding(self, scheduled: list[ScheduledSeq]):
+        q = self.k + 1
+        probe = [SeqSpan(s.start + self.k, q, [], [], -1) for s in scheduled]
+        return self.graph_runner.padding_for(probe, list(range(len(probe) * q)))
+
+    def _execute_chained(self, so: SchedulerOutput) -> _Pending:
+        """Launch a step of greedy verifications before the step before ends (see :meth:`_chains`): its spans
+        moved on, its tokens and drafts filled in, its layout derived and its drafting laid out on the
+        device, from the step before's result there; the host reads nothing until this step's output."""
+        prev, chain = self._pending, self._chain
+        self._update_states(so)
+        for seq_id in so.finished_seq_ids:
+            self._accepted.pop(seq_id, None)
+            self._drafts.pop(seq_id, None)
+        scheduled, graphs = so.scheduled, self.graph_runner
+        n, q = len(scheduled), self.k + 1
+        spans, pad = self._chained_spans(scheduled), self._chained_padding(scheduled)
+        window = self.model.cfg.sliding_window  # the window table reaches k positions past the shortest context
+        facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, window,
+                                       window_blocks=(window + 2 * self.k + 1) // self.block_size + 2)
+        rows = [chain.rows[s.seq_id] for s in scheduled]
+        flat = graphs.upload(torch.cat([facts.packed(), torch.tensor(rows + [s.num_drafts for s in scheduled])]))
+        device = facts.views(flat[: -2 * n])
+        index, num_drafts = flat[-2 * n:].split(n)
+        shift = chain.accepted[index]
+        device.ctx[:n] += shift
+        ids = device.input_ids[: n * q].view(n, q)
+        ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index]
+        batch = graphs.derive(pad, device, n)
+        logits, streams, undo = graphs.replay_step(batch)
+        out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens)
+        catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
+                 for sp in spans]
+        stream_rows = torch.arange(n * q, device=logits.device)
+        drafted = self._propose_chained(scheduled, catch, out.output_token_ids, out.num_accepted, stream_rows,
+                                        streams, shift)
+        verifies = [_Verify(i, i * q, self.requests[s.seq_id], []) for i, s in enumerate(scheduled)]
+        verified = _HostCopy(self.platform, [out.output_token_ids, out.num_accepted])
+        drafted = _HostCopy(self.platform, list(drafted))
+
+        def complete() -> ModelRunnerOutput:
+            prev.get_output()  # the step before's tokens go in first
+            return self._complete(so, streams, [], [], None, verifies, verified, drafted, None)
+
+        self._pending = self._chain.pending = _Pending(complete)
         return self._pending
 
     def _drafts_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -214,7 +331,19 @@ class SpecDecodeModelRunner(ModelRunner):
             accepted[verify_index] = verified.num_accepted
         if plain:
             ids[plain_index, 0] = plain_samples.sampled_token_ids
-        return self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams)
+        return self._propose_chained(scheduled, catch, ids, accepted, rows, streams, None)
+
+    def _propose_chained(self, scheduled: list[ScheduledSeq], catch: list[SeqSpan], ids: torch.Tensor,
+                         accepted: torch.Tensor, rows: torch.Tensor, streams: torch.Tensor,
+                         shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft through the graphs from the kept tokens ``ids`` [n, k + 1] (``accepted`` [n] past the first)
+        and leave the next step what it needs to launch before this one ends (``self._chain``)."""
+        tokens, confs = self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams, shift)
+        tokens, confs = tokens.clone(), confs.clone()  # the graph's buffers: the next step drafts into them
+        last = ids.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        self._chain = _Chain(None, {s.seq_id: i for i, s in enumerate(scheduled)}, last, accepted, tokens,
+                             {s.seq_id: s.num_drafts for s in scheduled})
+        return tokens, confs
 
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The tokens per sequence of a graph that runs this step with every span padded by filler tokens
@@ -264,7 +393,7 @@ class SpecDecodeModelRunner(ModelRunner):
         output."""
         new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
         if verifies:
-            tokens, counts = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
+            tokens, counts = verified.lists()
             for v, row, n in zip(verifies, tokens, counts):
                 new_tokens[v.index] = row[: n + 1]
         logprobs, dead_ends = {}, {}
@@ -276,7 +405,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 if plain_out.dead_ends is not None:
                     dead_ends[i] = plain_out.dead_ends[j]
         if drafted is not None:
-            drafts = dict(enumerate(zip(drafted[0].tolist(), drafted[1].tolist())))
+            drafts = dict(enumerate(zip(*drafted.lists())))
         else:
             drafts = self._draft(so, streams, starts, new_tokens, windows)
         out = self._output(so, new_tokens, logprobs, dead_ends, drafts)
@@ -334,14 +463,21 @@ class SpecDecodeModelRunner(ModelRunner):
         """:meth:`_verify` of a step of greedy verifications only, each ``span`` tokens long (fillers after
         its drafts included), whose logits rows are its tokens'. Token ``t`` is its span's draft
         ``t % span``, rejected past the accepted count (a filler is past every draft)."""
-        s, device = len(verifies), logits.device
+        s = len(verifies)
         drafts = np.zeros((s, span), dtype=np.int64)  # the drafts, then the draft counts in the last column
         for i, v in enumerate(verifies):
             drafts[i, : len(v.drafts)] = v.drafts
             drafts[i, -1] = len(v.drafts)
         host = self.platform.upload(torch.from_numpy(drafts))
-        out = greedy_verify(logits[: s * span].reshape(s, span, -1), host[:, :-1], host[:, -1])
-        offset, owner = self._uniform_layout(num_tokens, span, device)
+        return self._verify_rows(logits, host[:, :-1], host[:, -1], undo, span, num_tokens)
+
+    def _verify_rows(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, undo: CacheUndo,
+                     span: int, num_tokens: int):
+        """Greedy verification of ``drafts`` [s, span - 1] (device; ``num_drafts`` [s] of each are real) in the
+        first ``s`` spans of ``span`` logits rows each; the rows rejected tokens wrote are put back."""
+        s = drafts.shape[0]
+        out = greedy_verify(logits[: s * span].reshape(s, span, -1), drafts, num_drafts)
+        offset, owner = self._uniform_layout(num_tokens, span, logits.device)
         accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
         undo.restore(offset > accepted[owner])
         return out
