@@ -117,12 +117,17 @@ def speed(args, engine_kw: dict) -> dict:
     modes = [("off", None, {}), ("off eager", None, {"enforce_eager": True})]
     modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
     modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"), {})]
+    if args.async_scheduling:  # every step waiting for the one before (the host moving the spans on)
+        modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks)), {"unchained": True})]
     rows = []
     make = _random_llm_factory(args, engine_kw) if args.random else (
         lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
     sched = {"async_scheduling": True} if args.async_scheduling else {}
     for name, spec, extra in modes:
+        unchained = extra.pop("unchained", False)
         llm = make(spec, max_num_seqs=max(args.batch_sizes), **sched, **extra)
+        if unchained:
+            llm.llm_engine.runner._chains = lambda so: False
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
