@@ -75,10 +75,18 @@ class MtpGraphs:
             streams = torch.zeros((size * self.q, cfg.hc_mult, cfg.hidden_size), dtype=model.dtype,
                                   device=model.device)
             self.inputs[size] = _Inputs(packed, *self._views(catch_up, size, packed), streams)
+        # the catch-up's facts on the device for a layout derived there (``propose`` with ``shift``)
+        self.facts: dict[int, tuple[torch.Tensor, PaddedFacts]] = {}
+        for size in self.sizes:
+            host = self._facts([], size)
+            flat = host.packed().to(model.device)
+            self.facts[size] = (flat, host.views(flat))
         self.graphs: dict[int, Graph] = {}
+        self.derive_graphs: dict[int, Graph] = {}
         if capture:
             with torch.inference_mode():
                 self.graphs = dict(self.platform.capture_graphs(self.sizes, self._run))
+                self.derive_graphs = dict(self.platform.capture_graphs(self.sizes, self._derive_static))
 
     def size_for(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_seqs)
@@ -161,7 +169,7 @@ class MtpGraphs:
         inputs = self.inputs[size]
         on_device = isinstance(ids, torch.Tensor)
         if shift is not None:
-            self._derive(inputs, catch_spans, shift, size)
+            self._derive(catch_spans, shift, size)
         else:
             catch_up = self._catch_up(catch_spans, [] if on_device else ids, size)
             host_accepted = [0] * n if isinstance(accepted, torch.Tensor) else accepted
@@ -181,16 +189,26 @@ class MtpGraphs:
             tokens, confs = self._run(size)
         return tokens[:n], confs[:n]
 
-    def _derive(self, inputs: _Inputs, catch_spans: list[SeqSpan], shift: torch.Tensor, size: int) -> None:
-        """The static inputs of ``catch_spans`` moved on by ``shift``, laid out on the device (accepted
-        counts 0, tokens 0: the caller fills them in)."""
-        n = len(catch_spans)
+    def _facts(self, catch_spans: list[SeqSpan], size: int) -> PaddedFacts:
         pad = GraphPadding(size, {}, None, self.q)
-        facts = PaddedFacts.from_spans(catch_spans, [0] * (n * self.q), pad, self.block_size, self.window,
-                                       window_blocks=self.cols)
-        device = facts.views(self.platform.upload(facts.packed()))
-        device.ctx[:n] += shift
-        derive_padded(inputs.catch_up, device, set(), self.block_size, self.window)
+        return PaddedFacts.from_spans(catch_spans, [0] * (len(catch_spans) * self.q), pad, self.block_size,
+                                      self.window, window_blocks=self.cols)
+
+    def _derive(self, catch_spans: list[SeqSpan], shift: torch.Tensor, size: int) -> None:
+        """The static inputs of ``catch_spans`` moved on by ``shift``, laid out on the device (accepted
+        counts 0, tokens 0: the caller fills them in), by a graph where captured."""
+        flat, facts = self.facts[size]
+        flat.copy_(self.platform.upload(self._facts(catch_spans, size).packed()), non_blocking=True)
+        facts.ctx[: len(catch_spans)] += shift
+        graph = self.derive_graphs.get(size)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._derive_static(size)
+
+    def _derive_static(self, size: int) -> None:
+        inputs, facts = self.inputs[size], self.facts[size][1]
+        derive_padded(inputs.catch_up, facts, set(), self.block_size, self.window)
         inputs.accepted.zero_()
-        inputs.table.copy_(device.wtables)
-        inputs.table_first.copy_(device.wfirst)
+        inputs.table.copy_(facts.wtables)
+        inputs.table_first.copy_(facts.wfirst)

@@ -90,6 +90,16 @@ class _StaticInputs:
         self.batch = host.with_storage(self.packed)
 
 
+class _StaticFacts:
+    """A verification graph's facts on the device (``PaddedFacts`` views of one buffer, a padding layout's
+    until loaded), followed by ``2 * size`` values of the caller's."""
+
+    def __init__(self, host: PaddedFacts, size: int, platform: Platform):
+        self.flat = torch.cat([host.packed(), torch.zeros(2 * size, dtype=torch.long)]).to(platform.device)
+        self.facts = host.views(self.flat)
+        self.extra = self.flat[-2 * size:].view(2, size)
+
+
 class GraphRunner:
     """Pads decode steps to a captured (batch size, context) bucket and replays that bucket's graph.
 
@@ -121,6 +131,13 @@ class GraphRunner:
                     empty = build_forward_batch([], [], model.compressor_specs(), block_size,
                                                 model.cfg.sliding_window, pad=self.layout(size, context, q))
                     self.inputs[size, context, q] = _StaticInputs(empty, self.platform)
+        # the verification layouts the device derives from facts (``load_facts``, ``derive``)
+        self.facts = {key: _StaticFacts(PaddedFacts.from_spans([], [], self.layout(*key), block_size,
+                                                               model.cfg.sliding_window,
+                                                               window_blocks=self.facts_window_blocks(key[2])),
+                                        key[0], self.platform)
+                      for key in self.inputs if key[2] > 1}
+        self.derive_graphs: dict[tuple[int, int, int], Graph] = {}
         self.staging = _Staging(max(s.packed.numel() for s in self.inputs.values()), self.platform)
         if capture:
             self.capture()
@@ -160,23 +177,36 @@ class GraphRunner:
         static.batch.query_start_loc = host.query_start_loc
         return static.batch
 
-    def upload(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat host tensor on the device, through the staging buffers where it fits them."""
-        if flat.numel() > self.staging.buffers[0].numel():
-            return self.platform.upload(flat)
-        out = torch.empty(flat.numel(), dtype=torch.long, device=self.platform.device)
-        self.staging.copy(flat, out)
-        return out
+    def facts_window_blocks(self, query_len: int) -> int:
+        """Window-table columns of a verification's facts: its window from the shortest context it may have,
+        and ``query_len - 1`` positions further (the drafts the step before may accept)."""
+        return (self.model.cfg.sliding_window + 2 * query_len - 1) // self.block_size + 2
 
-    def derive(self, pad: GraphPadding, facts: PaddedFacts, num_seqs: int) -> ForwardBatch:
-        """:meth:`load` of a batch laid out on the device from ``facts`` (device tensors, ``pad``'s shapes) for
-        ``num_seqs`` real sequences (see :func:`~deepinfer_core.model.metadata.derive_padded`)."""
-        static = self.inputs[pad.num_seqs, pad.context, pad.query_len]
-        derive_padded(static.batch, facts, self.model.compressor_specs(), self.block_size,
-                      self.model.cfg.sliding_window)
-        q = pad.query_len
+    def load_facts(self, pad: GraphPadding, host: PaddedFacts, extra: torch.Tensor) -> tuple[PaddedFacts, torch.Tensor]:
+        """Copy ``host`` (``pad``'s shapes, ``facts_window_blocks`` window columns) and ``extra`` ([2, size],
+        the caller's) into the static facts of ``pad``'s graph, one copy; returns their device views, which
+        may be changed in place before :meth:`derive`."""
+        static = self.facts[pad.num_seqs, pad.context, pad.query_len]
+        self.staging.copy(torch.cat([host.packed(), extra.reshape(-1)]), static.flat)
+        return static.facts, static.extra
+
+    def derive(self, pad: GraphPadding, num_seqs: int) -> ForwardBatch:
+        """:meth:`load` of a batch laid out on the device from the static facts (:meth:`load_facts`) of
+        ``pad``'s graph, by a graph of its own where captured, for ``num_seqs`` real sequences (see
+        :func:`~deepinfer_core.model.metadata.derive_padded`)."""
+        key = (pad.num_seqs, pad.context, pad.query_len)
+        graph = self.derive_graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._derive(key)
+        static, q = self.inputs[key], pad.query_len
         static.batch.query_start_loc = list(range(0, num_seqs * q + 1, q))
         return static.batch
+
+    def _derive(self, key: tuple[int, int, int]) -> None:
+        derive_padded(self.inputs[key].batch, self.facts[key].facts, self.model.compressor_specs(), self.block_size,
+                      self.model.cfg.sliding_window)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """The real sequences' logits rows (all their tokens' when q > 1)."""
@@ -225,6 +255,8 @@ class GraphRunner:
         inputs are padding sequences only, so capturing writes nothing outside the cache's trash."""
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.graphs = dict(self.platform.capture_graphs(list(self.inputs), self._shared_forward))
+        # the padding layout's facts: capturing lays out padding sequences only
+        self.derive_graphs = dict(self.platform.capture_graphs(list(self.facts), self._derive)) if self.facts else {}
         capture_restores = getattr(self.prologue, "capture_restores", None)
         if capture_restores is not None:  # what the prologue saved, put back by graphs of their own
             capture_restores(self.platform, {key: graph.output[2] for key, graph in self.graphs.items()})

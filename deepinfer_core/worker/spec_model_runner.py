@@ -269,18 +269,18 @@ class SpecDecodeModelRunner(ModelRunner):
         scheduled, graphs = so.scheduled, self.graph_runner
         n, q = len(scheduled), self.k + 1
         spans, pad = self._chained_spans(scheduled), self._chained_padding(scheduled)
-        window = self.model.cfg.sliding_window  # the window table reaches k positions past the shortest context
-        facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, window,
-                                       window_blocks=(window + 2 * self.k + 1) // self.block_size + 2)
-        rows = [chain.rows[s.seq_id] for s in scheduled]
-        flat = graphs.upload(torch.cat([facts.packed(), torch.tensor(rows + [s.num_drafts for s in scheduled])]))
-        device = facts.views(flat[: -2 * n])
-        index, num_drafts = flat[-2 * n:].split(n)
+        facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, self.model.cfg.sliding_window,
+                                       window_blocks=graphs.facts_window_blocks(q))
+        extra = torch.zeros((2, pad.num_seqs), dtype=torch.long)
+        extra[0, :n] = torch.tensor([chain.rows[s.seq_id] for s in scheduled])
+        extra[1, :n] = torch.tensor([s.num_drafts for s in scheduled])
+        device, extra = graphs.load_facts(pad, facts, extra)
+        index, num_drafts = extra[0, :n], extra[1, :n]
         shift = chain.accepted[index]
         device.ctx[:n] += shift
         ids = device.input_ids[: n * q].view(n, q)
         ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index]
-        batch = graphs.derive(pad, device, n)
+        batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
         out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
