@@ -52,7 +52,7 @@ TIMED = [
     ("deepinfer_core.spec_decode.mtp_graph", "MtpGraphs.propose"),
     ("deepinfer_core.spec_decode.rollback", "CacheUndo.restore"),
     ("deepinfer_core.worker.graph_runner", "GraphRunner.load"),
-    ("deepinfer_core.worker.graph_runner", "GraphRunner.upload"),
+    ("deepinfer_core.worker.graph_runner", "GraphRunner.load_facts"),
     ("deepinfer_core.worker.graph_runner", "GraphRunner.derive"),
     ("deepinfer_core.spec_decode.mtp_graph", "MtpGraphs._derive"),
     ("deepinfer_core.worker.graph_runner", "GraphRunner.replay"),
