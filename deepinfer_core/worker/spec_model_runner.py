@@ -24,7 +24,11 @@ counts; steps with prefill chunks, penalties, grammars or logprobs draft in the 
 accepted counts read back. With async scheduling the engine schedules the next step while
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
-shifts each span by the drafts the step before accepted and fills in the tokens.
+shifts each span by the drafts the step before accepted and fills in the tokens. When the step before
+drafted on the device and this one is greedy verifications only (``_chains``), that happens on the
+device too: the step launches before the step before ends, its layout and its drafting layout derived
+there by graphs of their own from the per-sequence facts the host knows (``derive_padded``), so the host
+never waits for a step before queueing the next.
 """
 
 from __future__ import annotations
