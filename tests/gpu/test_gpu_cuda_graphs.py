@@ -58,21 +58,27 @@ def test_graph_bucket_padding_and_eager_fallback(tiny_path):
     assert same >= len(prompts) - 1
 
 
+def make(**kw) -> LLM:
+    """The trained default model on the backend, float32."""
+    return LLM(backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
+
+
+def _trained_workload(max_tokens: int):
+    """Six held-out prompts, greedy requests of ``max_tokens`` and more, and the eager engine's tokens."""
+    plain = make(enforce_eager=True)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens + 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    return prompts, params, [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_steps_replay_verification_and_drafting_graphs(k):
     """The trained default model with MTP speculation: verification steps replay the 1 + k graphs (spans
     with fewer drafts filled up, the undo log saved inside them), drafting replays the MTP graphs, and the
     greedy tokens are those of the eager engine without speculation (all but near-ties in float32)."""
-    text = open("data/heldout_slice.txt").read()
-
-    def make(**kw):
-        return LLM(backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
-
-    plain = make(enforce_eager=True)
-    ids = plain.llm_engine.encode(text)
-    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    prompts, params, ref = _trained_workload(24)
     llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": k})
     runner = llm.llm_engine.runner
     graphs, drafting = runner.graph_runner, runner.proposer.graphs
@@ -95,16 +101,7 @@ def test_chained_speculative_steps_on_the_device():
     before is in flight, laid out on the device from its result. The tokens and the acceptance counts are
     those of the same engine when each step waits for the one before, and the eager engine's without
     speculation (all but near-ties in float32)."""
-    text = open("data/heldout_slice.txt").read()
-
-    def make(**kw):
-        return LLM(backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
-
-    plain = make(enforce_eager=True)
-    ids = plain.llm_engine.encode(text)
-    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=40 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    prompts, params, ref = _trained_workload(40)
     runs = {}
     for chain in (False, True):
         llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": 3}, async_scheduling=True)
