@@ -11,6 +11,7 @@ from deepinfer_core.spec_decode.confidence import (
     AcceptanceCalibrator,
     Candidate,
     ConfidenceScheduler,
+    StepProfile,
     StepTimeModel,
 )
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
@@ -63,6 +64,47 @@ def test_pairs_are_admitted_by_survival():
     plan = scheduler.plan(cands, 3, 3)
     assert plan[0] >= plan[1] and plan[2] == 0  # no room: nothing, whatever the confidence
     assert plan[0] == 3 and plan[1] <= 1
+
+
+def graph_profile(ratio_of: dict[int, float], sizes=(1, 2, 4, 8, 16, 32, 64), k: int = 3) -> StepProfile:
+    """Graphs of 1 and 1 + k tokens per sequence; the verification graph of size n costs ``ratio_of[n]``
+    times the decode graph (1 ms + 10 us per sequence)."""
+    seconds = {}
+    for n in sizes:
+        seconds[n, 1] = 1e-3 + 1e-5 * n
+        seconds[n, 1 + k] = seconds[n, 1] * ratio_of.get(n, 1.5)
+    return StepProfile(seconds)
+
+
+def test_step_profile_finds_the_graph_a_step_pads_to():
+    profile = graph_profile({})
+    assert profile.lookup(3, 2) == profile.seconds[4, 4]  # 3 sequences, 1 draft: the (4, 1 + 3) graph
+    assert profile.lookup(64, 1) == profile.seconds[64, 1]
+    assert profile.lookup(65, 1) is None and profile.lookup(1, 5) is None  # eager: no graph holds it
+
+
+def test_graph_steps_verify_every_draft_worth_anything_or_none():
+    """In a graph a draft costs what the longest costs: a small batch, where the 1 + k graph costs little
+    more, verifies every draft, the unlikely ones too (the padding would cost the same); a batch whose
+    verification graph costs more than the drafts can return verifies none. Stopping at the first
+    draft that lowers the rate would verify none in both."""
+    scheduler = ConfidenceScheduler(profile=graph_profile({1: 1.3, 2: 1.3, 64: 3.6}))
+    sure, unsure = [0.9, 0.8, 0.7], [0.2, 0.2, 0.2]
+    assert scheduler.plan([Candidate(0, sure, 3), Candidate(1, unsure, 3)], 2, 2, num_seqs=2) == {0: 3, 1: 3}
+    assert scheduler.plan([Candidate(0, sure, 3)], 1, 1, num_seqs=1) == {0: 3}
+    assert scheduler.plan([Candidate(0, [0.9], 1)], 1, 1, num_seqs=1) == {0: 1}  # 1.9 tokens for 1.3x
+    cands = [Candidate(i, sure, 3) for i in range(64)]
+    assert sum(scheduler.plan(cands, 64, 64, num_seqs=64).values()) == 0  # 3.4 tokens at most for 3.6x
+
+
+def test_steps_no_graph_holds_are_priced_by_the_learnt_curve():
+    """A step with prefill chunks (``num_seqs`` None) or more sequences than the largest graph is priced
+    by tokens, as learnt from the steps run: the likeliest drafts only."""
+    scheduler = ConfidenceScheduler(step_time=linear_time(0.05, 0.001), profile=graph_profile({}))
+    cands = [Candidate(i, [0.9, 0.3], 2) for i in range(100)]
+    for num_seqs in (None, 100):
+        plan = scheduler.plan(cands, 100, 100, num_seqs=num_seqs)
+        assert set(plan.values()) == {1}, plan  # 0.95 of a token for an extra token, not 0.33
 
 
 def test_stats_count_positions():

@@ -261,6 +261,13 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
         assert asked == [((1, 2, 4), "GraphPlatform", (1, 3), True)]
         assert engine.runner.graph_runner.query_lens == [1, 3]
         assert _greedy(engine) == eager
+        assert engine.drafts.confidence is None and engine.runner.step_profile is None  # fixed k: no timing
+        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 2, "schedule": "confidence"}))
+        profile = engine.drafts.confidence.profile  # the graphs timed, for the scheduler to price steps by
+        assert sorted(profile.seconds) == [(s, q) for s in (1, 2, 4) for q in (1, 3)]
+        assert all(t > 0 for t in profile.seconds.values())
+        assert _greedy(engine) == eager
     finally:
         loaded.pm.unregister(pack)
 

@@ -149,6 +149,8 @@ class LLMEngine:
         self.batch_invariant = bool(args.batch_invariant) or env in ("1", "true", "yes", "on")
         self.executor = executor_class(args, backend, cfg, path, self.scheduler_config, self.cache_config,
                                        self.parallel_config, batch_invariant=self.batch_invariant)
+        if self.drafts is not None:
+            self.drafts.use_profile(getattr(self.executor, "step_profile", None))
         from deepinfer_core.tokenizer import get_tokenizer
 
         self.tokenizer = get_tokenizer(path)

@@ -3,16 +3,19 @@
 Each decoding sequence offers its drafts as (sequence, position) pairs. A pair's survival is the
 probability that it and every draft before it are accepted: the product of per-position acceptance
 estimates, each the drafter's confidence in that draft calibrated online against measured acceptance
-(:class:`AcceptanceCalibrator`). A step-time curve by batch token count (:class:`StepTimeModel`, learnt
-from the steps the engine runs, or profiled) prices each extra token. Pairs are admitted by descending
-survival while the estimated accepted tokens per second still grow, so a large batch verifies fewer
-drafts and a lone sequence verifies more.
+(:class:`AcceptanceCalibrator`). A step-time curve prices each extra token: the seconds of the captured
+graph a decode step would replay, by batch size and query length (:class:`StepProfile`, timed when the
+graphs are captured), or else a curve by batch token count learnt from the steps the engine runs
+(:class:`StepTimeModel`). Pairs are taken by descending survival and the prefix with the most estimated
+accepted tokens per second is admitted, so a large batch verifies fewer drafts and a lone sequence
+verifies more. A graph's query length is fixed: there, one draft costs what the longest costs, and the
+prefix is either none or every draft worth anything.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class AcceptanceCalibrator:
@@ -75,6 +78,20 @@ class StepTimeModel:
 
 
 @dataclass
+class StepProfile:
+    """Seconds of one replay of each captured decode graph, by (batch size, query length)."""
+
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def lookup(self, num_seqs: int, longest: int) -> float | None:
+        """The seconds of the graph a step of ``num_seqs`` sequences, the longest ``longest`` tokens, pads
+        to; None where none holds it."""
+        size = min((s for s, _ in self.seconds if s >= num_seqs), default=None)
+        q = min((q for _, q in self.seconds if q >= longest), default=None)
+        return None if size is None or q is None else self.seconds.get((size, q))
+
+
+@dataclass
 class Candidate:
     """A decoding sequence's offer: its drafts' confidences, at most ``room`` of them usable."""
 
@@ -84,9 +101,11 @@ class Candidate:
 
 
 class ConfidenceScheduler:
-    def __init__(self, calibrator: AcceptanceCalibrator | None = None, step_time: StepTimeModel | None = None):
+    def __init__(self, calibrator: AcceptanceCalibrator | None = None, step_time: StepTimeModel | None = None,
+                 profile: StepProfile | None = None):
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.step_time = step_time or StepTimeModel()
+        self.profile = profile
 
     def survival(self, confidences: list[float]) -> list[float]:
         out, s = [], 1.0
@@ -96,27 +115,39 @@ class ConfidenceScheduler:
         return out
 
     def plan(self, candidates: list[Candidate], base_tokens: int, base_accepted: float,
-             max_tokens: int | None = None) -> dict[int, int]:
+             max_tokens: int | None = None, num_seqs: int | None = None) -> dict[int, int]:
         """Drafts to verify per candidate key. ``base_tokens``: the step's tokens without drafts;
-        ``base_accepted``: the tokens it yields for sure (one per sampled sequence)."""
+        ``base_accepted``: the tokens it yields for sure (one per sampled sequence); ``num_seqs``: the
+        step's sequences where it is all decodes (a graph's shape), else None."""
         pairs = []
         for cand in candidates:
             for j, s in enumerate(self.survival(cand.confidences[: cand.room])):
                 pairs.append((-s, j, cand.key))
         pairs.sort()
-        admitted = {c.key: 0 for c in candidates}
-        tokens, expected = max(1, base_tokens), max(base_accepted, 1e-9)
-        best = expected / self.step_time.seconds(tokens)
+        counts = {c.key: 0 for c in candidates}
+        tokens, expected, longest = max(1, base_tokens), max(base_accepted, 1e-9), 1
+        best, chosen, best_len = expected / self._seconds(tokens, num_seqs, longest), [], 0
         for neg_s, j, key in pairs:
             if max_tokens is not None and tokens + 1 > max_tokens:
                 break
-            if admitted[key] != j:  # a later position only after the one before it
+            if counts[key] != j:  # a later position only after the one before it
                 continue
-            rate = (expected - neg_s) / self.step_time.seconds(tokens + 1)
-            if rate <= best:
-                break
-            admitted[key], tokens, expected, best = j + 1, tokens + 1, expected - neg_s, rate
+            counts[key], tokens, expected, longest = j + 1, tokens + 1, expected - neg_s, max(longest, j + 2)
+            chosen.append(key)
+            rate = expected / self._seconds(tokens, num_seqs, longest)
+            if rate > best:
+                best, best_len = rate, len(chosen)
+        admitted = {c.key: 0 for c in candidates}
+        for key in chosen[:best_len]:
+            admitted[key] += 1
         return admitted
+
+    def _seconds(self, num_tokens: int, num_seqs: int | None, longest: int) -> float:
+        if self.profile is not None and num_seqs:
+            seconds = self.profile.lookup(num_seqs, longest)
+            if seconds is not None:
+                return seconds
+        return self.step_time.seconds(num_tokens)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.step_time.observe(num_tokens, seconds)

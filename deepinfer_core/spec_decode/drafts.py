@@ -14,7 +14,7 @@ from deepinfer_core.config import ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
 from deepinfer_core.model.cache import layer_cache_specs
-from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler
+from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler, StepProfile
 from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
 from deepinfer_core.spec_decode.gate import SpeculationGate
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
@@ -99,9 +99,16 @@ class DraftPlanner:
         decoding = [seq for seq in scheduler.running if seq.num_uncomputed == 1]
         candidates = [Candidate(seq.seq_id, seq.draft_confidences, rooms[seq.seq_id])
                       for seq in decoding if rooms[seq.seq_id]]
-        budget = self.confidence.plan(candidates, base, len(decoding), config.max_num_batched_tokens)
+        decode_only = base == len(decoding)  # no prefill chunk: a step of a graph's shape
+        budget = self.confidence.plan(candidates, base, len(decoding), config.max_num_batched_tokens,
+                                      num_seqs=len(decoding) if decode_only else None)
         for seq in scheduler.running:
             seq.draft_budget = budget.get(seq.seq_id, 0)
+
+    def use_profile(self, profile: StepProfile | None) -> None:
+        """The workers' timing of their decode graphs: what the confidence scheduler prices decode steps by."""
+        if self.confidence is not None and profile is not None and profile.seconds:
+            self.confidence.profile = profile
 
     # --- after a step ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, Sche
 from deepinfer_core.engine.memory import PoolSizes
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.plugins import LoadedBackend
+from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.topology import ClusterTopology, ParallelPlan, plan_single_host, single_host_cpu_topology
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 from deepinfer_core.worker.worker import Worker
@@ -68,6 +69,11 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.driver_worker.execute_model(scheduler_output)
+
+    @property
+    def step_profile(self) -> StepProfile | None:
+        """The worker's timing of its decode graphs (speculative decoding's confidence scheduling)."""
+        return getattr(self.driver_worker.model_runner, "step_profile", None)
 
     def execute_dummy(self) -> None:
         """A placeholder step (nothing scheduled here) through the expert-parallel collectives."""

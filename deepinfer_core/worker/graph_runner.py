@@ -16,6 +16,7 @@ streams and events come from the backend's :class:`~deepinfer_core.platform.Plat
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -248,6 +249,28 @@ class GraphRunner:
             buffer[: t.shape[0]].copy_(t)
             views.append(buffer[: t.shape[0]])
         return views[0], views[1] if self.keep_streams else None, pre
+
+    @torch.inference_mode()
+    def profile_steps(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Seconds of one replay of each (size, query length) graph at the smallest context bucket, timed to
+        the device's completion. Its tokens are random for the timing: padding sequences of one token
+        would all route to the same experts."""
+        gen = torch.Generator().manual_seed(0)
+        seconds = {}
+        for q in self.query_lens:
+            for size in self.sizes:
+                batch = self.inputs[size, self.contexts[0], q].batch
+                saved = batch.input_ids.clone()
+                batch.input_ids.copy_(torch.randint(self.model.cfg.vocab_size, saved.shape, generator=gen))
+                self.replay_step(batch)  # warm
+                self.platform.synchronize()
+                begin = time.perf_counter()
+                for _ in range(repeats):
+                    self.replay_step(batch)
+                self.platform.synchronize()
+                seconds[size, q] = (time.perf_counter() - begin) / repeats
+                batch.input_ids.copy_(saved)
+        return seconds
 
     @torch.inference_mode()
     def capture(self) -> None:

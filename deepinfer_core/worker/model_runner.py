@@ -94,7 +94,7 @@ class ModelRunner:
                                "streams for the MTP drafter")
                 graphs = None
             return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, graphs,
-                                         num_speculative_tokens=k)
+                                         num_speculative_tokens=k, profile_steps=spec.schedule == "confidence")
         return cls(model, cache, cache.block_size, sampler, platform, graphs)
 
     # --- one step --------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.sampling.sampler import base_seed
+from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
 from deepinfer_core.spec_decode.rejection_sampler import greedy_verify, rejection_sample, verify_noise
@@ -113,9 +114,13 @@ class _HostCopy:
 
 
 class SpecDecodeModelRunner(ModelRunner):
-    def __init__(self, *args, num_speculative_tokens: int = 1, **kwargs):
+    def __init__(self, *args, num_speculative_tokens: int = 1, profile_steps: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.k = num_speculative_tokens
+        # what the confidence scheduler prices a decode step by: its graph's time
+        self.step_profile = None
+        if profile_steps and self.graph_runner is not None:
+            self.step_profile = StepProfile(self.graph_runner.profile_steps())
         drafting_graphs = None
         if self.graph_runner is not None:
             drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
