@@ -119,6 +119,8 @@ def speed(args, engine_kw: dict) -> dict:
     modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"), {})]
     if args.async_scheduling:  # every step waiting for the one before (the host moving the spans on)
         modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks)), {"unchained": True})]
+    if args.modes:
+        modes = [m for m in modes if m[0] == "off" or any(m[0].startswith(w) for w in args.modes)]
     rows = []
     make = _random_llm_factory(args, engine_kw) if args.random else (
         lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
@@ -150,6 +152,9 @@ def speed(args, engine_kw: dict) -> dict:
                     spec_steps = stats["gate"]["speculative_steps"] - before["gate"]["speculative_steps"]
                     row["plain_step_share"] = plain / max(1, plain + spec_steps)
                     row["gate"] = stats["gate"]  # what it measured per batch bucket, after the runs
+                profile = llm.llm_engine.drafts.confidence and llm.llm_engine.drafts.confidence.profile
+                if profile is not None:  # the decode graphs' seconds the scheduler priced steps by
+                    row["step_profile_ms"] = {f"{n},{q}": round(t * 1e3, 4) for (n, q), t in profile.seconds.items()}
             rows.append(row)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
     print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
@@ -221,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], metavar="B,B,...")
     ap.add_argument("--force-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
+                    help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",
                     help="speed mode on random weights at V4-Flash widths with an MTP block instead of a "
                          "checkpoint (pair with --force-acceptance)")
