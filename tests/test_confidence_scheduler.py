@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import engine_fixtures
 import pytest
 from engine_fixtures import token_prompts
@@ -34,8 +36,13 @@ def test_step_time_model_interpolates_and_extrapolates():
     assert StepTimeModel().seconds(100) == StepTimeModel().seconds(1)  # nothing measured: flat
 
 
+def trusting(**kwargs) -> ConfidenceScheduler:
+    """A scheduler whose calibrator trusts the confidences from the start (no optimistic first tests)."""
+    return ConfidenceScheduler(calibrator=AcceptanceCalibrator(min_tests=0), **kwargs)
+
+
 def test_calibration_follows_measured_acceptance():
-    cal = AcceptanceCalibrator()
+    cal = AcceptanceCalibrator(min_tests=0)
     assert cal.estimate(0.95) == pytest.approx(0.95)  # the prior trusts the confidence
     for _ in range(200):  # confident drafts that are accepted only half the time
         cal.observe([0.95, 0.95], 1)
@@ -51,7 +58,7 @@ def admitted(scheduler: ConfidenceScheduler, num_seqs: int, confidences: list[fl
 def test_large_batches_verify_fewer_drafts_per_sequence():
     """A fixed cost per step and a cost per token: one user verifies all its drafts, a batch of 256
     only its likeliest ones."""
-    scheduler = ConfidenceScheduler(step_time=linear_time(0.02, 0.0002))
+    scheduler = trusting(step_time=linear_time(0.02, 0.0002))
     confs = [0.9, 0.8, 0.7, 0.6]
     per_seq = [admitted(scheduler, n, confs) / n for n in (1, 8, 64, 256)]
     assert per_seq[0] == 4
@@ -59,7 +66,7 @@ def test_large_batches_verify_fewer_drafts_per_sequence():
 
 
 def test_pairs_are_admitted_by_survival():
-    scheduler = ConfidenceScheduler(step_time=linear_time(0.01, 0.001))
+    scheduler = trusting(step_time=linear_time(0.01, 0.001))
     cands = [Candidate(0, [0.95, 0.95, 0.95], 3), Candidate(1, [0.3, 0.9, 0.9], 3), Candidate(2, [0.9], 0)]
     plan = scheduler.plan(cands, 3, 3)
     assert plan[0] >= plan[1] and plan[2] == 0  # no room: nothing, whatever the confidence
@@ -88,7 +95,7 @@ def test_graph_steps_verify_every_draft_worth_anything_or_none():
     more, verifies every draft, the unlikely ones too (the padding would cost the same); a batch whose
     verification graph costs more than the drafts can return verifies none. Stopping at the first
     draft that lowers the rate would verify none in both."""
-    scheduler = ConfidenceScheduler(profile=graph_profile({1: 1.3, 2: 1.3, 64: 3.6}))
+    scheduler = trusting(profile=graph_profile({1: 1.3, 2: 1.3, 64: 3.6}))
     sure, unsure = [0.9, 0.8, 0.7], [0.2, 0.2, 0.2]
     assert scheduler.plan([Candidate(0, sure, 3), Candidate(1, unsure, 3)], 2, 2, num_seqs=2) == {0: 3, 1: 3}
     assert scheduler.plan([Candidate(0, sure, 3)], 1, 1, num_seqs=1) == {0: 3}
@@ -100,11 +107,29 @@ def test_graph_steps_verify_every_draft_worth_anything_or_none():
 def test_steps_no_graph_holds_are_priced_by_the_learnt_curve():
     """A step with prefill chunks (``num_seqs`` None) or more sequences than the largest graph is priced
     by tokens, as learnt from the steps run: the likeliest drafts only."""
-    scheduler = ConfidenceScheduler(step_time=linear_time(0.05, 0.001), profile=graph_profile({}))
+    scheduler = trusting(step_time=linear_time(0.05, 0.001), profile=graph_profile({}))
     cands = [Candidate(i, [0.9, 0.3], 2) for i in range(100)]
     for num_seqs in (None, 100):
         plan = scheduler.plan(cands, 100, 100, num_seqs=num_seqs)
         assert set(plan.values()) == {1}, plan  # 0.95 of a token for an extra token, not 0.33
+
+
+def test_drafts_whose_confidence_understates_them_are_tested_and_kept():
+    """Drafts of confidence 0.02 accepted 70% of the time: a scheduler that trusted the confidence would
+    never verify them, and never learn; untested bins estimate 1, so they are verified, calibrated and,
+    as they pay at batch 1 (the 1 + k graph costs 1.3x), verified on."""
+    scheduler = ConfidenceScheduler(profile=graph_profile({1: 1.3}))
+    assert trusting(profile=graph_profile({1: 1.3})).plan([Candidate(0, [0.02] * 3, 3)], 1, 1, num_seqs=1) == {0: 0}
+    rng = random.Random(0)
+    plans = []
+    for _ in range(200):
+        plans.append(scheduler.plan([Candidate(0, [0.02] * 3, 3)], 1, 1, num_seqs=1)[0])
+        accepted = 0
+        while accepted < plans[-1] and rng.random() < 0.7:
+            accepted += 1
+        scheduler.observe_verification([0.02] * plans[-1], accepted)
+    assert scheduler.calibrator.estimate(0.02) == pytest.approx(0.7, abs=0.06)
+    assert set(plans) == {3}
 
 
 def test_stats_count_positions():

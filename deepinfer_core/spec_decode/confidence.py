@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 
 class AcceptanceCalibrator:
     """P(draft accepted | the drafts before it accepted) by confidence bin, from a prior that trusts the
-    confidence (``prior`` pseudo-observations at the bin's centre) and the verifications seen since."""
+    confidence (``prior`` pseudo-observations at the bin's centre) and the verifications seen since. A
+    bin tested fewer than ``min_tests`` times estimates 1: drafts that are never verified are never
+    calibrated, and a drafter whose confidences understate its acceptance (or a model whose acceptance
+    is forced) would never be verified."""
 
-    def __init__(self, num_bins: int = 10, prior: float = 4.0):
-        self.num_bins, self.prior = num_bins, prior
+    def __init__(self, num_bins: int = 10, prior: float = 4.0, min_tests: int = 8):
+        self.num_bins, self.prior, self.min_tests = num_bins, prior, min_tests
         self.tested = [0] * num_bins
         self.accepted = [0] * num_bins
 
@@ -32,6 +35,8 @@ class AcceptanceCalibrator:
 
     def estimate(self, confidence: float) -> float:
         b = self._bin(confidence)
+        if self.tested[b] < self.min_tests:
+            return 1.0
         centre = (b + 0.5) / self.num_bins
         return (self.accepted[b] + self.prior * centre) / (self.tested[b] + self.prior)
 
