@@ -371,7 +371,7 @@ def apply_penalties(
 def top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)  # a fill: no host copy
     vocab = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
