@@ -49,6 +49,17 @@ def noise_seed(base_seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(base_seed & _MASK64) ^ position)
 
 
+def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``_splitmix64`` of each int64 bit pattern in ``x``, on ``x``'s device (wrapping as in
+    :func:`exponential_noise`)."""
+    z = x + _signed(_GAMMA)
+    for bits, multiplier in ((30, _M1), (27, _M2), (31, None)):
+        z = z ^ torch.bitwise_right_shift(z, bits).bitwise_and_((1 << (64 - bits)) - 1)
+        if multiplier is not None:
+            z = z * _signed(multiplier)
+    return z
+
+
 def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [B, V] (float64) on ``seeds``' device from per-row int64 ``seeds`` [B].
 

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.sampling.argmax import argmax
-from deepinfer_core.sampling.sampler import _signed, _splitmix64, exponential_noise, noise_seed
+from deepinfer_core.sampling.sampler import (
+    _MASK64,
+    _signed,
+    _splitmix64,
+    exponential_noise,
+    noise_seed,
+    splitmix64_tensor,
+)
 
 _ACCEPT_TAG = 0x5D3C_A11E_D0_5EED  # separates the acceptance uniforms from the sampling noise
 
@@ -92,19 +99,34 @@ def _output(drafts: torch.Tensor, num_accepted: torch.Tensor, replacements: torc
     return VerifyOutput(out, num_accepted)
 
 
+def stream_seeds(base_seeds: list[int]) -> torch.Tensor:
+    """Int64 [S, 2] (host): per sequence, the hashed bases of its sampling noise and of its acceptance
+    uniforms; the seed at output position ``p`` is ``splitmix64(base ^ p)`` (``noise_seed``,
+    ``accept_seed``)."""
+    return torch.tensor([[_signed(_splitmix64(b & _MASK64)), _signed(_splitmix64(_splitmix64(b ^ _ACCEPT_TAG)))]
+                         for b in base_seeds], dtype=torch.int64).view(-1, 2)
+
+
 def verify_noise(base_seeds: list[int], first_positions: list[int], num_rows: int, vocab_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(uniforms [S, K], Exp(1) noise [S, K+1, V]) for sequences whose row 0 is output position
     ``first_positions[s]`` (K = ``num_rows - 1``)."""
-    seeds, useeds = [], []
-    for base, first in zip(base_seeds, first_positions):
-        seeds += [_signed(noise_seed(base, first + j)) for j in range(num_rows)]
-        useeds += [_signed(accept_seed(base, first + j)) for j in range(num_rows - 1)]
-    packed = torch.tensor(seeds + useeds, dtype=torch.int64).to(device, non_blocking=True)
-    n = len(seeds)
-    noise = exponential_noise(packed[:n], vocab_size).view(len(base_seeds), num_rows, vocab_size)
+    host = torch.cat([stream_seeds(base_seeds), torch.tensor(first_positions, dtype=torch.int64).view(-1, 1)], 1)
+    packed = host.to(device, non_blocking=True)
+    return verify_noise_at(packed[:, :2], packed[:, 2], num_rows, vocab_size)
+
+
+def verify_noise_at(hashed: torch.Tensor, first_positions: torch.Tensor, num_rows: int,
+                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_noise` from ``stream_seeds`` and the first positions (int64 [S]) on the device, which
+    may know the positions alone (a step launched before the one that moves them on ends)."""
+    rows = first_positions.unsqueeze(1) + torch.arange(num_rows, device=first_positions.device)  # [S, K + 1]
+    s = rows.shape[0]
+    noise = exponential_noise(splitmix64_tensor(hashed[:, :1] ^ rows).view(-1), vocab_size).view(s, num_rows,
+                                                                                                  vocab_size)
     if num_rows > 1:
-        uniforms = exponential_noise(packed[n:], 1).view(len(base_seeds), num_rows - 1).neg_().exp_()
+        useeds = splitmix64_tensor(hashed[:, 1:] ^ rows[:, :-1]).view(-1)
+        uniforms = exponential_noise(useeds, 1).view(s, num_rows - 1).neg_().exp_()
     else:
-        uniforms = torch.zeros(len(base_seeds), 0, dtype=torch.float64, device=device)
+        uniforms = torch.zeros(s, 0, dtype=torch.float64, device=first_positions.device)
     return uniforms, noise
