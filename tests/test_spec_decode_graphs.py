@@ -426,3 +426,34 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
         assert [d for d, _ in chained[seq]] == [d for d, _ in unchained[seq]], seq
         for (_, a), (_, b) in zip(chained[seq], unchained[seq]):
             assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
+def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
+    """Sampled requests chain too (temperature with top-k, top-p and min-p, seeded and not, beside a greedy
+    one): a chained step's target distributions, acceptance uniforms and residual noise are those of the
+    positions the device moved its spans to, so its tokens are those of the same engine when every step
+    waits for the one before, drafts rejected at random offsets."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=30),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=12, max_tokens=26),
+              SamplingParams(temperature=0.7, top_k=20, min_p=0.05, max_tokens=33),
+              greedy(24),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=13, max_tokens=28)]
+    runs = {}
+    for chain in (False, True):
+        llm = make_async(None, dtype="float64", block_size=32, **spec(3))
+        with_drafting_graphs(llm, 3, [1, 2, 4, 8])
+        if not chain:
+            llm.llm_engine.runner._chains = lambda so: False
+        chained = count_chained(llm)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        runs[chain] = ([o.outputs[0].token_ids for o in outs], chained[0], llm.llm_engine.spec_decode_stats())
+    assert runs[True][0] == runs[False][0]
+    assert [len(t) for t in runs[True][0]] == [p.max_tokens for p in params]
+    assert runs[False][1] == 0 and runs[True][1] >= 5, runs[True][1]
+    stats = runs[True][2]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert runs[True][2][key] == runs[False][2][key], key

@@ -25,10 +25,11 @@ accepted counts read back. With async scheduling the engine schedules the next s
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
 shifts each span by the drafts the step before accepted and fills in the tokens. When the step before
-drafted on the device and this one is greedy verifications only (``_chains``), that happens on the
-device too: the step launches before the step before ends, its layout and its drafting layout derived
-there by graphs of their own from the per-sequence facts the host knows (``derive_padded``), so the host
-never waits for a step before queueing the next.
+drafted on the device and this one is verifications only (``_chains``), that happens on the device
+too: the step launches before the step before ends, its layout and its drafting layout derived there by
+graphs of their own from the per-sequence facts the host knows (``derive_padded``), and a sampled
+verification's noise hashed there from the output positions the shift gives (``verify_noise_at``), so
+the host never waits for a step before queueing the next.
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
-from deepinfer_core.spec_decode.rejection_sampler import greedy_verify, rejection_sample, verify_noise
+from deepinfer_core.spec_decode.rejection_sampler import (
+    greedy_verify,
+    rejection_sample,
+    stream_seeds,
+    verify_noise,
+    verify_noise_at,
+)
 from deepinfer_core.spec_decode.rollback import CacheUndo
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
 from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput
@@ -230,7 +237,7 @@ class SpecDecodeModelRunner(ModelRunner):
     def _chains(self, so: SchedulerOutput) -> bool:
         """Whether the step can launch while the step before is in flight, laid out on the device from its
         result (``self._chain``): that step drafted on the device and its output is not read yet; this one
-        is a speculative step of greedy verifications only, every span its sequence's placeholders (moved on
+        is a speculative step of verifications only, every span its sequence's placeholders (moved on
         by that step's accepted drafts) with at most k drafts that ``max_tokens`` cannot cut, in a batch
         that a verification graph with the undo log inside and a drafting graph hold; no sequence of the
         step before leaves."""
@@ -245,8 +252,7 @@ class SpecDecodeModelRunner(ModelRunner):
             state = self.requests.get(s.seq_id)
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
-                    or any(t != PLACEHOLDER for t in s.token_ids)
-                    or not state.params.greedy or not can_speculate(state.params)):
+                    or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)):
                 return False
             max_tokens = state.params.max_tokens
             if max_tokens is not None and (max_tokens - len(state.output_token_ids) - 2
@@ -267,7 +273,7 @@ class SpecDecodeModelRunner(ModelRunner):
         return self.graph_runner.padding_for(probe, list(range(len(probe) * q)))
 
     def _execute_chained(self, so: SchedulerOutput) -> _Pending:
-        """Launch a step of greedy verifications before the step before ends (see :meth:`_chains`): its spans
+        """Launch a step of verifications before the step before ends (see :meth:`_chains`): its spans
         moved on, its tokens and drafts filled in, its layout derived and its drafting laid out on the
         device, from the step before's result there; the host reads nothing until this step's output."""
         prev, chain = self._pending, self._chain
@@ -289,9 +295,11 @@ class SpecDecodeModelRunner(ModelRunner):
         device.ctx[:n] += shift
         ids = device.input_ids[: n * q].view(n, q)
         ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index]
+        states = [self.requests[s.seq_id] for s in scheduled]
+        sampled = None if all(st.params.greedy for st in states) else self._sampling(states, shift)
         batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
-        out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens)
+        out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
                  for sp in spans]
         stream_rows = torch.arange(n * q, device=logits.device)
@@ -481,11 +489,19 @@ class SpecDecodeModelRunner(ModelRunner):
         return self._verify_rows(logits, host[:, :-1], host[:, -1], undo, span, num_tokens)
 
     def _verify_rows(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, undo: CacheUndo,
-                     span: int, num_tokens: int):
-        """Greedy verification of ``drafts`` [s, span - 1] (device; ``num_drafts`` [s] of each are real) in the
-        first ``s`` spans of ``span`` logits rows each; the rows rejected tokens wrote are put back."""
+                     span: int, num_tokens: int, sampled: tuple | None = None):
+        """Verification of ``drafts`` [s, span - 1] (device; ``num_drafts`` [s] of each are real) in the first
+        ``s`` spans of ``span`` logits rows each, greedy or (``sampled``, from :meth:`_sampling`) lossless;
+        the rows rejected tokens wrote are put back."""
         s = drafts.shape[0]
-        out = greedy_verify(logits[: s * span].reshape(s, span, -1), drafts, num_drafts)
+        rows = logits[: s * span]
+        if sampled is None:
+            out = greedy_verify(rows.reshape(s, span, -1), drafts, num_drafts)
+        else:
+            params, hashed, first, greedy = sampled
+            probs = self._target_probs(rows, [p for p in params for _ in range(span)])
+            uniforms, noise = verify_noise_at(hashed, first, span, rows.shape[-1])
+            out = rejection_sample(probs.view(s, span, -1), drafts, num_drafts, uniforms, noise, greedy=greedy)
         offset, owner = self._uniform_layout(num_tokens, span, logits.device)
         accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
         undo.restore(offset > accepted[owner])
@@ -501,16 +517,27 @@ class SpecDecodeModelRunner(ModelRunner):
             cached = self._layouts[key] = (tokens % span, tokens // span)
         return cached
 
+    def _sampling(self, states: list[CachedRequestState], shift: torch.Tensor) -> tuple:
+        """What :meth:`_verify_rows` samples a chained step's verifications with: per sequence its parameters,
+        its hashed seeds and greedy flag (one copy) and its first row's output position, which is the
+        host's count moved on by the step before's accepted drafts (``shift``, device) and its new token."""
+        host = torch.cat([stream_seeds([base_seed(st) for st in states]),
+                          torch.tensor([[len(st.output_token_ids) + 1, st.params.greedy] for st in states])], 1)
+        device = self.platform.upload(host)
+        return [st.params for st in states], device[:, :2], device[:, 2] + shift, device[:, 3].bool()
+
     def _target_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """The target's sampling distribution of each row (temperature, top-k, top-p, min-p); greedy rows
-        keep their argmax (temperature 1)."""
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float64)
-        scaled = logits / temperature.to(logits.device, logits.dtype).unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
-            scaled = self.sampler.ops.top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        keep their argmax (temperature 1). The parameters reach the device in one copy, which does not wait
+        for the device where the platform can copy so."""
+        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        host = torch.tensor([[p.temperature if not p.greedy else 1.0, p.top_p, p.min_p, p.top_k] for p in params],
+                            dtype=torch.float64)
+        device = self.platform.upload(host)
+        temperature, top_p, min_p, top_k = device.to(logits.dtype).unbind(1)
+        scaled = logits / temperature.unsqueeze(1)
+        if filtered:
+            scaled = self.sampler.ops.top_k_top_p_min_p(scaled, device[:, 3].long(), top_p, min_p)
         return torch.softmax(scaled, dim=-1)
 
     def _draft(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], new_tokens: dict[int, list[int]],
