@@ -3,7 +3,10 @@ them, and the tokens and logprobs follow the eager engine's (float32, the tiny c
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 from gpu_support import BACKEND, TINY_MODELS, gpu_marks, make_prompt
 
 from deepinfer_core.entrypoints.llm import LLM
@@ -116,3 +119,40 @@ def test_chained_speculative_steps_on_the_device():
     assert runs[True][0] == runs[False][0]
     assert runs[True][2]["num_accepted_tokens"] == runs[False][2]["num_accepted_tokens"] > 0
     assert sum(a == b for a, b in zip(runs[True][0], ref)) >= len(prompts) - 1
+
+
+def test_chained_sampled_steps_queue_without_waiting():
+    """Seeded sampled requests (temperature with top-k, top-p and min-p) chain as greedy ones do: their
+    tokens are those of the same engine when each step waits for the one before, and launching a chained
+    step makes no call that waits for the device (torch's sync debug mode reports none)."""
+    prompts, _, _ = _trained_workload(40)
+    params = [SamplingParams(temperature=0.9, top_p=0.95 if i % 2 else 1.0, top_k=40 if i % 3 == 0 else 0,
+                             min_p=0.02 if i == 4 else 0.0, seed=100 + i, max_tokens=40 + 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = {}
+    for chain in (False, True):
+        llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": 3}, async_scheduling=True)
+        runner, count, syncs = llm.llm_engine.runner, [], []
+        chained = runner._execute_chained
+
+        def launch(so, chained=chained, count=count, syncs=syncs):
+            count.append(so)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    return chained(so)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                syncs.extend(str(w.message) for w in seen if "synchroniz" in str(w.message).lower())
+
+        runner._execute_chained = launch
+        if not chain:
+            runner._chains = lambda so: False
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[chain] = (outs, len(count), syncs, llm.llm_engine.spec_decode_stats())
+    assert runs[False][1] == 0 and runs[True][1] >= 10, runs[True][1]
+    assert runs[True][2] == [], runs[True][2][:3]
+    assert runs[True][0] == runs[False][0]
+    stats = runs[True][3]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
