@@ -112,7 +112,8 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
 def speed(args, engine_kw: dict) -> dict:
     if args.force_acceptance is not None:
         force_acceptance(args.force_acceptance)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0} if args.temperature else {}
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **({"temperature": 0.0} | sampling))
     # "off eager": plain decode without CUDA graphs, as speculation's steps run (on the CPU the same as "off")
     modes = [("off", None, {}), ("off eager", None, {"enforce_eager": True})]
     modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
@@ -133,7 +134,7 @@ def speed(args, engine_kw: dict) -> dict:
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
-                _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
+                _generate(llm, prompts, params)
             before = llm.llm_engine.spec_decode_stats()
             runs = sorted(_generate(llm, prompts, params)[1] for _ in range(args.repeats))
             seconds = statistics.median(runs)
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], metavar="B,B,...")
     ap.add_argument("--force-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="speed: sample at this temperature (seeded) instead of greedily")
+    ap.add_argument("--top-p", type=float, default=1.0, help="speed, with --temperature: nucleus sampling")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
                     help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = engine_kw["dtype"]
     result = acceptance(args, engine_kw) if args.mode == "acceptance" else speed(args, engine_kw)
     report = {"benchmark": "spec_decode", "mode": args.mode, "backend": args.backend, "dtype": dtype,
+              "temperature": args.temperature, "top_p": args.top_p,
               "model": _model_name(args), "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}
     if args.json_out:
