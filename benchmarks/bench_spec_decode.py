@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.entrypoints import LLM, SamplingParams
+from deepinfer_core.spec_decode.gate import bucket
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout_slice.txt"
 
@@ -109,6 +110,30 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
     spec_model_runner.greedy_verify = forced_greedy  # the path of all-greedy batches
 
 
+def _trace_gate(llm) -> list[str] | None:
+    """The speculation gate's decisions, one letter each: S/P speculative/plain where that mode was the
+    faster one measured in the step's bucket, s/p where it was not (a probe, or nothing measured), and
+    '|' where the bucket changes."""
+    gate = llm.llm_engine.drafts and llm.llm_engine.drafts.gate
+    if gate is None:
+        return None
+    trace, decide, last = [], gate.decide, [None]
+
+    def traced(num_decoding: int, decode_only: bool = True) -> bool:
+        mode = decide(num_decoding, decode_only)
+        key = bucket(num_decoding)
+        if key != last[0]:
+            trace.append(f"|{key}:")
+            last[0] = key
+        b = gate.buckets.get(key)
+        best = b is not None and b.best == mode
+        trace.append(("S" if mode else "P") if best else ("s" if mode else "p"))
+        return mode
+
+    gate.decide = traced
+    return trace
+
+
 def speed(args, engine_kw: dict) -> dict:
     if args.force_acceptance is not None:
         force_acceptance(args.force_acceptance)
@@ -131,10 +156,13 @@ def speed(args, engine_kw: dict) -> dict:
         llm = make(spec, max_num_seqs=max(args.batch_sizes), **sched, **extra)
         if unchained:
             llm.llm_engine.runner._chains = lambda so: False
+        trace = _trace_gate(llm) if args.gate_trace else None
         for batch in args.batch_sizes:
             prompts = _prompts(llm, batch, args.prompt_len)
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
                 _generate(llm, prompts, params)
+            if trace is not None:
+                trace.clear()
             before = llm.llm_engine.spec_decode_stats()
             runs = sorted(_generate(llm, prompts, params)[1] for _ in range(args.repeats))
             seconds = statistics.median(runs)
@@ -156,6 +184,8 @@ def speed(args, engine_kw: dict) -> dict:
                 profile = llm.llm_engine.drafts.confidence and llm.llm_engine.drafts.confidence.profile
                 if profile is not None:  # the decode graphs' seconds the scheduler priced steps by
                     row["step_profile_ms"] = {f"{n},{q}": round(t * 1e3, 4) for (n, q), t in profile.seconds.items()}
+            if trace is not None:
+                row["gate_trace"] = "".join(trace)
             rows.append(row)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
     print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
@@ -230,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="speed: sample at this temperature (seeded) instead of greedily")
     ap.add_argument("--top-p", type=float, default=1.0, help="speed, with --temperature: nucleus sampling")
+    ap.add_argument("--gate-trace", action="store_true",
+                    help="speed: keep the confidence scheduler's gate decisions of each measured run in the JSON")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
                     help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",
