@@ -230,7 +230,24 @@ def test_a_step_counts_as_all_decode_unless_a_prompt_can_join_it():
     for running, waiting in (([decoding] * 2, []), ([decoding, prefilling], []), ([decoding], ["queued"]),
                              ([decoding] * 2, ["queued"])):
         planner.decide(SimpleNamespace(running=running, waiting=waiting, config=SimpleNamespace(max_num_seqs=2)))
-    assert seen == [(2, True), (1, False), (1, False), (2, True)]
+    assert seen == [(2, True), (2, False), (2, False), (2, True)]  # a step with prefill: the batch after it
+
+
+def test_new_prompts_are_prefilled_in_the_mode_of_the_batch_they_will_decode_in():
+    """64 prompts arriving at an idle engine: their prefill runs in the mode the gate measured faster at
+    64 sequences, not at the one or none decoding meanwhile (a speculative prefill writes the prompts' MTP
+    rows; a plain one leaves speculation's first window stale)."""
+    planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=3, schedule="confidence"))
+    gate = planner.gate
+    feed(gate, 64, 100, spec_s=18e-3, plain_s=4e-3, tokens_spec=2.7)  # plain decode faster at 64
+    feed(gate, 1, 100, spec_s=1.5e-3, plain_s=1e-3, tokens_spec=2.5)  # speculation faster at 1
+    prompt = SimpleNamespace(num_uncomputed=40)
+    for waiting, max_num_seqs, speculate in ((64, 64, False), (1, 64, True), (64, 1, True)):
+        scheduler = SimpleNamespace(running=[], waiting=[prompt] * waiting,
+                                    config=SimpleNamespace(max_num_seqs=max_num_seqs))
+        assert planner.decide(scheduler) is speculate, (waiting, max_num_seqs)
+    running = SimpleNamespace(running=[prompt] * 64, waiting=[], config=SimpleNamespace(max_num_seqs=64))
+    assert planner.decide(running) is False  # chunks of 64 long prompts
 
 
 def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():

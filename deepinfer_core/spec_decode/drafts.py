@@ -75,9 +75,12 @@ class DraftPlanner:
         if self.gate is not None:
             running = scheduler.running
             decoding = sum(seq.num_uncomputed == 1 for seq in running)
-            admits = scheduler.waiting and len(running) < scheduler.config.max_num_seqs  # a prompt may join
+            room = scheduler.config.max_num_seqs - len(running)
+            admits = scheduler.waiting and room > 0  # a prompt may join
             decode_only = decoding == len(running) and not admits
-            self.speculate = self.gate.decide(decoding, decode_only)
+            # a step with prefill chunks takes the mode of the batch its sequences will decode in
+            after = len(running) + (min(len(scheduler.waiting), room) if admits else 0)
+            self.speculate = self.gate.decide(decoding if decode_only else after, decode_only)
         return self.speculate
 
     def plan(self, scheduler: Any, config: SchedulerConfig) -> None:

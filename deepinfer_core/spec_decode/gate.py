@@ -19,11 +19,12 @@ only defers the next such probe. The first
 ``settle_steps`` of a run of one mode are left out (a switch drains the pipeline, and the first
 speculative steps after plain ones have no drafts yet).
 
-Only all-decode steps are measured. A step with prefill chunks, and the first ``probe_steps`` steps of a
-bucket not measured yet (the batch passing through it, as when requests finish one by one), take the
-mode of the nearest bucket measured (speculation where none is: a prefill chunk speculated writes the
-MTP block's rows of the prompt, without which drafts accept less for a window); a bucket the batch
-stays in is measured (speculation first).
+Only all-decode steps are measured. A step with prefill chunks (decided in the bucket of the batch it
+leaves decoding), and the first ``probe_steps`` steps of a bucket not measured yet (the batch passing
+through it, as when requests finish one by one), take the mode of the nearest bucket measured
+(speculation where none is, and for prefill chunks where the bucket has no fresh yield yet: a prefill
+chunk speculated writes the MTP block's rows of the prompt, without which drafts accept less for a
+window); a bucket the batch stays in is measured (speculation first).
 
 Plain steps leave the MTP block's window rows of their positions unwritten, so drafts accept less until
 a sequence has gone a window past its last plain step. The yield is therefore measured only on steps
@@ -102,7 +103,10 @@ class SpeculationGate:
             if decode_only:
                 b.steps += 1
             source = b if measured else near
-            mode = source is None or self._best(source)  # nothing measured: the prompts' MTP rows written
+            # the prompts' MTP rows written where nothing is measured, or where the batch will decode with no
+            # fresh yield known yet (its first probe of speculation would wait a window for fresh rows)
+            unknown_yield = not decode_only and b.spec_yield is None
+            mode = source is None or unknown_yield or self._best(source)
         else:
             b.steps += 1
             spec = self._spec_rate(b)
