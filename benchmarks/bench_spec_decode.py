@@ -112,12 +112,22 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
 
 def _trace_gate(llm) -> list[str] | None:
     """The speculation gate's decisions, one letter each: S/P speculative/plain where that mode was the
-    faster one measured in the step's bucket, s/p where it was not (a probe, or nothing measured), and
-    '|' where the bucket changes."""
+    faster one measured in the step's bucket, s/p where it was not (a probe, or nothing measured), '|N:'
+    where the bucket changes to N, and '<spec/plain>' (tokens/s) where an interval begins, with the rates
+    it compared."""
     gate = llm.llm_engine.drafts and llm.llm_engine.drafts.gate
     if gate is None:
         return None
-    trace, decide, last = [], gate.decide, [None]
+    trace, decide, choose, last = [], gate.decide, gate._choose, [None]
+
+    def chose(b, spec: float) -> bool:
+        before = (b.best, b.next_probe)
+        mode = choose(b, spec)
+        if (b.best, b.next_probe) != before:
+            trace.append(f"<{spec:.0f}/{b.rate(False):.0f}>")
+        return mode
+
+    gate._choose = chose
 
     def traced(num_decoding: int, decode_only: bool = True) -> bool:
         mode = decide(num_decoding, decode_only)

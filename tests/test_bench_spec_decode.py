@@ -91,3 +91,18 @@ def test_speed_mode_repeats_each_run_and_reports_the_median_and_spread(bsd):
         assert row["seconds"] == runs[1] and row["spread"] == runs[-1] / runs[0] - 1 >= 0
     with pytest.raises(SystemExit):
         bsd.main(["--mode", "speed", "--repeats", "0"])
+
+
+def test_speed_mode_picks_modes_samples_and_traces_the_gate(bsd):
+    """``--modes`` runs the named modes beside plain decode, ``--temperature`` samples, and ``--gate-trace``
+    keeps each confidence row's gate decisions (one letter a step, bucket changes and interval starts)."""
+    import re
+
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+                       "--max-tokens", "12", "--prompt-len", "12", "--threads", "1", "--modes", "confidence",
+                       "--temperature", "0.8", "--top-p", "0.9", "--gate-trace"])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "confidence k=1"} and report["temperature"] == 0.8
+    trace = rows["confidence k=1"]["gate_trace"]
+    assert re.fullmatch(r"(\|\d+:|<\d+/\d+>|[SPsp])+", trace) and re.search("[SPsp]", trace), trace
+    assert "gate_trace" not in rows["off"]
