@@ -9,6 +9,7 @@ Both engines are batch-invariant, so batching on the server cannot change a toke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import importlib.util
 import json
@@ -83,11 +84,11 @@ class Server:
         assert self.async_llm.stats.get("kv_cache_usage") == 0.0
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def serving(engine: LLMEngine):
+    """A uvicorn server of ``engine`` on a free port of 127.0.0.1, one torch thread, while inside."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineArgs(**ENGINE))
     async_llm = AsyncLLM(engine, max_pending_requests=512, idle_wait_s=0.02)
     app = build_app(async_llm, MODEL, api_key=KEY, max_model_len=engine.scheduler_config.max_model_len)
     sock = socket.socket()
@@ -99,10 +100,18 @@ def server():
     while not uv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.02)
-    yield Server(sock.getsockname()[1], app, engine, async_llm)
-    uv.should_exit = True
-    thread.join(10)
-    torch.set_num_threads(threads)
+    try:
+        yield Server(sock.getsockname()[1], app, engine, async_llm)
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(LLMEngine(EngineArgs(**ENGINE))) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +144,27 @@ def test_models_health_version_metrics(server):
                  "deepinfer_prefix_cache_hit_rate", "deepinfer_generation_tokens_total"):
         assert name in text, name
     assert 'deepinfer_requests_total{code="200",route="/v1/completions"}' in text
+
+
+def test_metrics_of_a_speculating_server_count_its_drafts(server):
+    """An engine with MTP speculation reports vLLM's spec_decode counters on /metrics, equal to the
+    engine's own; one without reports none."""
+    assert "spec_decode" not in server.get("/metrics")[1].decode()
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with serving(LLMEngine(EngineArgs(block_size=32, max_num_seqs=4, speculative_config=spec))) as s:
+        s.client().completions.create(model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=0)
+        s.wait_idle()
+        text = s.get("/metrics")[1].decode()
+        stats = s.engine.spec_decode_stats()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("deepinfer_spec_decode_") and "per_pos" not in line}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_proposed_tokens"):
+        assert values[f"deepinfer_spec_decode_{key}_total"] == stats[key], key
+    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0
+    per_pos = [line for line in text.splitlines()
+               if line.startswith("deepinfer_spec_decode_num_accepted_tokens_per_pos")]
+    assert len(per_pos) == 2 and 'position="0"' in per_pos[0]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in per_pos) == stats["num_accepted_tokens"]
 
 
 def test_api_key_on_every_route_but_health(server):

@@ -68,6 +68,7 @@ class AsyncLLM:
         self.num_steps = 0
         self.num_step_failures = 0
         self.stats: dict[str, float] = {}
+        self.spec_decode_stats: dict | None = None  # the engine's speculative decoding counters, if it speculates
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
@@ -267,7 +268,7 @@ class AsyncLLM:
         self._update_stats()
 
     def _update_stats(self) -> None:
-        """Memory and prefix-cache figures, read in the engine thread between steps."""
+        """Memory, prefix-cache and speculative decoding figures, read in the engine thread between steps."""
         stats: dict[str, float] = {}
         bm = getattr(self.engine, "block_manager", None)
         pool = getattr(bm, "blocks", None)
@@ -280,6 +281,9 @@ class AsyncLLM:
             except Exception:
                 pass
         self.stats = stats
+        spec = getattr(self.engine, "spec_decode_stats", None)
+        if callable(spec):
+            self.spec_decode_stats = spec()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

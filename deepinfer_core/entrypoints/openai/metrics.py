@@ -1,5 +1,6 @@
 """Prometheus metrics of the server: requests, tokens, TTFT, time per output token, end-to-end latency,
-queue length, KV cache usage and prefix-cache hits. Each app has its own registry."""
+queue length, KV cache usage, prefix-cache hits and, when the engine speculates, its drafts (vLLM's
+``spec_decode_*`` counters). Each app has its own registry."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -50,12 +52,43 @@ class ServerMetrics:
         for name, (doc, fn) in gauges.items():
             g = Gauge(name, doc, list(labels), registry=registry)
             g.labels(**labels).set_function(fn)
+        registry.register(_SpecDecodeCollector(async_llm, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
+
+
+class _SpecDecodeCollector:
+    """The engine's speculative decoding counters as the engine thread last read them (nothing when it does
+    not speculate)."""
+
+    COUNTERS = (
+        ("num_drafts", "verifications: a sequence's step that verified at least one draft"),
+        ("num_draft_tokens", "drafts verified"),
+        ("num_accepted_tokens", "drafts accepted"),
+        ("num_proposed_tokens", "drafts the drafter proposed, verified or not"),
+    )
+
+    def __init__(self, async_llm: Any, model_name: str):
+        self.async_llm, self.model_name = async_llm, model_name
+
+    def collect(self):
+        stats = self.async_llm.spec_decode_stats
+        if stats is None:
+            return
+        for key, doc in self.COUNTERS:
+            family = CounterMetricFamily(f"deepinfer_spec_decode_{key}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], stats[key])
+            yield family
+        per_pos = CounterMetricFamily("deepinfer_spec_decode_num_accepted_tokens_per_pos",
+                                      "drafts accepted by their position in the verification (0: the first)",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(stats["accepted_per_position"]):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
 
 
 class RequestTracker:
