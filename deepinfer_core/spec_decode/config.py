@@ -45,3 +45,9 @@ def max_speculative_tokens(ring_rows: list[int]) -> int | None:
     """The most drafts one verification may hold: its tokens must land on distinct rows of every
     compressor ring, so that rejected rows can be put back without touching accepted ones."""
     return min(ring_rows) - 1 if ring_rows else None
+
+
+def can_speculate(params: Any) -> bool:
+    """Whether a request's tokens may come from verified drafts: what the rejection sampler applies is
+    temperature, top-k, top-p and min-p; penalties, grammars and logprobs take the plain path."""
+    return not (params.has_penalties or params.structured_outputs is not None or params.logprobs is not None)

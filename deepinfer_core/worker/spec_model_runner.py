@@ -45,6 +45,7 @@ from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.confidence import StepProfile
+from deepinfer_core.spec_decode.config import can_speculate
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
 from deepinfer_core.spec_decode.rejection_sampler import (
@@ -57,12 +58,6 @@ from deepinfer_core.spec_decode.rejection_sampler import (
 from deepinfer_core.spec_decode.rollback import CacheUndo
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
 from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput
-
-
-def can_speculate(params) -> bool:
-    """Whether a request's tokens may come from verified drafts: what the rejection sampler applies is
-    temperature, top-k, top-p and min-p; penalties, grammars and logprobs take the plain path."""
-    return not (params.has_penalties or params.structured_outputs is not None or params.logprobs is not None)
 
 
 class _Pending:
