@@ -255,3 +255,30 @@ def test_trained_model_async_greedy_equal_with_stop_strings(make_llm, make_async
     assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == [
         (o.outputs[0].text, o.outputs[0].finish_reason) for o in ref_stop]
     assert llm.llm_engine.counts["overlapped"] > llm.llm_engine.counts["drained"]
+
+
+def test_async_verifies_what_the_sync_engine_verifies_from_the_first_step(make_llm, make_async):
+    """The step after a prompt's last chunk is scheduled before that chunk's drafts exist: placeholders stand
+    for them, so it verifies them as the synchronous engine's first decode step does, rather than sampling
+    one token and drafting a position behind ever after. The trained model, float64: every proposal's
+    drafts and the verification counts are the synchronous engine's."""
+    runs = {}
+    for make in (make_llm, make_async):
+        llm = make(None, dtype="float64", block_size=32, **spec(3))
+        ids = llm.llm_engine.encode(open("data/heldout_slice.txt").read())
+        prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
+        planner, seen = llm.llm_engine.drafts, []
+        offer = planner.offer
+        planner.offer = lambda seq, drafts, confs, offer=offer, seen=seen: (
+            seen.append((seq.seq_id, list(drafts))) or offer(seq, drafts, confs))
+        outs = llm.generate(token_prompts(prompts), greedy(30), use_tqdm=False)
+        first = min(s for s, _ in seen)
+        proposals = {}
+        for seq, drafts in seen:
+            proposals.setdefault(seq - first, []).append(drafts)
+        runs[make is make_async] = ([o.outputs[0].token_ids for o in outs], proposals,
+                                    llm.llm_engine.spec_decode_stats())
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1]
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert runs[True][2][key] == runs[False][2][key], key

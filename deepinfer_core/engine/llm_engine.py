@@ -422,6 +422,8 @@ class LLMEngine:
             seq.inflight_drafts = seq.num_scheduled_drafts
             seq.output_token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
+            if self._async and so.speculate and self.drafts is not None:
+                self.drafts.launched(seq)
         return _Step(scheduled, to_sample, positions, output if to_sample else None,
                      sum(n for _, n in scheduled), started, num_drafts, so.speculate)
 

@@ -15,7 +15,7 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
 from deepinfer_core.model.cache import layer_cache_specs
 from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler, StepProfile
-from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
+from deepinfer_core.spec_decode.config import SpeculativeConfig, can_speculate, max_speculative_tokens
 from deepinfer_core.spec_decode.gate import SpeculationGate
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 
@@ -158,6 +158,14 @@ class DraftPlanner:
         block_manager.commit(seq)
         block_manager.release_tail(seq, seq.num_unresolved_drafts)
         del seq.output_token_ids[pos + 1:pos + len(tokens)]
+
+    def launched(self, seq: Sequence) -> None:
+        """``seq`` sampled in a speculative step just launched, which will propose drafts for it. Where it
+        has none yet (the step ends its prompt, or follows plain steps) a step scheduled before this one ends
+        may verify them already: placeholders stand for them, as ``offer`` leaves for later steps."""
+        if not seq.draft_token_ids and can_speculate(seq.params):
+            seq.draft_token_ids = [PLACEHOLDER] * self.config.num_speculative_tokens
+            seq.draft_confidences = []
 
     def offer(self, seq: Sequence, drafts: list[int], confidences: list[float]) -> None:
         """The drafts proposed for ``seq``'s next step. When that step is already in flight (async
