@@ -441,7 +441,8 @@ class LLMEngine:
         out = launched.output.get_output()
         emitted = 0
         if self.drafts is not None:
-            self.drafts.observe_step(launched.num_tokens, time.perf_counter() - launched.started, launched.speculate)
+            self.drafts.observe_step(launched.num_tokens, launched.started, time.perf_counter(), launched.speculate,
+                                     pipelined)
         for i, (seq, pos) in enumerate(zip(launched.sampled, launched.positions)):
             if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
                 continue

@@ -31,6 +31,7 @@ class DraftPlanner:
         if self.confidence is not None:
             self.gate = SpeculationGate(max_tokens_per_step=1 + config.num_speculative_tokens)
         self.speculate = True  # whether the step being scheduled speculates
+        self._step_finish: float | None = None  # when the last finished step's output was there
 
     @classmethod
     def create(cls, value: Any, cfg: ModelConfig, parallel: ParallelConfig) -> DraftPlanner | None:
@@ -115,9 +116,15 @@ class DraftPlanner:
 
     # --- after a step ----------------------------------------------------------------------------
 
-    def observe_step(self, num_tokens: int, seconds: float, speculated: bool = True) -> None:
+    def observe_step(self, num_tokens: int, started: float, now: float, speculated: bool = True,
+                     pipelined: bool = False) -> None:
+        """A step of ``num_tokens`` launched at ``started`` has its output at ``now``. Where a later step was
+        launched before it finished (``pipelined``), its time runs from the later of its launch and the
+        previous step's output: while that one ran, this one only waited."""
+        last, self._step_finish = self._step_finish, now
+        begin = max(started, last) if pipelined and last is not None else started
         if self.confidence is not None and speculated:  # the verification cost curve is a speculative step's
-            self.confidence.observe_step(num_tokens, seconds)
+            self.confidence.observe_step(num_tokens, now - begin)
 
     def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,
                        now: float, seqs: list[Sequence] = (), pipelined: bool = True) -> None:
