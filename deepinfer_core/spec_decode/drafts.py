@@ -16,7 +16,7 @@ from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
 from deepinfer_core.model.cache import layer_cache_specs
 from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler, StepProfile
 from deepinfer_core.spec_decode.config import SpeculativeConfig, can_speculate, max_speculative_tokens
-from deepinfer_core.spec_decode.gate import SpeculationGate
+from deepinfer_core.spec_decode.gate import SpeculationGate, step_begin
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 
 
@@ -121,8 +121,8 @@ class DraftPlanner:
         """A step of ``num_tokens`` launched at ``started`` has its output at ``now``. Where a later step was
         launched before it finished (``pipelined``), its time runs from the later of its launch and the
         previous step's output: while that one ran, this one only waited."""
-        last, self._step_finish = self._step_finish, now
-        begin = max(started, last) if pipelined and last is not None else started
+        begin = step_begin(started, self._step_finish, pipelined)
+        self._step_finish = now
         if self.confidence is not None and speculated:  # the verification cost curve is a speculative step's
             self.confidence.observe_step(num_tokens, now - begin)
 

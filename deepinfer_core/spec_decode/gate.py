@@ -47,6 +47,13 @@ def bucket(num_seqs: int) -> int:
     return 1 << max(0, num_seqs - 1).bit_length()
 
 
+def step_begin(started: float, last_finish: float | None, pipelined: bool) -> float:
+    """When a finished step's own time began: at the later of its launch and the previous step's finish
+    where a later step was launched before it finished (steps in flight together overlap), else at its
+    launch."""
+    return started if last_finish is None or not pipelined else max(last_finish, started)
+
+
 @dataclass
 class _Bucket:
     seq_rate: dict[bool, float] = field(default_factory=dict)  # speculate -> sequence-steps per second
@@ -202,7 +209,7 @@ class SpeculationGate:
             self._run, self._run_length = run, 0
         self._run_length += 1
         last, self._last_finish = self._last_finish, now
-        begin = started if last is None or not pipelined else max(last, started)
+        begin = step_begin(started, last, pipelined)
         if self._run_length <= self.settle_steps or now <= begin or not num_decoding:
             return
         b = self._bucket(run[1])
