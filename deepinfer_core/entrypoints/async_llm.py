@@ -281,9 +281,9 @@ class AsyncLLM:
             except Exception:
                 pass
         self.stats = stats
-        spec = getattr(self.engine, "spec_decode_stats", None)
-        if callable(spec):
-            self.spec_decode_stats = spec()
+        drafts = getattr(self.engine, "drafts", None)
+        if drafts is not None:  # the counters only: the gate's per-bucket figures are not for every step
+            self.spec_decode_stats = drafts.stats.as_dict()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
