@@ -10,6 +10,9 @@ backend has them, and eagerly as speculation runs its steps) vs a fixed k vs
 confidence-scheduled, in one run (any backend: ``--backend nvidia_sm100 --dtype bfloat16`` on a GPU).
 ``--force-acceptance P`` replaces verification by accepting each draft with probability P (the output is
 then not the model's; it shows what the scheduler chooses at a given acceptance, e.g. with random weights).
+``--virtual-clock h200-trained`` times the steps by another machine's measured step costs
+(``deepinfer_core.testing.virtual_clock``): the tokens, acceptance and scheduling are this run's, the
+seconds those the H200 would take, so the confidence scheduler's choices can be checked on a CPU.
 
 Prints a table and writes JSON (``--json-out``). Example (CPU):
 ``python benchmarks/bench_spec_decode.py --mode acceptance --max-tokens 64``.
@@ -18,6 +21,8 @@ Prints a table and writes JSON (``--json-out``). Example (CPU):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -28,6 +33,7 @@ import torch
 
 from deepinfer_core.entrypoints import LLM, SamplingParams
 from deepinfer_core.spec_decode.gate import bucket
+from deepinfer_core.testing.virtual_clock import VIRTUAL_COSTS, StepCosts, VirtualClock
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout_slice.txt"
 
@@ -45,10 +51,13 @@ def _prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
     return [ids[i * stride: i * stride + length] for i in range(n)]
 
 
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
-    start = time.perf_counter()
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+              clock: VirtualClock | None = None) -> tuple[list[list[int]], float]:
+    """The outputs and the seconds they took (by ``clock`` where given, else the wall clock)."""
+    now = (lambda: clock.now) if clock is not None else time.perf_counter
+    start = now()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], time.perf_counter() - start
+    return [o.outputs[0].token_ids for o in outs], now() - start
 
 
 def acceptance(args, engine_kw: dict) -> dict:
@@ -144,6 +153,43 @@ def _trace_gate(llm) -> list[str] | None:
     return trace
 
 
+def _speed_rows(args, llm: LLM, name: str, params: SamplingParams, trace: list[str] | None,
+                clock: VirtualClock | None) -> list[dict]:
+    """One mode's rows: each batch size's warm-up run, then its measured runs."""
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = _prompts(llm, batch, args.prompt_len)
+        if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
+            _generate(llm, prompts, params, clock)
+        if trace is not None:
+            trace.clear()
+        before = llm.llm_engine.spec_decode_stats()
+        runs = sorted(_generate(llm, prompts, params, clock)[1] for _ in range(args.repeats))
+        seconds = statistics.median(runs)
+        stats = llm.llm_engine.spec_decode_stats()
+        tokens = batch * args.max_tokens
+        row = {"mode": name, "batch": batch, "seconds": seconds, "total_tok_s": tokens / seconds,
+               "per_user_tok_s": args.max_tokens / seconds, "run_seconds": runs}
+        if stats is not None:
+            steps = stats["num_drafts"] - before["num_drafts"]
+            acc = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+            verified = stats["num_draft_tokens"] - before["num_draft_tokens"]
+            row.update(mean_acceptance_length=1 + acc / steps if steps else 1.0,
+                       drafts_verified_per_step=verified / steps if steps else 0.0)
+            if "gate" in stats:  # confidence scheduling's plain steps (no drafting) among all
+                plain = stats["gate"]["plain_steps"] - before["gate"]["plain_steps"]
+                spec_steps = stats["gate"]["speculative_steps"] - before["gate"]["speculative_steps"]
+                row["plain_step_share"] = plain / max(1, plain + spec_steps)
+                row["gate"] = stats["gate"]  # what it measured per batch bucket, after the runs
+            profile = llm.llm_engine.drafts.confidence and llm.llm_engine.drafts.confidence.profile
+            if profile is not None:  # the decode graphs' seconds the scheduler priced steps by
+                row["step_profile_ms"] = {f"{n},{q}": round(t * 1e3, 4) for (n, q), t in profile.seconds.items()}
+        if trace is not None:
+            row["gate_trace"] = "".join(trace)
+        rows.append(row)
+    return rows
+
+
 def speed(args, engine_kw: dict) -> dict:
     if args.force_acceptance is not None:
         force_acceptance(args.force_acceptance)
@@ -167,36 +213,9 @@ def speed(args, engine_kw: dict) -> dict:
         if unchained:
             llm.llm_engine.runner._chains = lambda so: False
         trace = _trace_gate(llm) if args.gate_trace else None
-        for batch in args.batch_sizes:
-            prompts = _prompts(llm, batch, args.prompt_len)
-            if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
-                _generate(llm, prompts, params)
-            if trace is not None:
-                trace.clear()
-            before = llm.llm_engine.spec_decode_stats()
-            runs = sorted(_generate(llm, prompts, params)[1] for _ in range(args.repeats))
-            seconds = statistics.median(runs)
-            stats = llm.llm_engine.spec_decode_stats()
-            tokens = batch * args.max_tokens
-            row = {"mode": name, "batch": batch, "seconds": seconds, "total_tok_s": tokens / seconds,
-                   "per_user_tok_s": args.max_tokens / seconds, "run_seconds": runs}
-            if stats is not None:
-                steps = stats["num_drafts"] - before["num_drafts"]
-                acc = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
-                verified = stats["num_draft_tokens"] - before["num_draft_tokens"]
-                row.update(mean_acceptance_length=1 + acc / steps if steps else 1.0,
-                           drafts_verified_per_step=verified / steps if steps else 0.0)
-                if "gate" in stats:  # confidence scheduling's plain steps (no drafting) among all
-                    plain = stats["gate"]["plain_steps"] - before["gate"]["plain_steps"]
-                    spec_steps = stats["gate"]["speculative_steps"] - before["gate"]["speculative_steps"]
-                    row["plain_step_share"] = plain / max(1, plain + spec_steps)
-                    row["gate"] = stats["gate"]  # what it measured per batch bucket, after the runs
-                profile = llm.llm_engine.drafts.confidence and llm.llm_engine.drafts.confidence.profile
-                if profile is not None:  # the decode graphs' seconds the scheduler priced steps by
-                    row["step_profile_ms"] = {f"{n},{q}": round(t * 1e3, 4) for (n, q), t in profile.seconds.items()}
-            if trace is not None:
-                row["gate_trace"] = "".join(trace)
-            rows.append(row)
+        clock = VirtualClock(args.virtual_clock) if args.virtual_clock else None
+        with clock.attach(llm) if clock is not None else contextlib.nullcontext():
+            rows += _speed_rows(args, llm, name, params, trace, clock)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
     print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
           f"{'spread':>7} {'accept len':>10} {'verified/step':>13} {'plain steps':>11}")
@@ -207,7 +226,8 @@ def speed(args, engine_kw: dict) -> dict:
               f"{r['speedup']:>8.2f} {r['spread']:>6.1%} {r.get('mean_acceptance_length', 1.0):>10.2f} "
               f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
-            "force_acceptance": args.force_acceptance, "repeats": args.repeats, "rows": rows}
+            "force_acceptance": args.force_acceptance, "repeats": args.repeats,
+            "virtual_clock": dataclasses.asdict(args.virtual_clock) if args.virtual_clock else None, "rows": rows}
 
 
 def _random_llm_factory(args, engine_kw: dict):
@@ -284,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=1,
                     help="speed: measured runs per mode and batch after the warm-up; the median counts, and "
                          "'spread' is the slowest run's time over the fastest's")
+    ap.add_argument("--virtual-clock", type=StepCosts.parse, default=None, metavar="COSTS",
+                    help="speed: time steps by a cost model instead of the wall clock (the model still runs): "
+                         f"one of {', '.join(VIRTUAL_COSTS)}, or 'P1,P64,S1,S64', milliseconds a plain and a "
+                         "speculative decode step take at batch 1 and 64")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")

@@ -106,3 +106,18 @@ def test_speed_mode_picks_modes_samples_and_traces_the_gate(bsd):
     trace = rows["confidence k=1"]["gate_trace"]
     assert re.fullmatch(r"(\|\d+:|<\d+/\d+>|[SPsp])+", trace) and re.search("[SPsp]", trace), trace
     assert "gate_trace" not in rows["off"]
+
+
+def test_speed_mode_times_steps_by_a_virtual_clock_when_asked(bsd):
+    """``--virtual-clock P1,P64,S1,S64``: every run's seconds are the cost model's, the same on any machine;
+    plain decode at batch 2 takes its plain step cost a token (one prefill step besides)."""
+    argv = ["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+            "--max-tokens", "8", "--prompt-len", "12", "--threads", "1", "--modes", "k=1", "--async-scheduling",
+            "--virtual-clock", "1,1,3,3"]
+    first, again = bsd.main(argv), bsd.main(argv)
+    assert first["virtual_clock"]["plain"] == pytest.approx(1e-3)
+    assert [r["seconds"] for r in first["rows"]] == [r["seconds"] for r in again["rows"]]
+    off = next(r for r in first["rows"] if r["mode"] == "off")
+    assert off["seconds"] == pytest.approx(8e-3, rel=0.1)
+    with pytest.raises(SystemExit):
+        bsd.main(["--mode", "speed", "--virtual-clock", "fast"])

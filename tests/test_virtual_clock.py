@@ -1,0 +1,56 @@
+"""The virtual clock times an engine's steps by a cost model."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import one_torch_thread  # noqa: F401 (fixture)
+
+from deepinfer_core.entrypoints import LLM, SamplingParams
+from deepinfer_core.testing.virtual_clock import H200_TRAINED, StepCosts, VirtualClock
+
+HELDOUT = "data/heldout_slice.txt"
+
+
+def prompts_of(llm: LLM, n: int, length: int = 48) -> list[dict]:
+    ids = llm.llm_engine.encode(open(HELDOUT).read())
+    stride = (len(ids) - length) // n
+    return [{"prompt_token_ids": ids[i * stride: i * stride + length]} for i in range(n)]
+
+
+def per_user(llm: LLM, clock: VirtualClock, batches: list[int], max_tokens: int) -> dict[int, float]:
+    """Virtual tokens per second and user of each batch size's second run (the first warms the gate)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    speed = {}
+    with clock.attach(llm):
+        for batch in batches:
+            prompts = prompts_of(llm, batch)
+            for _ in range(2):
+                start = clock.now
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                speed[batch] = max_tokens / (clock.now - start)
+            assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return speed
+
+
+def test_costs_fit_two_points_and_parse_names_or_milliseconds():
+    costs = StepCosts.fit({1: 1e-3, 65: 3e-3}, {1: 2e-3, 65: 10e-3})
+    assert costs.plain == pytest.approx(1e-3) and costs.plain_per_seq == pytest.approx(2e-3 / 64)
+    assert costs.spec_per_seq == pytest.approx(8e-3 / 64)
+    assert StepCosts.parse("h200-trained") is H200_TRAINED
+    assert StepCosts.parse("1,3,2,10").spec == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="P1,P64,S1,S64"):
+        StepCosts.parse("fast")
+
+
+def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_torch_thread):  # noqa: F811
+    """Plain decode with async scheduling: the device paces the steps (its time a step, not host + device),
+    and outside ``attach`` the engine is timed by the wall clock again."""
+    llm = LLM(None, dtype="float32", async_scheduling=True, max_num_seqs=4)
+    costs = StepCosts(plain=2e-3, plain_per_seq=0.0, spec=5e-3, spec_per_seq=0.0, host=5e-4)
+    clock = VirtualClock(costs)
+    speed = per_user(llm, clock, [4], max_tokens=40)
+    assert clock.steps[False] == 2 * 39 and not clock.steps[True]  # the first token: the prompt's step
+    assert 1 / speed[4] == pytest.approx(2e-3, rel=0.05)
+    from deepinfer_core.engine import llm_engine
+
+    assert llm_engine.time.perf_counter is not clock.perf_counter
