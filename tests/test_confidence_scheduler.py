@@ -169,8 +169,9 @@ def test_confidence_scheduled_engine_is_greedy_equal_and_counts(make_llm):
 
 def test_a_pipelined_step_is_timed_from_the_previous_output():
     """With async scheduling a step is launched while the one before runs: its time for the step-time
-    curve is from the previous step's output (or its launch, if later), not from its own launch; a step
-    with nothing launched after it is timed from its launch."""
+    curve is from the previous step's output (or its launch, if later), not from its own launch; the
+    last step of a pipeline (launched while the one before ran, nothing launched after it) is not timed,
+    and a step launched after the previous output is timed from its launch."""
     from deepinfer_core.spec_decode.config import SpeculativeConfig
     from deepinfer_core.spec_decode.drafts import DraftPlanner
 
@@ -178,5 +179,7 @@ def test_a_pipelined_step_is_timed_from_the_previous_output():
     model = planner.confidence.step_time
     planner.observe_step(4, started=0.0, now=10.0, pipelined=True)  # the first: from its launch
     planner.observe_step(4, started=1.0, now=12.0, pipelined=True)  # waited 9 s for the one before
-    planner.observe_step(4, started=11.0, now=16.0, pipelined=False)  # nothing after it: from its launch
-    assert model.points[4] == pytest.approx((4.0, 0.8 * (0.8 * 10.0 + 0.2 * 2.0) + 0.2 * 5.0))
+    planner.observe_step(4, started=11.0, now=16.0, pipelined=False)  # the pipeline's last: not timed
+    assert model.points[4] == pytest.approx((4.0, 0.8 * 10.0 + 0.2 * 2.0))
+    planner.observe_step(4, started=20.0, now=23.0, pipelined=False)  # a synchronous step: from its launch
+    assert model.points[4] == pytest.approx((4.0, 0.8 * (0.8 * 10.0 + 0.2 * 2.0) + 0.2 * 3.0))

@@ -261,23 +261,31 @@ def test_gate_leaves_out_the_settling_steps_and_interrupted_intervals():
     gate.observe(True, 4, 8, 9.0, 10.0)  # launched after 6 idle seconds: timed from its launch
     assert gate.buckets[4].rate(True) == pytest.approx(8.0)
     gate.observe(True, 4, 16, 9.5, 11.0)  # launched before the one before finished: from that finish
-    assert gate.buckets[4].rate(True) == pytest.approx(0.7 * 8 + 0.3 * 16)
+    # 4 sequence-steps a second, and 2, 2, then 4 tokens a sequence: tokens over sequence-steps, older fading
+    mixed = 4 * ((0.95 * 8 + 8) * 0.95 + 16) / ((0.95 * 4 + 4) * 0.95 + 4)
+    assert gate.buckets[4].rate(True) == pytest.approx(mixed)
     gate.interrupt()  # a prefill step: the run starts again, its first steps settle
     gate.observe(True, 4, 16, 20.0, 21.0)
-    assert gate.buckets[4].rate(True) == pytest.approx(0.7 * 8 + 0.3 * 16)
+    assert gate.buckets[4].rate(True) == pytest.approx(mixed)
     with pytest.raises(ValueError, match="probe"):
         SpeculationGate(probe_steps=2, settle_steps=2)
 
 
-def test_a_step_with_nothing_launched_after_it_is_timed_from_its_launch():
-    """An async engine's last step before a drain finishes moments after the previous finish: the time
-    since that finish would be a fraction of a step, and its rate many times the real one."""
+def test_the_last_step_of_a_pipeline_is_not_timed():
+    """An async engine's last step before a drain was launched while the step before ran: from its launch
+    its time holds that step's too (2x the real one where the device paces the pipeline), and from the
+    previous finish only the host's wait (a fraction of a step where the host paces it). A synchronous
+    or idle engine's step, launched after the previous finish, is timed from its launch."""
     gate = SpeculationGate(settle_steps=0, probe_steps=4)
     gate.observe(False, 4, 4, 0.0, 1.0)
     gate.observe(False, 4, 4, 0.5, 2.0)  # launched before the previous finish: timed from that finish
     assert gate.buckets[4].rate(False) == pytest.approx(4.0)
-    gate.observe(False, 4, 4, 1.5, 2.01, pipelined=False)
-    assert gate.buckets[4].rate(False) == pytest.approx(0.7 * 4 + 0.3 * 4 / 0.51)
+    for end in (2.01, 3.5):
+        gate.observe(False, 4, 4, 1.5, end, pipelined=False)
+        assert gate.buckets[4].rate(False) == pytest.approx(4.0)
+    gate.observe(False, 4, 4, 4.0, 6.0, pipelined=False)  # launched after the previous finish: 2 s
+    # the bucket's size over the mean step time, the older steps fading
+    assert gate.buckets[4].rate(False) == pytest.approx(4 * (0.7 * (0.7 + 1) + 1) / (0.7 * (0.7 + 1) + 2))
 
 
 def test_async_engine_tells_the_gate_which_steps_had_a_later_one_launched(tiny_path, make_async):

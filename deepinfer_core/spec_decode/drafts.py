@@ -120,10 +120,12 @@ class DraftPlanner:
                      pipelined: bool = False) -> None:
         """A step of ``num_tokens`` launched at ``started`` has its output at ``now``. Where a later step was
         launched before it finished (``pipelined``), its time runs from the later of its launch and the
-        previous step's output: while that one ran, this one only waited."""
+        previous step's output: while that one ran, this one only waited. The last step of a pipeline is
+        not timed (see :func:`~deepinfer_core.spec_decode.gate.step_begin`)."""
         begin = step_begin(started, self._step_finish, pipelined)
         self._step_finish = now
-        if self.confidence is not None and speculated:  # the verification cost curve is a speculative step's
+        # the verification cost curve is a speculative step's
+        if self.confidence is not None and speculated and begin is not None:
             self.confidence.observe_step(num_tokens, now - begin)
 
     def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,

@@ -6,9 +6,13 @@ few it verifies. Where that fixed cost outweighs what verification gains (a larg
 few layers) the step is better off as a plain decode: no drafts, no MTP, the plain async pipeline.
 
 The gate measures, per batch-size bucket (powers of two of decoding sequences), each mode's cost:
-sequence-steps per second of consecutive steps of that mode; and speculation's yield: output tokens per
-sequence and step. A mode's rate (output tokens per second) is the two multiplied (plain decode yields
-one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps now and then.
+sequence-steps per second at the bucket's size, from the mean time of consecutive steps of that mode
+(a step's time changes far less across a bucket than its sequences do, and a probe measures at the
+bucket's top while a run's tail passes below it); and speculation's yield: output tokens per sequence
+and step, over many steps (``yield_decay``: a step's yield at batch 1 is anything from 1 to 1 + k, and
+a few of them decide nothing). A mode's rate (output tokens per second) is the two multiplied (plain
+decode yields one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps
+now and then.
 Probing costs the time the slower mode's steps take beyond what the faster one would take for their
 tokens; the steps of the faster mode until the next probe are as many as keep that cost below
 ``probe_cost_share`` of the time (between ``probe_every`` and ``max_probe_every``). The first interval
@@ -17,7 +21,8 @@ long: one look at a mode's cost may be off (steps of a cold cache, another proce
 the next probe re-measures it; the exploration's cost, as a probe's that waited for fresh rows (below),
 only defers the next such probe. The first
 ``settle_steps`` of a run of one mode are left out (a switch drains the pipeline, and the first
-speculative steps after plain ones have no drafts yet).
+speculative steps after plain ones have no drafts yet), and so is its last step where the run ends a
+pipeline (:func:`step_begin`).
 
 Only all-decode steps are measured. A step with prefill chunks (decided in the bucket of the batch it
 leaves decoding), and the first ``probe_steps`` steps of a bucket not measured yet (the batch passing
@@ -47,16 +52,34 @@ def bucket(num_seqs: int) -> int:
     return 1 << max(0, num_seqs - 1).bit_length()
 
 
-def step_begin(started: float, last_finish: float | None, pipelined: bool) -> float:
-    """When a finished step's own time began: at the later of its launch and the previous step's finish
-    where a later step was launched before it finished (steps in flight together overlap), else at its
-    launch."""
-    return started if last_finish is None or not pipelined else max(last_finish, started)
+def step_begin(started: float, last_finish: float | None, pipelined: bool) -> float | None:
+    """When a finished step's own time began: at its launch where the step before had finished by then (a
+    synchronous or idle engine), at the step before's finish where it was launched earlier and a later
+    step was launched before it finished (steps in flight together overlap); None for the last step of a
+    pipeline (launched before the step before finished, nothing after it): from its launch its time holds
+    the step before's too, from the step before's finish only the host's wait (a fraction of a step where
+    the host's own work paces the pipeline)."""
+    if last_finish is None or started >= last_finish:
+        return started
+    return last_finish if pipelined else None
+
+
+@dataclass
+class _Ratio:
+    """num / den of decayed sums: a sample weighs its denominator, and older ones fade by ``decay`` a sample."""
+
+    decay: float
+    num: float = 0.0
+    den: float = 0.0
+
+    def add(self, num: float, den: float) -> float:
+        self.num, self.den = self.decay * self.num + num, self.decay * self.den + den
+        return self.num / self.den
 
 
 @dataclass
 class _Bucket:
-    seq_rate: dict[bool, float] = field(default_factory=dict)  # speculate -> sequence-steps per second
+    seq_rate: dict[bool, float] = field(default_factory=dict)  # speculate -> sequence-steps per second at the size
     spec_yield: float | None = None  # output tokens per sequence of a fresh speculative step
     stale_yield: float | None = None  # the same of the stale ones (drafts from rows plain steps left)
     stale_samples: int = 0
@@ -69,6 +92,7 @@ class _Bucket:
     mode_steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # since the interval began
     probe_samples: int = 0  # samples of the slower mode taken in the current probe (fresh ones of speculation)
     fresh_due: int = 0  # the step before which a probe of speculation does not wait for fresh rows
+    sums: dict[str, _Ratio] = field(default_factory=dict)  # the ratios behind seq_rate and the yields
 
     def rate(self, speculated: bool) -> float | None:
         """Output tokens per second, where known."""
@@ -84,13 +108,13 @@ class _Bucket:
 class SpeculationGate:
     def __init__(self, probe_every: int = 64, probe_steps: int = 8, settle_steps: int = 2, decay: float = 0.7,
                  max_probe_every: int = 1024, max_tokens_per_step: int | None = None, max_stale_steps: int = 128,
-                 fresh_probe_every: int = 4, probe_cost_share: float = 0.01):
+                 fresh_probe_every: int = 4, probe_cost_share: float = 0.01, yield_decay: float = 0.95):
         if probe_steps <= settle_steps:
             raise ValueError("a probe must outlast the steps left out after a switch")
         if max_probe_every < probe_every:
             raise ValueError("max_probe_every must be at least probe_every")
         self.probe_every, self.probe_steps, self.settle_steps = probe_every, probe_steps, settle_steps
-        self.max_probe_every, self.decay = max_probe_every, decay
+        self.max_probe_every, self.decay, self.yield_decay = max_probe_every, decay, yield_decay
         self.max_tokens_per_step, self.max_stale_steps = max_tokens_per_step, max_stale_steps
         self.fresh_probe_every, self.probe_cost_share = fresh_probe_every, probe_cost_share
         self.buckets: dict[int, _Bucket] = {}
@@ -199,31 +223,29 @@ class SpeculationGate:
                 fresh: bool = True, pipelined: bool = True) -> None:
         """A finished all-decode step: its mode, sequences and output tokens, when it was launched and when
         it finished, (speculative) whether every sequence drafted from MTP rows it had written, and
-        whether a later step was launched before it finished. Its time is from the later of its launch
-        and the previous step's finish (steps in flight together overlap; an idle engine's wait is no
-        step's); from its launch where nothing was launched after it (the last step before a switch of
-        mode, a prefill or an idle engine: the time since the previous finish held no later step's launch,
-        and would be a fraction of a step)."""
+        whether a later step was launched before it finished. Its time begins at :func:`step_begin`; the
+        last step of a pipeline (before a switch of mode, a prefill or an idle engine) is not timed."""
         run = (speculated, bucket(num_decoding))
         if run != self._run:
             self._run, self._run_length = run, 0
         self._run_length += 1
         last, self._last_finish = self._last_finish, now
         begin = step_begin(started, last, pipelined)
-        if self._run_length <= self.settle_steps or now <= begin or not num_decoding:
+        if self._run_length <= self.settle_steps or begin is None or now <= begin or not num_decoding:
             return
         b = self._bucket(run[1])
-        b.seq_rate[speculated] = self._mean(b.seq_rate.get(speculated), num_decoding / (now - begin))
+        b.seq_rate[speculated] = run[1] / self._ratio(b, str(speculated), self.decay).add(now - begin, 1)
         if speculated and fresh:
-            b.spec_yield = self._mean(b.spec_yield, num_tokens / num_decoding)
+            b.spec_yield = self._ratio(b, "fresh", self.yield_decay).add(num_tokens, num_decoding)
         elif speculated:
-            b.stale_yield = self._mean(b.stale_yield, num_tokens / num_decoding)
+            b.stale_yield = self._ratio(b, "stale", self.yield_decay).add(num_tokens, num_decoding)
             b.stale_samples += 1
         if b.best is not None and speculated != b.best and (fresh or not speculated):
             b.probe_samples += 1
 
-    def _mean(self, old: float | None, sample: float) -> float:
-        return sample if old is None else self.decay * old + (1 - self.decay) * sample
+    @staticmethod
+    def _ratio(b: _Bucket, name: str, decay: float) -> _Ratio:
+        return b.sums.setdefault(name, _Ratio(decay))
 
     def interrupt(self) -> None:
         """A step that is not all decode: the next one's interval is not a decode step's."""
