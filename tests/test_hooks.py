@@ -265,7 +265,9 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
         engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4, speculative_config={
             "method": "mtp", "num_speculative_tokens": 2, "schedule": "confidence"}))
         profile = engine.drafts.confidence.profile  # the graphs timed, for the scheduler to price steps by
-        assert sorted(profile.seconds) == [(s, q) for s in (1, 2, 4) for q in (1, 3)]
+        # every verification length: a step verifying fewer drafts replays (and is priced as) a shorter graph
+        assert engine.runner.graph_runner.query_lens == [1, 2, 3]
+        assert sorted(profile.seconds) == [(s, q) for s in (1, 2, 4) for q in (1, 2, 3)]
         assert all(t > 0 for t in profile.seconds.values())
         assert _greedy(engine) == eager
     finally:

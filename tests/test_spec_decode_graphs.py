@@ -29,15 +29,16 @@ one_torch_thread = engine_fixtures.one_torch_thread
 tiny_path = engine_fixtures.tiny_path
 
 
-def with_spec_graphs(llm, k: int, sizes: list[int], undo_in_graph: bool = True) -> list[tuple[int, int]]:
-    """Give the engine's speculative runner padded graphs for 1 and 1 + k new tokens (saving the undo
-    log inside them, as the engine's own do, unless ``undo_in_graph`` is False); returns the list that
-    records (batch size, query length) of every step run through them."""
+def with_spec_graphs(llm, k: int, sizes: list[int], undo_in_graph: bool = True,
+                     query_lens: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Give the engine's speculative runner padded graphs for ``query_lens`` (1 and 1 + k) new tokens
+    (saving the undo log inside them, as the engine's own do, unless ``undo_in_graph`` is False); returns
+    the list that records (batch size, query length) of every step run through them."""
     engine = llm.llm_engine
     prologue = GraphUndo(engine.cache, engine.model.cfg.num_hidden_layers) if undo_in_graph else None
     runner = GraphRunner(engine.model, engine.cache, sizes, engine.scheduler_config.max_model_len,
-                         engine.args.block_size, capture=False, query_lens=(1, 1 + k), keep_streams=True,
-                         min_context=16, prologue=prologue)
+                         engine.args.block_size, capture=False, query_lens=query_lens or (1, 1 + k),
+                         keep_streams=True, min_context=16, prologue=prologue)
     engine.runner.graph_runner = runner
     steps = []
     original = runner.replay_step
@@ -258,10 +259,11 @@ def recorded_drafts(llm) -> list[tuple[int, list[int], list[float]]]:
     return seen
 
 
-def with_drafting_graphs(llm, k: int, sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+def with_drafting_graphs(llm, k: int, sizes: list[int], query_lens: tuple[int, ...] | None = None
+                         ) -> tuple[list[tuple[int, int]], list[int]]:
     """Padded MTP drafting for the engine (and padded verification graphs); returns the records of
     ``with_spec_graphs`` and the list of the batch sizes drafted through the padded path."""
-    steps = with_spec_graphs(llm, k, sizes)
+    steps = with_spec_graphs(llm, k, sizes, query_lens=query_lens)
     engine = llm.llm_engine
     graphs = MtpGraphs(engine.model, engine.cache, sizes, k, capture=False)
     engine.runner.proposer.graphs = graphs
@@ -426,6 +428,67 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
         assert [d for d, _ in chained[seq]] == [d for d, _ in unchained[seq]], seq
         for (_, a), (_, b) in zip(chained[seq], unchained[seq]):
             assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
+def capped_budgets(llm, caps: list[int]) -> None:
+    """Cap every sequence's draft budget, the same for all, at ``caps`` in turn, one a planning."""
+    planner, turn = llm.llm_engine.drafts, [0]
+    plan = planner.plan
+
+    def capped(scheduler, config):
+        plan(scheduler, config)
+        cap, turn[0] = caps[turn[0] % len(caps)], turn[0] + 1
+        for seq in scheduler.running:
+            seq.draft_budget = min(seq.draft_budget, cap)
+
+    planner.plan = capped
+
+
+def record_chained_lengths(llm) -> list[int]:
+    """The verification graph length of every chained step."""
+    runner, lengths = llm.llm_engine.runner, []
+    execute = runner._execute_chained
+
+    def record(so):
+        lengths.append(runner._chained_query_len(so.scheduled))
+        return execute(so)
+
+    runner._execute_chained = record
+    return lengths
+
+
+def test_chained_steps_replay_the_shortest_graph_that_holds_their_drafts(make_llm, make_async):
+    """Graphs for every 1 + j tokens (as confidence scheduling captures them): a chained step whose
+    sequences verify at most j drafts replays the 1 + j graph, its catch-up reading the last of its
+    rows past them. Budgets capped at 0 to 3 in turn, the trained model: greedy outputs are those without
+    speculation, a sampled one that of unchained steps, and chained steps propose the drafts, with their
+    confidences, of unchained ones."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
+    params = [greedy(24 + 3 * i) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=27)  # equal chained or not
+    runs = {}
+    for chain in (False, True):
+        llm = make_async(None, dtype="float64", block_size=32, **spec(3))
+        with_drafting_graphs(llm, 3, [1, 2, 4], query_lens=(1, 2, 3, 4))
+        capped_budgets(llm, [3, 1, 1, 2, 0, 2, 3, 1])
+        if not chain:
+            llm.llm_engine.runner._chains = lambda so: False
+        chained, seen = count_chained(llm), recorded_drafts(llm)
+        lengths = record_chained_lengths(llm)
+        outs = [o.outputs[0].token_ids for o in llm.generate(token_prompts(prompts), params, use_tqdm=False)]
+        assert [t for i, t in enumerate(outs) if i != 1] == [t for i, t in enumerate(ref) if i != 1], chain
+        runs[chain] = (seen, chained[0], llm.llm_engine.spec_decode_stats(), set(lengths), outs[1])
+    assert runs[False][1] == 0 and runs[True][1] >= 5, runs[True][1]
+    assert 4 in runs[True][3] and runs[True][3] - {4}, runs[True][3]  # chained steps of shorter graphs too
+    assert runs[True][4] == runs[False][4] and len(runs[True][4]) == 27
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert runs[True][2][key] == runs[False][2][key], key
+    assert [d for _, d, _ in runs[True][0]] == [d for _, d, _ in runs[False][0]]
+    for (_, _, a), (_, _, b) in zip(runs[True][0], runs[False][0]):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
 def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):

@@ -8,8 +8,9 @@ graph a decode step would replay, by batch size and query length (:class:`StepPr
 graphs are captured), or else a curve by batch token count learnt from the steps the engine runs
 (:class:`StepTimeModel`). Pairs are taken by descending survival and the prefix with the most estimated
 accepted tokens per second is admitted, so a large batch verifies fewer drafts and a lone sequence
-verifies more. A graph's query length is fixed: there, one draft costs what the longest costs, and the
-prefix is either none or every draft worth anything.
+verifies more. A graph's query length is fixed: there, a step costs what its longest span costs (every
+span is filled up to it). With confidence scheduling a graph is captured for every 1 + j tokens, so a
+step that verifies at most j drafts a sequence is priced, and run, as the 1 + j graph.
 """
 
 from __future__ import annotations

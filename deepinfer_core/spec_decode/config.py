@@ -51,3 +51,14 @@ def can_speculate(params: Any) -> bool:
     """Whether a request's tokens may come from verified drafts: what the rejection sampler applies is
     temperature, top-k, top-p and min-p; penalties, grammars and logprobs take the plain path."""
     return not (params.has_penalties or params.structured_outputs is not None or params.logprobs is not None)
+
+
+def spec_query_lens(config: SpeculativeConfig | None) -> tuple[int, ...]:
+    """New tokens per sequence to capture decode graphs for: 1 without speculation; 1 and 1 + k with
+    fixed k (a step with fewer drafts is filled up); every 1 + j with confidence scheduling, so that a
+    step verifying j drafts a sequence at most replays a graph of that length and the scheduler prices it
+    so (a large batch verifying fewer drafts pays for fewer tokens)."""
+    if config is None:
+        return (1,)
+    k = config.num_speculative_tokens
+    return tuple(range(1, k + 2)) if config.schedule == "confidence" else (1, 1 + k)

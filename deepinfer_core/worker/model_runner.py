@@ -65,7 +65,7 @@ class ModelRunner:
                backend: Any, platform: Platform) -> ModelRunner:
         """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``,
         the platform cannot capture, or an op the model runs waits for the host."""
-        from deepinfer_core.spec_decode.config import SpeculativeConfig
+        from deepinfer_core.spec_decode.config import SpeculativeConfig, spec_query_lens
         from deepinfer_core.spec_decode.rollback import GraphUndo
 
         spec = SpeculativeConfig.from_arg(getattr(args, "speculative_config", None))
@@ -83,7 +83,7 @@ class ModelRunner:
                 graphs = backend.hook.deepinfer_graph_runner(
                     model=model, cache=cache, capture_sizes=capture_sizes(max_size),
                     max_model_len=longest, block_size=cache.block_size, platform=platform,
-                    query_lens=(1, 1 + k) if k else (1,), keep_streams=bool(k),
+                    query_lens=spec_query_lens(spec), keep_streams=bool(k),
                     prologue=GraphUndo(cache, model.cfg.num_hidden_layers) if k else None,
                 )
         if k:

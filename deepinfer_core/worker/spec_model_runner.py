@@ -6,10 +6,10 @@ verification rows go through the rejection sampler. The rows rejected drafts wro
 (``spec_decode/rollback.py``), the MTP block catches up over the kept positions and drafts for the next
 step. The target forward replays a captured graph when the runner has one for the step's shape: every
 sequence a plain decode, or every one a verification of the same number of drafts
-(``GraphRunner.query_lens``). A decode-only step of unequal spans is padded to the 1 + k graph with
-filler tokens (always rejected; the undo log puts their writes back); steps with prefill chunks run
-eagerly. Drafting replays ``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most
-k + 1 kept positions.
+(``GraphRunner.query_lens``: 1 and 1 + k, every 1 + j with confidence scheduling). A decode-only step
+of unequal spans is padded to the shortest graph that holds its longest span with filler tokens (always
+rejected; the undo log puts their writes back); steps with prefill chunks run eagerly. Drafting replays
+``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most k + 1 kept positions.
 
 A plain step (``SchedulerOutput.speculate`` False: the engine's gate found plain decode faster) runs as
 the plain runner runs it, with no drafting: the MTP block's window rows of its positions are left as
@@ -239,7 +239,7 @@ class SpecDecodeModelRunner(ModelRunner):
         chain, graphs, k = self._chain, self.graph_runner, self.k
         if (chain is None or chain.pending is not self._pending or self._pending._output is not None
                 or not so.speculate or not so.scheduled or so.grammar_bitmask is not None
-                or getattr(graphs, "prologue", None) is None or 1 + k not in graphs.query_lens
+                or getattr(graphs, "prologue", None) is None or self._chained_query_len(so.scheduled) is None
                 or self.proposer.graphs is None or self.proposer.graphs.size_for(len(so.scheduled)) is None
                 or any(seq_id in chain.rows for seq_id in so.finished_seq_ids)):
             return False
@@ -253,17 +253,22 @@ class SpecDecodeModelRunner(ModelRunner):
             if max_tokens is not None and (max_tokens - len(state.output_token_ids) - 2
                                            - chain.num_drafts[s.seq_id] < s.num_drafts):
                 return False
-        return self._chained_padding(so.scheduled) is not None
+        return self._chained_padding(so.scheduled, self._chained_query_len(so.scheduled)) is not None
 
-    def _chained_spans(self, scheduled: list[ScheduledSeq]) -> list[SeqSpan]:
-        """The spans of a chained step where the step before accepted nothing, their tables reaching as far as
-        if it accepted every draft."""
-        q = self.k + 1
+    def _chained_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
+        """The tokens per sequence of the verification graph a chained step replays: the smallest captured
+        length that holds its longest span (a confidence-scheduled step verifying fewer drafts replays a
+        shorter graph, where one is captured)."""
+        longest = 1 + max(s.num_drafts for s in scheduled)
+        return next((q for q in self.graph_runner.query_lens if q >= max(longest, 2)), None)
+
+    def _chained_spans(self, scheduled: list[ScheduledSeq], q: int) -> list[SeqSpan]:
+        """The spans of ``q`` tokens of a chained step where the step before accepted nothing, their tables
+        reaching as far as if it accepted every draft."""
         return [SeqSpan(s.start, q, *pad_tables(s.block_table, s.window_block_table, s.start + self.k + q - 1,
                                                 self.block_size), s.state_slot, s.write_from) for s in scheduled]
 
-    def _chained_padding(self, scheduled: list[ScheduledSeq]):
-        q = self.k + 1
+    def _chained_padding(self, scheduled: list[ScheduledSeq], q: int):
         probe = [SeqSpan(s.start + self.k, q, [], [], -1) for s in scheduled]
         return self.graph_runner.padding_for(probe, list(range(len(probe) * q)))
 
@@ -277,8 +282,8 @@ class SpecDecodeModelRunner(ModelRunner):
             self._accepted.pop(seq_id, None)
             self._drafts.pop(seq_id, None)
         scheduled, graphs = so.scheduled, self.graph_runner
-        n, q = len(scheduled), self.k + 1
-        spans, pad = self._chained_spans(scheduled), self._chained_padding(scheduled)
+        n, q = len(scheduled), self._chained_query_len(scheduled)
+        spans, pad = self._chained_spans(scheduled, q), self._chained_padding(scheduled, q)
         facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, self.model.cfg.sliding_window,
                                        window_blocks=graphs.facts_window_blocks(q))
         extra = torch.zeros((2, pad.num_seqs), dtype=torch.long)
@@ -289,7 +294,7 @@ class SpecDecodeModelRunner(ModelRunner):
         shift = chain.accepted[index]
         device.ctx[:n] += shift
         ids = device.input_ids[: n * q].view(n, q)
-        ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index]
+        ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index, : q - 1]
         states = [self.requests[s.seq_id] for s in scheduled]
         sampled = None if all(st.params.greedy for st in states) else self._sampling(states, shift)
         batch = graphs.derive(pad, n)
@@ -297,9 +302,13 @@ class SpecDecodeModelRunner(ModelRunner):
         out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
                  for sp in spans]
-        stream_rows = torch.arange(n * q, device=logits.device)
-        drafted = self._propose_chained(scheduled, catch, out.output_token_ids, out.num_accepted, stream_rows,
-                                        streams, shift)
+        # the catch-up's k + 1 positions a sequence: its q rows, the last repeated past them (never kept)
+        positions = torch.arange(self.k + 1, device=logits.device).clamp(max=q - 1)
+        stream_rows = (torch.arange(n, device=logits.device).unsqueeze(1) * q + positions).view(-1)
+        kept = out.output_token_ids
+        if q < self.k + 1:
+            kept = torch.cat([kept, kept.new_full((n, self.k + 1 - q), -1)], dim=1)
+        drafted = self._propose_chained(scheduled, catch, kept, out.num_accepted, stream_rows, streams, shift)
         verifies = [_Verify(i, i * q, self.requests[s.seq_id], []) for i, s in enumerate(scheduled)]
         verified = _HostCopy(self.platform, [out.output_token_ids, out.num_accepted])
         drafted = _HostCopy(self.platform, list(drafted))

@@ -121,6 +121,39 @@ def test_chained_speculative_steps_on_the_device():
     assert sum(a == b for a, b in zip(runs[True][0], ref)) >= len(prompts) - 1
 
 
+def test_confidence_scheduling_replays_a_graph_of_every_verification_length():
+    """Confidence scheduling captures a verification graph of every 1 + j tokens (k = 3); with the draft
+    budgets capped at 1 and 2 in turn, chained steps replay the 2- and 3-token graphs, and the tokens are
+    those of the same engine when each step waits for the one before."""
+    prompts, params, ref = _trained_workload(40)
+    runs = {}
+    for chain in (False, True):
+        llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "schedule": "confidence"},
+                   async_scheduling=True)
+        engine, runner, lengths = llm.llm_engine, llm.llm_engine.runner, []
+        assert runner.graph_runner.query_lens == [1, 2, 3, 4]
+        engine.drafts.gate = None  # speculate in every step
+        plan, turn = engine.drafts.plan, [0]
+
+        def capped(scheduler, config, plan=plan, turn=turn):
+            plan(scheduler, config)
+            turn[0] += 1
+            for seq in scheduler.running:
+                seq.draft_budget = min(seq.draft_budget, (1, 2, 2)[turn[0] % 3])
+
+        engine.drafts.plan = capped
+        chained = runner._execute_chained
+        runner._execute_chained = (lambda so, chained=chained, runner=runner, lengths=lengths:
+                                   lengths.append(runner._chained_query_len(so.scheduled)) or chained(so))
+        if not chain:
+            runner._chains = lambda so: False
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[chain] = (outs, set(lengths))
+    assert runs[False][1] == set() and {2, 3} <= runs[True][1], runs[True][1]
+    assert runs[True][0] == runs[False][0]
+    assert sum(a == b for a, b in zip(runs[True][0], ref)) >= len(prompts) - 1
+
+
 def test_chained_sampled_steps_queue_without_waiting():
     """Seeded sampled requests (temperature with top-k, top-p and min-p) chain as greedy ones do: their
     tokens are those of the same engine when each step waits for the one before, and launching a chained
