@@ -104,6 +104,24 @@ def test_graph_steps_verify_every_draft_worth_anything_or_none():
     assert sum(scheduler.plan(cands, 64, 64, num_seqs=64).values()) == 0  # 3.4 tokens at most for 3.6x
 
 
+def test_with_a_graph_of_every_length_a_large_batch_verifies_fewer_drafts():
+    """Graphs of every 1 + j tokens (confidence scheduling's): at batch 64, where each token a sequence costs
+    0.3 of a decode step, the first two drafts pay (0.9 and 0.54 of a token each) and the third (0.16)
+    does not; one user, whose 1 + j graphs cost little more than a decode, verifies all three."""
+    seconds = {}
+    for n, per_token in ((1, 0.05), (64, 0.3)):
+        for q in range(1, 5):
+            seconds[n, q] = 1e-3 * (1 + per_token * (q - 1))
+    scheduler = trusting(profile=StepProfile(seconds))
+    cands = [Candidate(i, [0.9, 0.6, 0.3], 3) for i in range(64)]
+    assert set(scheduler.plan(cands, 64, 64, num_seqs=64).values()) == {2}
+    assert scheduler.plan(cands[:1], 1, 1, num_seqs=1) == {0: 3}
+    only_ends = trusting(profile=StepProfile({key: t for key, t in seconds.items() if key[1] in (1, 4)}))
+    # graphs of 1 and 1 + 3 tokens only: all three drafts or none; all three give 88 tokens a ms (plain decode
+    # 64), where two drafts in a graph of their own give 98
+    assert set(only_ends.plan(cands, 64, 64, num_seqs=64).values()) == {3}
+
+
 def test_steps_no_graph_holds_are_priced_by_the_learnt_curve():
     """A step with prefill chunks (``num_seqs`` None) or more sequences than the largest graph is priced
     by tokens, as learnt from the steps run: the likeliest drafts only."""
