@@ -376,12 +376,14 @@ def test_async_speculation_through_graphs(schedule, tiny_path, make_llm, make_as
 
 
 def count_chained(llm) -> list[int]:
-    """[steps launched before the step before ended, laid out on the device from its result]."""
-    runner, counts = llm.llm_engine.runner, [0]
+    """[steps launched before the step before ended, laid out on the device from its result, those of
+    them where ``max_tokens`` may cut a sequence's drafts (by how many the step before accepts)]."""
+    runner, counts = llm.llm_engine.runner, [0, 0]
     original = runner._execute_chained
 
     def chained(so):
         counts[0] += 1
+        counts[1] += any(runner._room(runner.requests[s.seq_id]) < s.num_drafts + runner.k for s in so.scheduled)
         return original(so)
 
     runner._execute_chained = chained
@@ -417,8 +419,9 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
         proposals = {}
         for seq, drafts, confidences in seen:
             proposals.setdefault(seq - first, []).append((drafts, confidences))
-        runs[chain] = (proposals, chained[0], llm.llm_engine.spec_decode_stats())
+        runs[chain] = (proposals, chained[0], llm.llm_engine.spec_decode_stats(), chained[1])
     assert runs[False][1] == 0 and runs[True][1] >= 5, runs[True][1]
+    assert runs[True][3] >= 3, runs[True][3]  # near max_tokens too, the drafts cut on the device
     assert runs[True][2]["num_accepted_tokens"] > 0
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert runs[True][2][key] == runs[False][2][key], key

@@ -44,6 +44,9 @@ def capture_sizes(max_size: int, step: int = 32) -> list[int]:
     return sorted(set(sizes) | {max_size})
 
 
+#: per-sequence values a chained verification step loads with its facts (``GraphRunner.load_facts``)
+EXTRA_ROWS = 3
+
 #: the smallest context bucket (tokens) of the decode graphs
 MIN_CONTEXT_BUCKET = 1024
 
@@ -93,12 +96,13 @@ class _StaticInputs:
 
 class _StaticFacts:
     """A verification graph's facts on the device (``PaddedFacts`` views of one buffer, a padding layout's
-    until loaded), followed by ``2 * size`` values of the caller's."""
+    until loaded), followed by ``EXTRA_ROWS * size`` values of the caller's."""
 
     def __init__(self, host: PaddedFacts, size: int, platform: Platform):
-        self.flat = torch.cat([host.packed(), torch.zeros(2 * size, dtype=torch.long)]).to(platform.device)
+        rows = EXTRA_ROWS * size
+        self.flat = torch.cat([host.packed(), torch.zeros(rows, dtype=torch.long)]).to(platform.device)
         self.facts = host.views(self.flat)
-        self.extra = self.flat[-2 * size:].view(2, size)
+        self.extra = self.flat[-rows:].view(EXTRA_ROWS, size)
 
 
 class GraphRunner:
@@ -179,14 +183,15 @@ class GraphRunner:
         return static.batch
 
     def facts_window_blocks(self, query_len: int) -> int:
-        """Window-table columns of a verification's facts: its window from the shortest context it may have,
-        and ``query_len - 1`` positions further (the drafts the step before may accept)."""
-        return (self.model.cfg.sliding_window + 2 * query_len - 1) // self.block_size + 2
+        """Window-table columns of a verification's facts: its window and ``query_len`` tokens from the
+        shortest context it may have, up to ``max(query_lens) - 1`` positions further (the drafts the step
+        before may accept)."""
+        return (self.model.cfg.sliding_window + max(self.query_lens) + query_len - 1) // self.block_size + 2
 
     def load_facts(self, pad: GraphPadding, host: PaddedFacts, extra: torch.Tensor) -> tuple[PaddedFacts, torch.Tensor]:
-        """Copy ``host`` (``pad``'s shapes, ``facts_window_blocks`` window columns) and ``extra`` ([2, size],
-        the caller's) into the static facts of ``pad``'s graph, one copy; returns their device views, which
-        may be changed in place before :meth:`derive`."""
+        """Copy ``host`` (``pad``'s shapes, ``facts_window_blocks`` window columns) and ``extra``
+        ([EXTRA_ROWS, size], the caller's) into the static facts of ``pad``'s graph, one copy; returns their
+        device views, which may be changed in place before :meth:`derive`."""
         static = self.facts[pad.num_seqs, pad.context, pad.query_len]
         self.staging.copy(torch.cat([host.packed(), extra.reshape(-1)]), static.flat)
         return static.facts, static.extra

@@ -56,6 +56,7 @@ from deepinfer_core.spec_decode.rejection_sampler import (
     verify_noise_at,
 )
 from deepinfer_core.spec_decode.rollback import CacheUndo
+from deepinfer_core.worker.graph_runner import EXTRA_ROWS
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
 from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput
 
@@ -93,14 +94,13 @@ class _Verify:
 class _Chain:
     """What a step that drafted on the device leaves there for the next step, launched before it ends:
     per sequence (by row), the token the next span starts with, the drafts accepted (how far the next
-    span moves on) and the new drafts; and the drafts each sequence verified (host)."""
+    span moves on) and the new drafts."""
 
     pending: _Pending
     rows: dict[int, int]  # seq id -> row
     last: torch.Tensor  # [n]
     accepted: torch.Tensor  # [n]
     drafts: torch.Tensor  # [n, k]
-    num_drafts: dict[int, int]
 
 
 class _HostCopy:
@@ -233,7 +233,8 @@ class SpecDecodeModelRunner(ModelRunner):
         """Whether the step can launch while the step before is in flight, laid out on the device from its
         result (``self._chain``): that step drafted on the device and its output is not read yet; this one
         is a speculative step of verifications only, every span its sequence's placeholders (moved on
-        by that step's accepted drafts) with at most k drafts that ``max_tokens`` cannot cut, in a batch
+        by that step's accepted drafts) with at most k drafts (those past ``max_tokens`` once moved on are
+        dropped on the device), in a batch
         that a verification graph with the undo log inside and a drafting graph hold; no sequence of the
         step before leaves."""
         chain, graphs, k = self._chain, self.graph_runner, self.k
@@ -248,10 +249,6 @@ class SpecDecodeModelRunner(ModelRunner):
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
                     or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)):
-                return False
-            max_tokens = state.params.max_tokens
-            if max_tokens is not None and (max_tokens - len(state.output_token_ids) - 2
-                                           - chain.num_drafts[s.seq_id] < s.num_drafts):
                 return False
         return self._chained_padding(so.scheduled, self._chained_query_len(so.scheduled)) is not None
 
@@ -286,16 +283,19 @@ class SpecDecodeModelRunner(ModelRunner):
         spans, pad = self._chained_spans(scheduled, q), self._chained_padding(scheduled, q)
         facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, self.model.cfg.sliding_window,
                                        window_blocks=graphs.facts_window_blocks(q))
-        extra = torch.zeros((2, pad.num_seqs), dtype=torch.long)
+        states = [self.requests[s.seq_id] for s in scheduled]
+        extra = torch.zeros((EXTRA_ROWS, pad.num_seqs), dtype=torch.long)
         extra[0, :n] = torch.tensor([chain.rows[s.seq_id] for s in scheduled])
         extra[1, :n] = torch.tensor([s.num_drafts for s in scheduled])
+        extra[2, :n] = torch.tensor([self._room(st) for st in states])
         device, extra = graphs.load_facts(pad, facts, extra)
-        index, num_drafts = extra[0, :n], extra[1, :n]
+        index = extra[0, :n]
         shift = chain.accepted[index]
+        # no draft past max_tokens: the room left once the step before's accepted drafts are in
+        num_drafts = torch.minimum(extra[1, :n], (extra[2, :n] - shift).clamp(min=0))
         device.ctx[:n] += shift
         ids = device.input_ids[: n * q].view(n, q)
         ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index, : q - 1]
-        states = [self.requests[s.seq_id] for s in scheduled]
         sampled = None if all(st.params.greedy for st in states) else self._sampling(states, shift)
         batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
@@ -362,8 +362,7 @@ class SpecDecodeModelRunner(ModelRunner):
         tokens, confs = self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams, shift)
         tokens, confs = tokens.clone(), confs.clone()  # the graph's buffers: the next step drafts into them
         last = ids.gather(1, accepted.unsqueeze(1)).squeeze(1)
-        self._chain = _Chain(None, {s.seq_id: i for i, s in enumerate(scheduled)}, last, accepted, tokens,
-                             {s.seq_id: s.num_drafts for s in scheduled})
+        self._chain = _Chain(None, {s.seq_id: i for i, s in enumerate(scheduled)}, last, accepted, tokens)
         return tokens, confs
 
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
@@ -389,6 +388,13 @@ class SpecDecodeModelRunner(ModelRunner):
         if not extra:
             return s.block_table, s.window_block_table
         return pad_tables(s.block_table, s.window_block_table, s.start + len(s.token_ids) + extra - 1, self.block_size)
+
+    @staticmethod
+    def _room(state: CachedRequestState) -> int:
+        """Drafts a chained verification of ``state`` may hold below ``max_tokens``, less the drafts the step
+        before (its output not in ``state`` yet) accepts."""
+        max_tokens = state.params.max_tokens
+        return 1 << 30 if max_tokens is None else max_tokens - len(state.output_token_ids) - 2
 
     def _resolve(self, s: ScheduledSeq) -> ScheduledSeq:
         """A span scheduled before its sequence's step before ended: shifted by the drafts that step
