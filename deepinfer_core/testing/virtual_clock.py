@@ -80,7 +80,7 @@ class _Timed:
     """A launched step's output whose ``get_output`` moves the clock to the step's completion."""
 
     def __init__(self, clock: VirtualClock, output: Any, done: float):
-        self._clock, self._output, self._done = clock, output, done
+        self._clock, self._done = clock, done
         self._get = output.get_output
         output.get_output = self.get_output  # the runner's own waits for the step go through it too
 
