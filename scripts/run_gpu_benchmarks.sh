@@ -11,6 +11,8 @@
 #   bench_hc      hc_pre's mixing GEMM, float32 against DeepGEMM's TF32 one
 #   spec_sync     speculation off / k=3 / confidence k=3 on the trained model, batch 1 and 64, 256 tokens
 #   spec_async    the same with async scheduling
+#   spec_gate     off / k=3 / confidence k=3 with async scheduling at batch 1, 8, 32 and 64 in one engine,
+#                 the gate's decisions traced (issue 15's "never slower at batch 64")
 #   profile_spec  where a k=3 speculative step's host time goes at batch 1, and the GPU's busy time
 #   profile_spec_async  the same with async scheduling
 #   profile_fp8   the kernel breakdown of an FP8 decode step at batch 64
@@ -25,7 +27,7 @@ set -u -o pipefail
 source "$(dirname "$0")/gpu_setup.sh" "$@"
 OUT="$OUT_DIR"
 LIMIT="${GPU_BENCH_LIMIT:-200}"
-STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async profile_spec profile_spec_async profile_fp8 profile_prefill}"
+STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async spec_gate profile_spec profile_spec_async profile_fp8 profile_prefill}"
 : > "$OUT/summary.txt"
 if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
 SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
@@ -48,6 +50,8 @@ for step in $STEPS; do
         bench_hc) run "$step" "$PY" benchmarks/bench_hc.py --out "$OUT/bench_hc.json" ;;
         spec_sync) run "$step" "$PY" "${SPEC[@]}" --json-out "$OUT/spec_sync.json" ;;
         spec_async) run "$step" "$PY" "${SPEC[@]}" --async-scheduling --json-out "$OUT/spec_async.json" ;;
+        spec_gate) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \
+                       --gate-trace --json-out "$OUT/spec_gate.json" ;;
         profile_spec) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
                           --ks 3 --batch-sizes 1 --json-out "$OUT/profile_spec.json" ;;
         profile_spec_async) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
