@@ -228,13 +228,14 @@ def linear_fp8_kernel(
     for g in range(g_start, g_start + groups_per_split):
         offs_k = g * GROUP + tl.arange(0, GROUP)
         k_mask = offs_k < K
-        g_ok = g * GROUP < K
+        # whether group g is within K, as blocks (Triton's interpreter rejects a block mask & a Python bool)
+        g_rows, g_cols = offs_m * 0 + g * GROUP < K, offs_n * 0 + g * GROUP < K
         a = tl.load(xq_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        xs = tl.load(xs_ptr + rows * stride_xsm + g, mask=m_mask & g_ok, other=0.0)
+        xs = tl.load(xs_ptr + rows * stride_xsm + g, mask=m_mask & g_rows, other=0.0)
         w = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :],
                     other=0.0)
-        ws = tl.load(ws_ptr + (cols // GROUP) * stride_wsn + g, mask=n_mask & g_ok, other=0.0)
+        ws = tl.load(ws_ptr + (cols // GROUP) * stride_wsn + g, mask=n_mask & g_cols, other=0.0)
         acc += _dot(a, w, FP8_DOT) * xs[:, None] * ws[None, :]
     tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
