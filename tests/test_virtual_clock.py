@@ -12,7 +12,7 @@ from deepinfer_core.testing.virtual_clock import H200_TRAINED, StepCosts, Virtua
 HELDOUT = "data/heldout_slice.txt"
 
 
-def prompts_of(llm: LLM, n: int, length: int = 48) -> list[dict]:
+def prompts_of(llm: LLM, n: int, length: int = 64) -> list[dict]:
     ids = llm.llm_engine.encode(open(HELDOUT).read())
     stride = (len(ids) - length) // n
     return [{"prompt_token_ids": ids[i * stride: i * stride + length]} for i in range(n)]
@@ -57,18 +57,23 @@ def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_
     assert llm_engine.time.perf_counter is not clock.perf_counter
 
 
-def test_gate_keeps_plain_decode_speed_where_the_h200_found_speculation_slower(one_torch_thread):  # noqa: F811
+def test_gate_keeps_the_faster_modes_speed_with_the_h200s_step_costs(one_torch_thread):  # noqa: F811
     """The H200's step costs of the trained default model (bf16, graphs, async): k=3 steps of 2.66 ms at
-    batch 1 and 9.95 ms at 64 against plain decode's 1.27 and 2.75 ms, slower at every batch size here.
-    The gate measured there held speculation for most of the batch-32 and batch-64 runs (0.75x and 0.71x
-    of plain decode); timed by those costs, confidence scheduling keeps at least 93% of plain decode's
-    per-user speed at batch 1, 32 and 64, and fixed k=3 shows what speculating throughout costs."""
-    batches, max_tokens = [1, 32, 64], 160
-    speeds = {}
-    for name, spec in (("off", None), ("k=3", 3), ("confidence", 3)):
-        config = spec and {"method": "mtp", "num_speculative_tokens": spec,
-                           "schedule": "confidence" if name == "confidence" else "fixed"}
+    batch 1 and 9.95 ms at 64 against plain decode's 1.27 and 2.75 ms. The gate measured there held
+    speculation for most of the batch-32 and batch-64 runs (0.75x and 0.71x of plain decode) and chose
+    plain decode for most steps at batch 1, where k=3 was faster. Timed by those costs, batch sizes in
+    turn in one engine as there, confidence scheduling keeps at least 90% of the faster mode's per-user
+    speed (0.98x / 0.94x / 1.00x; the gate before was at 0.90x / 0.73x / 0.74x): plain decode's at 32 and 64,
+    the faster of plain decode and fixed k=3 at batch 1."""
+    batches, max_tokens = [1, 32, 64], 256
+
+    def speed(config, sizes):
         llm = LLM(None, dtype="float64", async_scheduling=True, max_num_seqs=64, speculative_config=config)
-        speeds[name] = per_user(llm, VirtualClock(H200_TRAINED), batches, max_tokens)
+        return per_user(llm, VirtualClock(H200_TRAINED), sizes, max_tokens)
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    off, k3 = speed(None, batches), speed(spec, [1])
+    confidence = speed({**spec, "schedule": "confidence"}, batches)
     for batch in batches:
-        assert speeds["confidence"][batch] >= 0.93 * max(speeds["off"][batch], speeds["k=3"][batch]), (batch, speeds)
+        best = max(off[batch], k3.get(batch, 0.0))
+        assert confidence[batch] >= 0.9 * best, (batch, off, k3, confidence)
