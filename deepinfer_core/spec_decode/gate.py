@@ -234,7 +234,8 @@ class SpeculationGate:
         if self._run_length <= self.settle_steps or begin is None or now <= begin or not num_decoding:
             return
         b = self._bucket(run[1])
-        b.seq_rate[speculated] = run[1] / self._ratio(b, str(speculated), self.decay).add(now - begin, 1)
+        step = self._ratio(b, "spec" if speculated else "plain", self.decay).add(now - begin, 1)
+        b.seq_rate[speculated] = run[1] / step
         if speculated and fresh:
             b.spec_yield = self._ratio(b, "fresh", self.yield_decay).add(num_tokens, num_decoding)
         elif speculated:

@@ -240,7 +240,7 @@ class SpecDecodeModelRunner(ModelRunner):
         chain, graphs, k = self._chain, self.graph_runner, self.k
         if (chain is None or chain.pending is not self._pending or self._pending._output is not None
                 or not so.speculate or not so.scheduled or so.grammar_bitmask is not None
-                or getattr(graphs, "prologue", None) is None or self._chained_query_len(so.scheduled) is None
+                or getattr(graphs, "prologue", None) is None
                 or self.proposer.graphs is None or self.proposer.graphs.size_for(len(so.scheduled)) is None
                 or any(seq_id in chain.rows for seq_id in so.finished_seq_ids)):
             return False
@@ -250,7 +250,8 @@ class SpecDecodeModelRunner(ModelRunner):
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
                     or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)):
                 return False
-        return self._chained_padding(so.scheduled, self._chained_query_len(so.scheduled)) is not None
+        q = self._chained_query_len(so.scheduled)
+        return q is not None and self._chained_padding(so.scheduled, q) is not None
 
     def _chained_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
         """The tokens per sequence of the verification graph a chained step replays: the smallest captured
