@@ -181,9 +181,44 @@ def profile(args) -> dict:
             print(f"  {'kernel (GPU)':<44} {'ms/step':>8} {'calls/step':>10}")
             for k, ms, n in r["top_kernels_ms_per_step"]:
                 print(f"  {k[:44]:<44} {ms:>8.3f} {n:>10.2f}")
+    summary = _speed_up_bounds(rows)
     return {"benchmark": "profile_spec_step", "backend": args.backend, "model": spec_bench._model_name(args),
             "torch": torch.__version__, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
-            "rows": rows}
+            "rows": rows, "speed_up_bounds": summary}
+
+
+def _speed_up_bounds(rows: list[dict]) -> list[dict]:
+    """Per speculative row, the speed-up over plain decode at its batch size, achieved (wall time per token)
+    and bounded by the device's work: tokens per step over the GPU's busy milliseconds per step, against
+    plain decode's. The bound is ``(1 + accepted tokens per step) / (1 + overhead)`` with the overhead (the
+    verification's extra work and the drafting) as the profiler measured it; where the achieved speed-up
+    falls short of it, the host's work per step is what is missing."""
+    plain = {r["batch"]: r for r in rows if r["mode"] == "off"}
+    out = []
+    for r in rows:
+        base = plain.get(r["batch"])
+        if r["mode"] == "off" or base is None:
+            continue
+        wall = 1e3 * r["seconds"] / r["steps"]
+        base_wall = 1e3 * base["seconds"] / base["steps"]
+        row = {"mode": r["mode"], "batch": r["batch"],
+               "tokens_per_step": r["tokens_per_step"] / r["batch"],
+               "step_ms": wall, "plain_step_ms": base_wall,
+               "achieved": (r["tokens_per_step"] / wall) / (base["tokens_per_step"] / base_wall)}
+        busy, base_busy = r.get("device_busy_ms_per_step"), base.get("device_busy_ms_per_step")
+        if busy and base_busy:
+            row.update(device_ms=busy, plain_device_ms=base_busy, overhead=busy / base_busy - 1,
+                       bound=(r["tokens_per_step"] / busy) / (base["tokens_per_step"] / base_busy))
+        out.append(row)
+    if out:
+        print(f"\n{'mode':>6} {'batch':>5} {'tok/seq/step':>12} {'step ms':>8} {'plain ms':>8} {'device ms':>9} "
+              f"{'plain dev':>9} {'overhead':>8} {'bound':>6} {'achieved':>8}")
+    for o in out:
+        dev = (f"{o['device_ms']:>9.3f} {o['plain_device_ms']:>9.3f} {o['overhead']:>8.2f} {o['bound']:>6.2f}"
+               if "bound" in o else f"{'-':>9} {'-':>9} {'-':>8} {'-':>6}")
+        print(f"{o['mode']:>6} {o['batch']:>5} {o['tokens_per_step']:>12.2f} {o['step_ms']:>8.3f} "
+              f"{o['plain_step_ms']:>8.3f} {dev} {o['achieved']:>8.2f}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

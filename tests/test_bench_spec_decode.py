@@ -64,8 +64,27 @@ def test_step_profile_times_the_speculative_step_and_puts_every_function_back(bs
     assert spec["calls_per_step"]["MtpProposer.propose"] == pytest.approx(1.0)
     assert spec["tokens_per_step"] > off["tokens_per_step"]  # every draft accepted
     assert spec["ms_per_step"]["LLMEngine.step"] >= spec["ms_per_step"]["SpecDecodeModelRunner.execute_model"]
+    [bound] = report["speed_up_bounds"]  # no GPU: the achieved speed-up only
+    assert (bound["mode"], bound["batch"]) == ("k=1", 2)
+    assert "device_ms" not in bound and bound["tokens_per_step"] == pytest.approx(spec["tokens_per_step"] / 2)
+    rate = {m: r["tokens_per_step"] * r["steps"] / r["seconds"] for m, r in rows.items()}
+    assert bound["achieved"] == pytest.approx(rate["k=1"] / rate["off"])
     assert LLMEngine.step is step and torch.Tensor.tolist is tolist
     assert (tmp_path / "profile.json").read_text().startswith("{")
+
+
+def test_speed_up_bound_is_tokens_per_device_millisecond_against_plain_decodes(bsd):
+    import profile_spec_step
+
+    def row(mode, seconds, steps, tokens_per_step, busy):
+        return {"mode": mode, "batch": 1, "seconds": seconds, "steps": steps, "tokens_per_step": tokens_per_step,
+                "device_busy_ms_per_step": busy}
+
+    # plain: 1 token per 1.25 ms step (1.0 ms of GPU work); k=3: 2.4 tokens per 2.5 ms step (1.6 ms)
+    rows = [row("off", 0.125, 100, 1.0, 1.0), row("k=3", 0.25, 100, 2.4, 1.6)]
+    [b] = profile_spec_step._speed_up_bounds(rows)
+    assert b["overhead"] == pytest.approx(0.6) and b["bound"] == pytest.approx(2.4 / 1.6)
+    assert b["achieved"] == pytest.approx(2.4 / 2.5 / (1 / 1.25))
 
 
 def test_speed_mode_schedules_asynchronously_when_asked(bsd, monkeypatch):
