@@ -3,8 +3,8 @@
 Chi-square goodness-of-fit tests with fixed seeds at significance 0.001 (critical values of the chi-square
 distribution: 16.27 for 3 degrees of freedom, 20.52 for 5): the rejection sampler alone on a 6-token
 vocabulary with general and one-hot (greedy) drafts, at the first and the second output position; and
-the engine end to end on a tiny model whose sampling is restricted to 4 tokens (top_k=4). Seeded requests
-reproduce exactly.
+the engine end to end on a tiny model whose sampling is restricted to 4 tokens (top_k=4), with and without
+a penalty. Seeded requests reproduce exactly.
 """
 
 from __future__ import annotations
@@ -122,6 +122,42 @@ def test_engine_sampling_with_speculation_matches_the_target(tiny_path, make_llm
     stats = llm.llm_engine.spec_decode_stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert chi_square(seconds, p1) < CRITICAL[3], (torch.bincount(seconds, minlength=4), p1 * len(seconds))
+
+
+def _penalised_top4(llm, prompt, outputs, counted, frequency):
+    """The top-4 tokens after ``prompt + outputs`` with a frequency penalty on the tokens ``counted`` and
+    their probabilities renormalised (top_k=4, T=1), from the engine's raw logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
+    lp = llm.generate(token_prompts([prompt + outputs]), params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    top = sorted(((t, x - frequency * counted.count(t)) for t, x in lp.items()), key=lambda kv: -kv[1])[:4]
+    probs = torch.tensor([x for _, x in top], dtype=torch.float64).exp()
+    return [t for t, _ in top], probs / probs.sum()
+
+
+def test_engine_sampling_with_penalties_counts_the_accepted_drafts(tiny_path, make_llm):
+    """Token 3 of 2000 seeded requests (temperature 1, top_k 4, frequency_penalty -1.5, which favours
+    repeats), verified in the step that accepted draft 1 as token 2, among the requests whose tokens 1
+    and 2 were the likeliest: distributed as the target's penalised distribution with that draft counted
+    as an output (without it, draft 1 is not among the target's top 4 there)."""
+    path, frequency = tiny_path("tiny"), -1.5
+    prompt = make_prompt(6, seed=5)
+    plain = make_llm(path, dtype="float64")
+    first = _penalised_top4(plain, prompt, [], [], frequency)[0][0]
+    second = _penalised_top4(plain, prompt, [first], [first], frequency)[0][0]
+    tokens, probs = _penalised_top4(plain, prompt, [first, second], [first, second], frequency)
+    assert second in tokens and second not in _penalised_top4(plain, prompt, [first, second], [first], frequency)[0]
+    llm = make_llm(path, dtype="float64", max_num_seqs=256, max_num_batched_tokens=4096, **spec(2))
+    planner = llm.llm_engine.drafts
+    offer = planner.offer
+    planner.offer = lambda seq, drafts, confs: offer(seq, [second, tokens[1]], [0.5, 0.5])
+    n = 2000
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=s,
+                             frequency_penalty=frequency) for s in range(n)]
+    outs = llm.generate(token_prompts([prompt] * n), params, use_tqdm=False)
+    thirds = torch.tensor([tokens.index(t[2]) for t in (o.outputs[0].token_ids for o in outs)
+                           if t[:2] == [first, second]])
+    assert len(thirds) > 150
+    assert chi_square(thirds, probs) < CRITICAL[3], (torch.bincount(thirds, minlength=4), probs * len(thirds))
 
 
 def test_seeded_requests_reproduce(make_llm):

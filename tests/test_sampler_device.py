@@ -150,3 +150,28 @@ def test_penalties_built_on_the_device_match_the_host_masks(histories):
     expected = ALL_OPS["apply_penalties"](logits, prompt_mask, counts, col, col * 0 + 0.3, col * 0 + 0.2)
     got = Sampler(TracingOps(), 41, [1])._penalise(logits, seqs)
     assert torch.equal(got, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=8),
+                          st.lists(st.integers(0, 40), max_size=8),
+                          st.lists(st.integers(0, 40), min_size=3, max_size=3), st.booleans()), min_size=1, max_size=4))
+def test_verification_rows_are_penalised_by_the_outputs_and_the_drafts_before_them(histories):
+    """Row j of a verification is the position after its drafts 0..j-1: it is penalised as the plain
+    sampler penalises a sequence whose outputs end with those drafts; unpenalised sequences keep their
+    logits, and the persistent state counts only real outputs."""
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2)
+    seqs = [seq(penalised if pen else SamplingParams(temperature=0), prompt=p, outputs=o)
+            for p, o, _, pen in histories]
+    drafts = torch.tensor([d for _, _, d, _ in histories])
+    q = drafts.shape[1] + 1
+    logits = torch.randn(len(seqs), q, 41, generator=torch.Generator().manual_seed(len(seqs)), dtype=torch.float64)
+    sampler = Sampler(TracingOps(), 41, [1])
+    got = sampler.penalise_verification(logits, seqs, drafts)
+    for i, (p, o, d, pen) in enumerate(histories):
+        for j in range(q):
+            alone = seq(seqs[i].params, prompt=p, outputs=o + d[:j])
+            want = Sampler(TracingOps(), 41, [1])._penalise(logits[i, j : j + 1], [alone])
+            assert torch.equal(got[i, j : j + 1], want), (i, j)
+        if pen:  # the next step counts only what was output
+            assert sampler._penalties[seqs[i].seq_id].counts.sum().item() == len(o)

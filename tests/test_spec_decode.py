@@ -227,13 +227,14 @@ def test_cli_speculative_config_flag(capsys):
     assert "--speculative-config" in capsys.readouterr().err
 
 
-def test_penalties_and_logprobs_take_the_plain_path(tiny_path, make_llm):
-    """Requests the rejection sampler does not serve (penalties, logprobs) decode without drafts and get
-    the tokens and logprobs (to float64 rounding) of an engine without speculation, next to speculated ones."""
+def test_logprobs_take_the_plain_path_and_penalised_requests_speculate(tiny_path, make_llm):
+    """Requests with logprobs decode without drafts and get the tokens and logprobs (to float64 rounding) of
+    an engine without speculation; penalised greedy requests verify drafts against penalised logits and
+    get its tokens too, next to unpenalised ones."""
     path = tiny_path("tiny")
     prompts = PROMPTS[8:12]
     params = [greedy(MAX_TOKENS, repetition_penalty=1.3), greedy(MAX_TOKENS, logprobs=2), greedy(MAX_TOKENS),
-              SamplingParams(temperature=0.9, seed=3, max_tokens=MAX_TOKENS, presence_penalty=0.5)]
+              greedy(MAX_TOKENS, presence_penalty=0.5, frequency_penalty=0.3)]
     plain = make_llm(path, dtype="float64").generate(token_prompts(prompts), params, use_tqdm=False)
     llm = make_llm(path, dtype="float64", **spec(2))
     got = llm.generate(token_prompts(prompts), params, use_tqdm=False)
@@ -241,5 +242,5 @@ def test_penalties_and_logprobs_take_the_plain_path(tiny_path, make_llm):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-9 for t in x)  # other rows, other sums
-    assert [o.spec_decode_stats["num_drafts"] for o in got][:2] == [0, 0]
-    assert got[2].spec_decode_stats["num_drafts"] > 0
+    drafts = [o.spec_decode_stats["num_drafts"] for o in got]
+    assert drafts[1] == 0 and min(drafts[0], drafts[2], drafts[3]) > 0, drafts

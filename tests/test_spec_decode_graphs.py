@@ -523,3 +523,28 @@ def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert runs[True][2][key] == runs[False][2][key], key
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_penalised_verification_keeps_greedy_equal(graphs, make_llm, make_async):
+    """Penalised greedy requests speculate: each verification row is penalised by the outputs and the
+    drafts before it. The trained model (which repeats itself, so the penalties change its argmax), k=3,
+    penalised and unpenalised requests in one batch, eagerly and through the padded graphs with async
+    scheduling: the outputs are those without speculation, with drafts accepted and rejected."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
+    penalties = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5), {},
+                 dict(frequency_penalty=1.2)]
+    params = [greedy(24, **p) for p in penalties]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    unpenalised = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), greedy(24), use_tqdm=False)]
+    assert all(a != b for a, b, p in zip(ref, unpenalised, penalties) if p)  # the penalties matter
+    llm = (make_async if graphs else make_llm)(None, dtype="float64", block_size=32, **spec(3))
+    if graphs:
+        with_drafting_graphs(llm, 3, [1, 2, 4, 8])
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for out, p in zip(outs, penalties):
+        stats = out.spec_decode_stats
+        assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], (p, stats)

@@ -216,9 +216,27 @@ class Sampler:
                                                                    device=logits.device))
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
-        """Penalties from each penalised sequence's persistent prompt mask and output counts, brought up to
-        date with the outputs sampled since its last step (one copy of those token ids)."""
-        device, shape = logits.device, logits.shape
+        """Penalties from each penalised sequence's persistent prompt mask and output counts."""
+        prompt_mask, counts = self._penalty_rows(seqs, logits.shape[-1], logits.device)
+        return self._apply_penalties(logits, prompt_mask, counts, [s.params for s in seqs])
+
+    def penalise_verification(self, logits: torch.Tensor, seqs: list[Any], drafts: torch.Tensor) -> torch.Tensor:
+        """The penalties of verification rows: ``logits`` [S, Q, V], row ``j`` of sequence ``i`` the
+        position after its drafts ``drafts[i, :j]`` ([S, >= Q - 1], device), which count as its outputs
+        there (as they are, where accepted)."""
+        num, q, vocab = logits.shape
+        prompt_mask, counts = self._penalty_rows(seqs, vocab, logits.device)
+        drafted = torch.zeros((num, q, vocab), dtype=torch.long, device=logits.device)
+        drafted[:, 1:].scatter_(2, drafts[:, : q - 1].unsqueeze(2), 1)
+        counts = (counts.unsqueeze(1) + drafted.cumsum(dim=1)).view(num * q, vocab)
+        params = [s.params for s in seqs for _ in range(q)]
+        prompt_mask = prompt_mask.repeat_interleave(q, dim=0)
+        return self._apply_penalties(logits.reshape(num * q, vocab), prompt_mask, counts, params).view(num, q, vocab)
+
+    def _penalty_rows(self, seqs: list[Any], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's prompt mask and output counts ([len(seqs), vocab]; zeros for an unpenalised one),
+        its persistent state brought up to date with the outputs sampled since its last step (one copy of
+        those token ids)."""
         rows, tokens, states = [], [], []
         for seq in seqs:
             if not seq.params.has_penalties:
@@ -237,14 +255,17 @@ class Sampler:
             for row in sorted(set(rows)):
                 picked = index[1][index[0] == row]
                 states[row].counts.index_add_(0, picked, torch.ones_like(picked))
-        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
-        counts = torch.zeros(shape, dtype=torch.long, device=device)
+        prompt_mask = torch.zeros((len(seqs), vocab), dtype=torch.bool, device=device)
+        counts = torch.zeros((len(seqs), vocab), dtype=torch.long, device=device)
         for row, state in enumerate(states):
             if state is not None:
                 prompt_mask[row] = state.prompt_mask
                 counts[row] = state.counts
-        p = [s.params for s in seqs]
-        values = torch.tensor([[x.repetition_penalty for x in p], [x.presence_penalty for x in p],
-                               [x.frequency_penalty for x in p]], dtype=torch.float64)
-        repetition, presence, frequency = values.to(device, non_blocking=True).to(logits.dtype)
+        return prompt_mask, counts
+
+    def _apply_penalties(self, logits: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor,
+                         params: list[Any]) -> torch.Tensor:
+        values = torch.tensor([[x.repetition_penalty for x in params], [x.presence_penalty for x in params],
+                               [x.frequency_penalty for x in params]], dtype=torch.float64)
+        repetition, presence, frequency = values.to(logits.device, non_blocking=True).to(logits.dtype)
         return self.ops.apply_penalties(logits, prompt_mask, counts, repetition, presence, frequency)

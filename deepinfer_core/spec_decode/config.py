@@ -48,9 +48,9 @@ def max_speculative_tokens(ring_rows: list[int]) -> int | None:
 
 
 def can_speculate(params: Any) -> bool:
-    """Whether a request's tokens may come from verified drafts: what the rejection sampler applies is
-    temperature, top-k, top-p and min-p; penalties, grammars and logprobs take the plain path."""
-    return not (params.has_penalties or params.structured_outputs is not None or params.logprobs is not None)
+    """Whether a request's tokens may come from verified drafts: what verification applies is penalties,
+    temperature, top-k, top-p and min-p; grammars and logprobs take the plain path."""
+    return not (params.structured_outputs is not None or params.logprobs is not None)
 
 
 def spec_query_lens(config: SpeculativeConfig | None) -> tuple[int, ...]:

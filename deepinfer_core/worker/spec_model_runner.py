@@ -20,8 +20,9 @@ rollback, and returns; the rest (the new tokens to the host, and for most steps 
 the output is asked for, or when the next step is launched, whichever comes first. A step of decodes
 only (verifications and plain samples of requests that may speculate) whose batch a drafting graph
 holds launches its drafting right after verification, laid out on the device from the accepted
-counts; steps with prefill chunks, penalties, grammars or logprobs draft in the second half, from the
-accepted counts read back. With async scheduling the engine schedules the next step while
+counts; steps with prefill chunks, grammars or logprobs draft in the second half, from the
+accepted counts read back. A penalised verification's logits are penalised by its outputs and, at each
+position, the drafts before it. With async scheduling the engine schedules the next step while
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
 shifts each span by the drafts the step before accepted and fills in the tokens. When the step before
@@ -248,7 +249,8 @@ class SpecDecodeModelRunner(ModelRunner):
             state = self.requests.get(s.seq_id)
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
-                    or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)):
+                    or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)
+                    or state.params.has_penalties):
                 return False
         q = self._chained_query_len(so.scheduled)
         return q is not None and self._chained_padding(so.scheduled, q) is not None
@@ -449,7 +451,8 @@ class SpecDecodeModelRunner(ModelRunner):
         scheduled span (fillers included), where all are one length."""
         device, vocab = logits.device, logits.shape[-1]
         s = len(verifies)
-        if (span and s == len(scheduled) and all(v.state.params.greedy for v in verifies)
+        penalised = any(v.state.params.has_penalties for v in verifies)
+        if (span and s == len(scheduled) and not penalised and all(v.state.params.greedy for v in verifies)
                 and all(v.first_row == i * span for i, v in enumerate(verifies))):
             return self._verify_uniform(logits, verifies, undo, span, len(draft_mask))
         num = np.array([len(v.drafts) for v in verifies], dtype=np.int64)
@@ -472,6 +475,9 @@ class SpecDecodeModelRunner(ModelRunner):
         gather_d, drafts_d, num_d, owner, offset, greedy_d = self.platform.upload(torch.from_numpy(host)).split(sizes)
         drafts_d = drafts_d.view(s, k)
         rows = logits[gather_d]  # [S * (K + 1), V]
+        if penalised:
+            rows = self.sampler.penalise_verification(rows.view(s, k + 1, vocab), [v.state for v in verifies],
+                                                      drafts_d).view(s * (k + 1), vocab)
         if greedy.all():
             out = greedy_verify(rows.view(s, k + 1, vocab), drafts_d, num_d)
         else:
