@@ -227,20 +227,48 @@ def test_cli_speculative_config_flag(capsys):
     assert "--speculative-config" in capsys.readouterr().err
 
 
-def test_logprobs_take_the_plain_path_and_penalised_requests_speculate(tiny_path, make_llm):
-    """Requests with logprobs decode without drafts and get the tokens and logprobs (to float64 rounding) of
-    an engine without speculation; penalised greedy requests verify drafts against penalised logits and
-    get its tokens too, next to unpenalised ones."""
+def test_penalised_requests_and_requests_with_logprobs_speculate(tiny_path, make_llm):
+    """Penalised greedy requests verify drafts against penalised logits, and requests with logprobs get
+    those of every kept token (the model's own distribution, before penalties): the tokens and logprobs
+    (to float64 rounding) of an engine without speculation, next to plain greedy requests."""
     path = tiny_path("tiny")
-    prompts = PROMPTS[8:12]
+    prompts = PROMPTS[8:13]
     params = [greedy(MAX_TOKENS, repetition_penalty=1.3), greedy(MAX_TOKENS, logprobs=2), greedy(MAX_TOKENS),
-              greedy(MAX_TOKENS, presence_penalty=0.5, frequency_penalty=0.3)]
+              greedy(MAX_TOKENS, presence_penalty=0.5, frequency_penalty=0.3),
+              greedy(MAX_TOKENS, logprobs=0, frequency_penalty=0.8)]
     plain = make_llm(path, dtype="float64").generate(token_prompts(prompts), params, use_tqdm=False)
     llm = make_llm(path, dtype="float64", **spec(2))
+    oracle_drafts(llm, reference(make_llm, path, prompts), lambda seq, m, j: (m + j) % 3 == 2)
     got = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-    for a, b in zip(plain, got):
+    for a, b, p in zip(plain, got, params):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+        if p.logprobs is None:
+            assert b.outputs[0].logprobs is None
+            continue
+        assert len(b.outputs[0].logprobs) == len(b.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-9 for t in x)  # other rows, other sums
-    drafts = [o.spec_decode_stats["num_drafts"] for o in got]
-    assert drafts[1] == 0 and min(drafts[0], drafts[2], drafts[3]) > 0, drafts
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-8)
+    stats = [o.spec_decode_stats for o in got]
+    assert all(0 < s["num_accepted_tokens"] < s["num_draft_tokens"] for s in stats), stats
+
+
+def test_sampled_verifications_give_the_logprobs_of_their_context(make_llm):
+    """A sampled request with logprobs (the trained model and its drafts, temperature 0.5, a frequency
+    penalty) speculates and every kept token's logprobs are the model's own distribution after the tokens
+    before it: those an engine without speculation gives for each prefix of the output."""
+    params = SamplingParams(temperature=0.5, seed=5, max_tokens=16, ignore_eos=True, logprobs=3,
+                            frequency_penalty=0.4)
+    plain = make_llm(None, dtype="float64", block_size=32)
+    prompt = plain.llm_engine.encode(open("data/heldout_slice.txt").read())[:40]
+    llm = make_llm(None, dtype="float64", block_size=32, **spec(3))
+    out = llm.generate(token_prompts([prompt]), params, use_tqdm=False)[0]
+    tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+    assert out.spec_decode_stats["num_accepted_tokens"] > 0 and len(logprobs) == len(tokens)
+    probe = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=3)
+    prefixes = [prompt + tokens[:j] for j in range(len(tokens))]
+    want = [o.outputs[0].logprobs[0] for o in plain.generate(token_prompts(prefixes), probe, use_tqdm=False)]
+    for j, (got, top) in enumerate(zip(logprobs, want)):
+        top3 = sorted(top, key=lambda t: -top[t])[:3]
+        assert set(got) == set(top3) | {tokens[j]}, j
+        assert all(abs(got[t] - top[t]) < 1e-9 for t in top3), j

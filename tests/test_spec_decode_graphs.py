@@ -223,13 +223,13 @@ def test_equal_spans_of_an_uncaptured_length_are_padded(tiny_path, make_llm):
 
 
 def test_plain_requests_ride_in_padded_verification_steps(tiny_path, make_llm):
-    """Requests that cannot speculate (penalties, logprobs) decode one token per step beside verifying
-    ones: the step is padded to 1 + k tokens per sequence and every output equals the run without
-    speculation."""
+    """Requests that draft nothing (before their ``min_tokens``) decode one token per step beside verifying
+    ones, plain and with penalties and logprobs: the step is padded to 1 + k tokens per sequence and every
+    output, and its logprobs, equals the run without speculation."""
     path = tiny_path("tiny_hc4")
     prompts = [make_prompt(n, seed=i) for i, n in enumerate([3, 15, 16, 29, 31, 47])]
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3) if i % 3 == 0
-              else SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2) if i % 3 == 1
+    params = [greedy(12, min_tokens=12, logprobs=1) if i % 3 == 0
+              else greedy(12, repetition_penalty=1.3, logprobs=2) if i % 3 == 1
               else greedy(12) for i in range(len(prompts))]
     plain = make_llm(path, dtype="float64", max_num_seqs=8)
     ref = plain.generate(token_prompts(prompts), params, use_tqdm=False)
@@ -528,16 +528,18 @@ def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_penalised_verification_keeps_greedy_equal(graphs, make_llm, make_async):
     """Penalised greedy requests speculate: each verification row is penalised by the outputs and the
-    drafts before it. The trained model (which repeats itself, so the penalties change its argmax), k=3,
-    penalised and unpenalised requests in one batch, eagerly and through the padded graphs with async
-    scheduling: the outputs are those without speculation, with drafts accepted and rejected."""
+    drafts before it; requests with logprobs get those of every kept token. The trained model (which
+    repeats itself, so the penalties change its argmax), k=3, penalised and unpenalised requests in one
+    batch, eagerly and through the padded graphs with async scheduling: the tokens and logprobs are
+    those without speculation, with drafts accepted and rejected."""
     plain = make_llm(None, dtype="float64", block_size=32)
     ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
     prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
     penalties = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5), {},
                  dict(frequency_penalty=1.2)]
-    params = [greedy(24, **p) for p in penalties]
-    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    params = [greedy(24, **p, logprobs=2 if i % 2 else None) for i, p in enumerate(penalties)]
+    ref_outs = plain.generate(token_prompts(prompts), params, use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in ref_outs]
     unpenalised = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), greedy(24), use_tqdm=False)]
     assert all(a != b for a, b, p in zip(ref, unpenalised, penalties) if p)  # the penalties matter
     llm = (make_async if graphs else make_llm)(None, dtype="float64", block_size=32, **spec(3))
@@ -545,6 +547,10 @@ def test_penalised_verification_keeps_greedy_equal(graphs, make_llm, make_async)
         with_drafting_graphs(llm, 3, [1, 2, 4, 8])
     outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+    for out, want in zip(outs[1::2], ref_outs[1::2]):  # and the logprobs, to float64 rounding
+        assert len(out.outputs[0].logprobs) == len(want.outputs[0].logprobs)
+        for got, lp in zip(out.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert got.keys() == lp.keys() and list(got.values()) == pytest.approx(list(lp.values()), abs=1e-9)
     for out, p in zip(outs, penalties):
         stats = out.spec_decode_stats
         assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], (p, stats)

@@ -466,7 +466,7 @@ class LLMEngine:
             for j, token in enumerate(tokens):
                 if j:  # before the placeholder of a later step in flight, if there is one
                     seq.output_token_ids.insert(pos + j, token)
-                self._append(seq, pos + j, token, out.logprobs[i] if j == 0 else None)
+                self._append(seq, pos + j, token, out.new_logprobs[i][j] if out.new_logprobs[i] else None)
                 if seq.finish_reason is not None:
                     break
             else:

@@ -48,9 +48,9 @@ def max_speculative_tokens(ring_rows: list[int]) -> int | None:
 
 
 def can_speculate(params: Any) -> bool:
-    """Whether a request's tokens may come from verified drafts: what verification applies is penalties,
-    temperature, top-k, top-p and min-p; grammars and logprobs take the plain path."""
-    return not (params.structured_outputs is not None or params.logprobs is not None)
+    """Whether a request's tokens may come from verified drafts: verification applies penalties,
+    temperature, top-k, top-p and min-p and gives logprobs; grammars take the plain path."""
+    return params.structured_outputs is None
 
 
 def spec_query_lens(config: SpeculativeConfig | None) -> tuple[int, ...]:

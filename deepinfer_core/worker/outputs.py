@@ -15,6 +15,7 @@ class ModelRunnerOutput:
     # speculative decoding, per sampled sequence: every new token (accepted drafts, then the target's own),
     # and the drafts proposed for its next step with the drafter's confidence in each
     new_token_ids: list[list[int]] | None = None
+    new_logprobs: list[list[dict[int, float]] | None] | None = None  # of each new token, for rows that asked
     draft_token_ids: list[list[int]] | None = None
     draft_confidences: list[list[float]] | None = None
 

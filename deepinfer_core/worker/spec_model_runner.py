@@ -20,9 +20,10 @@ rollback, and returns; the rest (the new tokens to the host, and for most steps 
 the output is asked for, or when the next step is launched, whichever comes first. A step of decodes
 only (verifications and plain samples of requests that may speculate) whose batch a drafting graph
 holds launches its drafting right after verification, laid out on the device from the accepted
-counts; steps with prefill chunks, grammars or logprobs draft in the second half, from the
-accepted counts read back. A penalised verification's logits are penalised by its outputs and, at each
-position, the drafts before it. With async scheduling the engine schedules the next step while
+counts; steps with prefill chunks or grammars draft in the second half, from the accepted counts
+read back. A penalised verification's logits are penalised by its outputs and, at each position, the
+drafts before it; one that asks for logprobs gets the plain sampler's at each kept position. Neither is
+chained. With async scheduling the engine schedules the next step while
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
 shifts each span by the drafts the step before accepted and fills in the tokens. When the step before
@@ -195,7 +196,7 @@ class SpecDecodeModelRunner(ModelRunner):
             batch = host.with_storage(self.platform.upload(host.packed()))
             logits, streams = self.model.forward(batch, self.cache)
 
-        plain_out = verified = plain_samples = None
+        plain_out = verified = plain_samples = verified_logprobs = None
         if plain:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
             sampled = [i for i, s in enumerate(so.scheduled) if s.sample]
@@ -210,7 +211,8 @@ class SpecDecodeModelRunner(ModelRunner):
         if verifies:
             lengths = {len(s.token_ids) for s in so.scheduled}
             span = q or (next(iter(lengths)) if len(lengths) == 1 else None)
-            verified = self._verify(logits, verifies, undo, draft_mask, fillers, starts, so.scheduled, span)
+            verified, verified_logprobs = self._verify(logits, verifies, undo, draft_mask, fillers, starts,
+                                                       so.scheduled, span)
         elif undo is not None:
             undo.restore(fillers.to(logits.device))
         drafted = windows = None
@@ -221,7 +223,8 @@ class SpecDecodeModelRunner(ModelRunner):
             # query cannot see, which the drafter's query at the step's first position may still see
             windows = [list(s.window_block_table) for s in so.scheduled]
         if verified is not None:  # on its way to the host now: the next step may be queued before it is read
-            verified = _HostCopy(self.platform, [verified.output_token_ids, verified.num_accepted])
+            verified = _HostCopy(self.platform, [verified.output_token_ids, verified.num_accepted]
+                                 + (verified_logprobs or []))
         if drafted is not None:
             drafted = _HostCopy(self.platform, list(drafted))
         self._pending = _Pending(lambda: self._complete(so, streams, starts, plain, plain_out, verifies, verified,
@@ -250,7 +253,7 @@ class SpecDecodeModelRunner(ModelRunner):
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
                     or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)
-                    or state.params.has_penalties):
+                    or state.params.has_penalties or state.params.logprobs is not None):
                 return False
         q = self._chained_query_len(so.scheduled)
         return q is not None and self._chained_padding(so.scheduled, q) is not None
@@ -422,16 +425,21 @@ class SpecDecodeModelRunner(ModelRunner):
         (every span's), or drafting here (``windows``: the spans' window block tables at launch); the
         output."""
         new_tokens: dict[int, list[int]] = {}  # scheduled index -> its new tokens
+        logprobs: dict[int, list[dict[int, float]] | None] = {}  # scheduled index -> its new tokens' logprobs
+        dead_ends = {}
         if verifies:
-            tokens, counts = verified.lists()
-            for v, row, n in zip(verifies, tokens, counts):
+            tokens, counts, *lps = verified.lists()
+            for i, (v, row, n) in enumerate(zip(verifies, tokens, counts)):
                 new_tokens[v.index] = row[: n + 1]
-        logprobs, dead_ends = {}, {}
+                m = v.state.params.logprobs
+                if lps and m is not None:
+                    ids, values = (x[i * len(row): i * len(row) + n + 1] for x in lps)
+                    logprobs[v.index] = [dict(zip(a[: m + 1], b[: m + 1])) for a, b in zip(ids, values)]
         if plain_out is not None:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
             tokens, lps = plain_out.tolists(states)
             for (i, _), token, lp, j in zip(plain, tokens, lps, range(len(plain))):
-                new_tokens[i], logprobs[i] = [token], lp
+                new_tokens[i], logprobs[i] = [token], None if lp is None else [lp]
                 if plain_out.dead_ends is not None:
                     dead_ends[i] = plain_out.dead_ends[j]
         if drafted is not None:
@@ -452,9 +460,11 @@ class SpecDecodeModelRunner(ModelRunner):
         device, vocab = logits.device, logits.shape[-1]
         s = len(verifies)
         penalised = any(v.state.params.has_penalties for v in verifies)
-        if (span and s == len(scheduled) and not penalised and all(v.state.params.greedy for v in verifies)
+        want_logprobs = any(v.state.params.logprobs is not None for v in verifies)
+        if (span and s == len(scheduled) and not (penalised or want_logprobs)
+                and all(v.state.params.greedy for v in verifies)
                 and all(v.first_row == i * span for i, v in enumerate(verifies))):
-            return self._verify_uniform(logits, verifies, undo, span, len(draft_mask))
+            return self._verify_uniform(logits, verifies, undo, span, len(draft_mask)), None
         num = np.array([len(v.drafts) for v in verifies], dtype=np.int64)
         k = int(num.max())
         cols = np.arange(k + 1)
@@ -474,7 +484,7 @@ class SpecDecodeModelRunner(ModelRunner):
         host = np.concatenate([gather.reshape(-1), drafts.reshape(-1), num, owner, offset, greedy])
         gather_d, drafts_d, num_d, owner, offset, greedy_d = self.platform.upload(torch.from_numpy(host)).split(sizes)
         drafts_d = drafts_d.view(s, k)
-        rows = logits[gather_d]  # [S * (K + 1), V]
+        rows = raw = logits[gather_d]  # [S * (K + 1), V]
         if penalised:
             rows = self.sampler.penalise_verification(rows.view(s, k + 1, vocab), [v.state for v in verifies],
                                                       drafts_d).view(s * (k + 1), vocab)
@@ -490,7 +500,18 @@ class SpecDecodeModelRunner(ModelRunner):
         if fillers is not None:
             rejected |= fillers.to(device)
         undo.restore(rejected)
-        return out
+        return out, (self._logprobs(raw, out.output_token_ids, verifies) if want_logprobs else None)
+
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, tokens: torch.Tensor, verifies: list[_Verify]) -> list[torch.Tensor]:
+        """The plain sampler's logprobs of every verification row (the model's own distribution, before
+        penalties and temperature): [rows, 1 + n] ids, the row's output token then its top n, and their
+        logprobs, n the most any verification asked for."""
+        n = max(v.state.params.logprobs or 0 for v in verifies)
+        raw = torch.log_softmax(rows, dim=-1)
+        top = torch.topk(raw, min(n, raw.shape[-1]), dim=-1).indices
+        ids = torch.cat([tokens.reshape(-1, 1).clamp(min=0), top], dim=1)
+        return [ids, raw.gather(1, ids)]
 
     def _verify_uniform(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, span: int,
                         num_tokens: int):
@@ -583,7 +604,7 @@ class SpecDecodeModelRunner(ModelRunner):
     def _output(self, so: SchedulerOutput, new_tokens: dict[int, list[int]], logprobs: dict, dead_ends: dict,
                 drafts: dict[int, tuple[list[int], list[float]]]) -> ModelRunnerOutput:
         """Record the new tokens; the step's output."""
-        out = ModelRunnerOutput(new_token_ids=[], draft_token_ids=[], draft_confidences=[])
+        out = ModelRunnerOutput(new_token_ids=[], draft_token_ids=[], draft_confidences=[], new_logprobs=[])
         any_dead = bool(dead_ends)
         for i, s in enumerate(so.scheduled):
             if not s.sample:
@@ -592,7 +613,9 @@ class SpecDecodeModelRunner(ModelRunner):
             state.output_token_ids.extend(new_tokens[i])
             out.seq_ids.append(s.seq_id)
             out.sampled_token_ids.append(new_tokens[i][0])
-            out.logprobs.append(logprobs.get(i))
+            lps = logprobs.get(i)
+            out.logprobs.append(lps[0] if lps else None)
+            out.new_logprobs.append(lps)
             out.new_token_ids.append(new_tokens[i])
             d, c = drafts.get(i, ([], []))
             out.draft_token_ids.append(d)
