@@ -338,3 +338,38 @@ def test_structured_output_survives_preemption_and_chunked_prefill(tiny_path, ma
         if b.outputs[0].finish_reason == "stop":
             name = next(c for c in CASES if CASES[c][0] is p.structured_outputs)
             CASES[name][1](b.outputs[0].text)
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculation_masks_every_verified_position_by_the_grammar(tiny_path, make_llm, k):
+    """Grammar requests speculate: a verification's row j is masked by the grammar after its drafts before
+    j, so a draft the grammar rejects is rejected there. Drafts are the greedy constrained output with
+    some replaced by other tokens (some invalid): greedy outputs equal those without speculation, next
+    to an unconstrained request, and are valid; sampled ones are valid."""
+    from spec_fixtures import oracle_drafts, spec
+
+    path = tiny_path("tiny")
+    cases = ["json_schema", "regex", "grammar", "choice"]
+    prompts = [make_prompt(n, seed=900 + i) for i, n in enumerate([5, 12, 20, 9, 30])]
+    params = [SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=CASES[c][0]) for c in cases]
+    params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    plain = make_llm(path, dtype="float64")
+    ref = plain.generate(token_prompts(prompts), params, use_tqdm=False)
+    llm = make_llm(path, dtype="float64", **spec(k))
+    oracle_drafts(llm, {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, ref)},
+                  lambda seq, m, j: (m + 2 * j) % 5 == 3)
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    engine_fixtures.assert_drained(llm.llm_engine)
+    for a, b, case in zip(ref, outs, cases + [None]):
+        assert b.error is None and a.outputs[0].token_ids == b.outputs[0].token_ids, case
+        if case is not None:
+            assert b.outputs[0].finish_reason == "stop"
+            CASES[case][1](b.outputs[0].text)
+    stats = [o.spec_decode_stats for o in outs]
+    assert all(0 < s["num_accepted_tokens"] < s["num_draft_tokens"] for s in stats), stats
+    sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=160, structured_outputs=CASES[c][0])
+               for i, c in enumerate(cases)]
+    for out, case in zip(llm.generate(token_prompts(prompts[:4]), sampled, use_tqdm=False), cases):
+        assert out.error is None and out.outputs[0].finish_reason == "stop", case
+        CASES[case][1](out.outputs[0].text)

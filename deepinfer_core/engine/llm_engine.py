@@ -403,7 +403,10 @@ class LLMEngine:
             if sample:
                 to_sample.append(seq)
         grammars = [seq.grammar for seq in to_sample]
-        bitmask = self.structured.bitmask(grammars) if any(g is not None for g in grammars) else None
+        bitmask = None
+        if any(g is not None for g in grammars):
+            bitmask = self.structured.bitmask(grammars, [seq.draft_token_ids[: seq.num_scheduled_drafts]
+                                                         for seq in to_sample])
         finished, self._retired = self._retired, []
         speculate = self.drafts is None or self.drafts.speculate
         return SchedulerOutput(items, new, finished, bitmask, speculate=speculate), to_sample

@@ -41,7 +41,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # workers drop their state
-    grammar_bitmask: torch.Tensor | None = None  # host int32, a row per sampled sequence (all ones: none)
+    # host int32, per sampled sequence 1 + its num_drafts rows (row j: after its drafts before j); all ones: none
+    grammar_bitmask: torch.Tensor | None = None
     speculate: bool = True  # speculative decoding: False runs the step as plain decode (no drafting)
 
     @property

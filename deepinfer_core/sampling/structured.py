@@ -16,8 +16,10 @@
   with ``"stop"``.
 * Preemption recomputes a sequence's KV from the tokens it keeps and samples only the *next* token,
   so the matcher, which has accepted exactly the kept output tokens, stays valid: nothing is
-  accepted twice and nothing needs rolling back. :meth:`GrammarState.rollback` exists for callers
-  that do discard tokens (speculative decoding).
+  accepted twice and nothing needs rolling back.
+* With speculative decoding a verification of drafts gets a mask row per position: the matcher
+  accepts the drafts one by one to fill the rows after them, then rolls back
+  (:meth:`GrammarState.fill_after`); the engine feeds it only the tokens verification keeps.
 
 xgrammar is an optional dependency (``pip install deepinfer[structured]``), imported on first use.
 """
@@ -106,17 +108,25 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fill_after(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows ``row + 1 ..``: the masks after each draft (speculative decoding), as far as the matcher
+        accepts them; the matcher is then as it was."""
+        advanced = 0
+        for token in drafts:
+            if not self.matcher.accept_token(int(token)):
+                break
+            advanced += 1
+            if self.matcher.is_terminated():  # the draft ends the output: nothing after it is kept
+                break
+            self.fill(bitmask, row + advanced)
+        if advanced:
+            self.matcher.rollback(advanced)
+
     def accept(self, token: int) -> bool:
         ok = bool(self.matcher.accept_token(int(token)))
         if ok:
             self.num_accepted += 1
         return ok
-
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last ``num_tokens`` accepted tokens (for callers that discard sampled tokens)."""
-        if num_tokens > 0:
-            self.matcher.rollback(num_tokens)
-            self.num_accepted -= num_tokens
 
     def rejection_message(self, token: int) -> str:
         if self.dead_end:
@@ -210,13 +220,19 @@ class StructuredOutputManager:
 
     # --- the step -----------------------------------------------------------------------------------
 
-    def bitmask(self, states: list[GrammarState | None]) -> torch.Tensor:
-        """xgrammar's int32 bitmask [B, ceil(V/32)]: the grammar's allowed tokens for rows with a state,
-        every token for the others."""
-        rows = len(states)
-        mask = torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for row, state in enumerate(states):
+    def bitmask(self, states: list[GrammarState | None], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """xgrammar's int32 bitmask [rows, ceil(V/32)]: the grammar's allowed tokens for rows with a state,
+        every token for the others. A row per state, or with ``drafts`` (each state's drafts to verify)
+        ``1 + len(drafts[i])`` rows for state ``i``, its row ``j`` the mask after its drafts before ``j``.
+        The rows after a draft the grammar rejects allow every token: verification rejects that draft,
+        so it reads none of them."""
+        drafts = drafts or [[] for _ in states]
+        mask = torch.full((sum(1 + len(d) for d in drafts), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        row = 0
+        for state, ahead in zip(states, drafts):
             if state is not None:
                 state.fill(mask, row)
-                mask[row] &= self._never
+                state.fill_after(mask, row, ahead)
+                mask[row: row + 1 + len(ahead)] &= self._never
+            row += 1 + len(ahead)
         return mask

@@ -47,12 +47,6 @@ def max_speculative_tokens(ring_rows: list[int]) -> int | None:
     return min(ring_rows) - 1 if ring_rows else None
 
 
-def can_speculate(params: Any) -> bool:
-    """Whether a request's tokens may come from verified drafts: verification applies penalties,
-    temperature, top-k, top-p and min-p and gives logprobs; grammars take the plain path."""
-    return params.structured_outputs is None
-
-
 def spec_query_lens(config: SpeculativeConfig | None) -> tuple[int, ...]:
     """New tokens per sequence to capture decode graphs for: 1 without speculation; 1 and 1 + k with
     fixed k (a step with fewer drafts is filled up); every 1 + j with confidence scheduling, so that a

@@ -15,7 +15,7 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
 from deepinfer_core.model.cache import layer_cache_specs
 from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler, StepProfile
-from deepinfer_core.spec_decode.config import SpeculativeConfig, can_speculate, max_speculative_tokens
+from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
 from deepinfer_core.spec_decode.gate import SpeculationGate, step_begin
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 
@@ -172,7 +172,7 @@ class DraftPlanner:
         """``seq`` sampled in a speculative step just launched, which will propose drafts for it. Where it
         has none yet (the step ends its prompt, or follows plain steps) a step scheduled before this one ends
         may verify them already: placeholders stand for them, as ``offer`` leaves for later steps."""
-        if not seq.draft_token_ids and can_speculate(seq.params):
+        if not seq.draft_token_ids:
             seq.draft_token_ids = [PLACEHOLDER] * self.config.num_speculative_tokens
             seq.draft_confidences = []
 

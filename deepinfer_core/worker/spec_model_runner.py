@@ -18,12 +18,12 @@ they were, which costs the first drafts after it acceptance, never correctness.
 A step is launched in two halves: ``execute_model`` runs the target forward, the samplers and the
 rollback, and returns; the rest (the new tokens to the host, and for most steps the drafts) runs when
 the output is asked for, or when the next step is launched, whichever comes first. A step of decodes
-only (verifications and plain samples of requests that may speculate) whose batch a drafting graph
-holds launches its drafting right after verification, laid out on the device from the accepted
-counts; steps with prefill chunks or grammars draft in the second half, from the accepted counts
-read back. A penalised verification's logits are penalised by its outputs and, at each position, the
-drafts before it; one that asks for logprobs gets the plain sampler's at each kept position. Neither is
-chained. With async scheduling the engine schedules the next step while
+only (verifications and plain samples) whose batch a drafting graph holds launches its drafting right
+after verification, laid out on the device from the accepted counts; steps with prefill chunks draft in
+the second half, from the accepted counts read back. A verification's row j is masked by its grammar
+after its drafts before j (``SchedulerOutput.grammar_bitmask``), then penalised by its outputs and those
+drafts; one that asks for logprobs gets the plain sampler's at each kept position. Such verifications
+are not chained. With async scheduling the engine schedules the next step while
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
 shifts each span by the drafts the step before accepted and fills in the tokens. When the step before
@@ -47,7 +47,6 @@ from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.spec_decode.confidence import StepProfile
-from deepinfer_core.spec_decode.config import can_speculate
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
 from deepinfer_core.spec_decode.rejection_sampler import (
@@ -152,6 +151,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 self._accepted[s.seq_id], self._drafts[s.seq_id] = 0, []
             return super().execute_model(so)
         self._update_states(so)
+        mask_rows = self._mask_rows(so.scheduled)
         so = dataclasses.replace(so, scheduled=[self._resolve(s) for s in so.scheduled])
         q = self._graph_query_len(so.scheduled)
         spans, ids, rows, plain, verifies, starts = [], [], [], [], [], []
@@ -199,11 +199,9 @@ class SpecDecodeModelRunner(ModelRunner):
         plain_out = verified = plain_samples = verified_logprobs = None
         if plain:
             states = [self.requests[so.scheduled[i].seq_id] for i, _ in plain]
-            sampled = [i for i, s in enumerate(so.scheduled) if s.sample]
             bitmask = so.grammar_bitmask
             if bitmask is not None:
-                keep = [sampled.index(i) for i, _ in plain]
-                bitmask = bitmask[keep]
+                bitmask = bitmask[[mask_rows[i] for i, _ in plain]]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
             plain_samples = self.sampler(logits.index_select(0, index), states, bitmask)
             plain_out = plain_samples.to_host(self.platform)
@@ -211,8 +209,9 @@ class SpecDecodeModelRunner(ModelRunner):
         if verifies:
             lengths = {len(s.token_ids) for s in so.scheduled}
             span = q or (next(iter(lengths)) if len(lengths) == 1 else None)
+            masks = None if so.grammar_bitmask is None else (so.grammar_bitmask, mask_rows)
             verified, verified_logprobs = self._verify(logits, verifies, undo, draft_mask, fillers, starts,
-                                                       so.scheduled, span)
+                                                       so.scheduled, span, masks)
         elif undo is not None:
             undo.restore(fillers.to(logits.device))
         drafted = windows = None
@@ -252,7 +251,7 @@ class SpecDecodeModelRunner(ModelRunner):
             state = self.requests.get(s.seq_id)
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
-                    or any(t != PLACEHOLDER for t in s.token_ids) or not can_speculate(state.params)
+                    or any(t != PLACEHOLDER for t in s.token_ids)
                     or state.params.has_penalties or state.params.logprobs is not None):
                 return False
         q = self._chained_query_len(so.scheduled)
@@ -328,12 +327,10 @@ class SpecDecodeModelRunner(ModelRunner):
 
     def _drafts_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step drafts right after verification, from its result on the device: every span a
-        sampled decode (a verification or a plain sample) of a request that may speculate, in a batch a
-        drafting graph holds."""
+        sampled decode (a verification or a plain sample), in a batch a drafting graph holds."""
         graphs = self.proposer.graphs
         return (graphs is not None and graphs.size_for(len(scheduled)) is not None
-                and all(s.sample and len(s.token_ids) == 1 + s.num_drafts
-                        and can_speculate(self.requests[s.seq_id].params) for s in scheduled))
+                and all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in scheduled))
 
     def _draft_on_device(self, scheduled: list[ScheduledSeq], streams: torch.Tensor, starts: list[int],
                          plain: list, plain_samples, verifies: list[_Verify], verified
@@ -451,17 +448,27 @@ class SpecDecodeModelRunner(ModelRunner):
             self._accepted[seq_id], self._drafts[seq_id] = len(tokens) - 1, list(drafts)
         return out
 
+    @staticmethod
+    def _mask_rows(scheduled: list[ScheduledSeq]) -> dict[int, int]:
+        """Scheduled index -> the first of its grammar bitmask rows (a row for its token, one per draft)."""
+        rows, row = {}, 0
+        for i, s in enumerate(scheduled):
+            if s.sample:
+                rows[i], row = row, row + 1 + s.num_drafts
+        return rows
+
     def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
                 fillers: torch.Tensor | None, starts: list[int], scheduled: list[ScheduledSeq],
-                span: int | None = None):
-        """Verify every verification's drafts (a ``VerifyOutput`` on the device); rows written by rejected
-        drafts and by ``fillers`` (bool [T], on the host) are put back. ``span``: the tokens of every
-        scheduled span (fillers included), where all are one length."""
+                span: int | None = None, masks: tuple[torch.Tensor, dict[int, int]] | None = None):
+        """Verify every verification's drafts (a ``VerifyOutput`` on the device, and the logprobs of its rows
+        where asked); rows written by rejected drafts and by ``fillers`` (bool [T], on the host) are put
+        back. ``span``: the tokens of every scheduled span (fillers included), where all are one length.
+        ``masks``: the grammar bitmask and each scheduled index's first row in it."""
         device, vocab = logits.device, logits.shape[-1]
         s = len(verifies)
         penalised = any(v.state.params.has_penalties for v in verifies)
         want_logprobs = any(v.state.params.logprobs is not None for v in verifies)
-        if (span and s == len(scheduled) and not (penalised or want_logprobs)
+        if (span and s == len(scheduled) and not (penalised or want_logprobs or masks)
                 and all(v.state.params.greedy for v in verifies)
                 and all(v.first_row == i * span for i, v in enumerate(verifies))):
             return self._verify_uniform(logits, verifies, undo, span, len(draft_mask)), None
@@ -484,7 +491,12 @@ class SpecDecodeModelRunner(ModelRunner):
         host = np.concatenate([gather.reshape(-1), drafts.reshape(-1), num, owner, offset, greedy])
         gather_d, drafts_d, num_d, owner, offset, greedy_d = self.platform.upload(torch.from_numpy(host)).split(sizes)
         drafts_d = drafts_d.view(s, k)
-        rows = raw = logits[gather_d]  # [S * (K + 1), V]
+        rows = logits[gather_d]  # [S * (K + 1), V]
+        if masks is not None:  # first, as the plain sampler: logprobs are those of the constrained logits
+            bitmask, first_mask = masks
+            index = [first_mask[v.index] + min(c, len(v.drafts)) for v in verifies for c in range(k + 1)]
+            rows = self.sampler.ops.apply_token_bitmask(rows, bitmask[index].to(device))
+        raw = rows
         if penalised:
             rows = self.sampler.penalise_verification(rows.view(s, k + 1, vocab), [v.state for v in verifies],
                                                       drafts_d).view(s * (k + 1), vocab)
@@ -592,11 +604,9 @@ class SpecDecodeModelRunner(ModelRunner):
                 nxt = s.token_ids[1:] + [s.next_token_id]
             else:
                 continue
-            state = self.requests[s.seq_id]
-            wants = s.sample and can_speculate(state.params)
             spans.append(DraftSpan(s.start, list(range(starts[i], starts[i] + len(nxt))), nxt, s.block_table,
-                                   windows[i], wants))
-            if wants:
+                                   windows[i], s.sample))
+            if s.sample:
                 drafting.append(i)
         proposal = self.proposer.propose(spans, streams)
         return dict(zip(drafting, zip(proposal.draft_token_ids, proposal.confidences)))

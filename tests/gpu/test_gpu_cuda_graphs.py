@@ -99,6 +99,31 @@ def test_speculative_steps_replay_verification_and_drafting_graphs(k):
     assert stats["mean_acceptance_length"] > 1.2, stats
 
 
+def test_penalised_requests_and_logprobs_speculate_through_the_graphs():
+    """Penalised requests and requests with logprobs verify drafts (the penalties and logprobs applied to
+    the graphs' verification rows), drafting on the device after them: the greedy tokens are the eager
+    engine's without speculation (all but near-ties in float32) and so are the logprobs, to TOL."""
+    plain = make(enforce_eager=True)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(4)]
+    extra = [dict(repetition_penalty=1.3), dict(logprobs=2), dict(frequency_penalty=0.8, logprobs=1), {}]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **e) for e in extra]
+    ref = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": 3}, async_scheduling=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    same = 0
+    for out, want in zip(outs, ref):
+        got = out.outputs[0]
+        same += got.token_ids == want.token_ids
+        assert out.spec_decode_stats["num_accepted_tokens"] > 0, out.spec_decode_stats
+        for step, (a, b) in enumerate(zip(got.token_ids, want.token_ids)):
+            if a != b:
+                break
+            if want.logprobs is not None:
+                assert abs(got.logprobs[step][a] - want.logprobs[step][b]) < TOL, step
+    assert same >= len(prompts) - 1
+
+
 def test_chained_speculative_steps_on_the_device():
     """Async scheduling with MTP speculation (k = 3): greedy verification steps launch while the step
     before is in flight, laid out on the device from its result. The tokens and the acceptance counts are
