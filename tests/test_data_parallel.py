@@ -1,10 +1,11 @@
 """Attention data parallel (two spawned rank processes, gloo) on the embedded tiny model, float32.
 
 ``LLM(data_parallel_size=2, enable_expert_parallel=True)`` gives the single-process engine's greedy
-tokens for concurrent requests of different lengths; LLMEngine's API (add_request / step /
-abort_request / has_unfinished_requests) works across the ranks with outputs in the caller's order and
-requests spread by outstanding tokens. A rank killed mid-generation, or one that stops answering, is a
-clear error naming it within the timeout, and no rank process is left.
+tokens for concurrent requests of different lengths, also with MTP speculation on the ranks;
+LLMEngine's API (add_request / step / abort_request / has_unfinished_requests) works across the ranks
+with outputs in the caller's order and requests spread by outstanding tokens. A rank killed
+mid-generation, or one that stops answering, is a clear error naming it within the timeout, and no rank
+process is left.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def test_arguments_every_rank_refuses_are_a_value_error():
     assert isinstance(info.value.__cause__, RankFailure)
 
 
+def test_speculation_with_expert_parallel_refuses_async_scheduling():
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="async_scheduling is not available"):
+        LLM(dtype="float32", data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec,
+            async_scheduling=True)
+
+
 def _assert_all_gone(engine: DataParallelEngine) -> None:
     assert not any(proc.is_alive() for proc in engine.ranks.procs)
     for pid in engine.rank_pids:
@@ -185,3 +193,33 @@ def test_a_hung_rank_is_named_after_the_timeout():
     assert "rank 0 failed" in str(info.value)  # its collective timed out waiting for rank 1
     assert time.monotonic() - start < 3 + 5 + 10
     _assert_all_gone(engine)
+
+
+@pytest.mark.parametrize("expert_parallel,schedule", [(True, "fixed"), (False, "fixed"), (True, "confidence")])
+def test_speculative_decoding_on_the_ranks_equals_one_process(expert_parallel, schedule):
+    """MTP speculation (k=2) on every rank of ``data_parallel_size=2``: with expert parallel every rank
+    runs the MTP block k times a step whatever it drafts (an idle rank's placeholder step too), and every
+    step speculates (confidence scheduling chooses no plain steps there), so the ranks' collectives line
+    up. The greedy tokens are those of one process without speculation
+    (float64, the trained model and held-out text, so drafts are accepted and rejected; a prompt
+    prefilled in chunks), and the counters are the ranks' summed."""
+    kw = dict(dtype="float64", max_num_batched_tokens=64)
+    single = LLM(**kw)
+    ids = single.llm_engine.encode(open("data/heldout_slice.txt").read())
+    # the first prompt is prefilled in chunks: its rank's first steps draft nothing (the catch-up only)
+    prompts = [ids[:150]] + [ids[i * 120: i * 120 + 10 + 13 * i] for i in range(1, 5)]
+    params = [greedy(m) for m in (20, 4, 14, 9, 26)]
+    expected = _generate(single, prompts, params)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "schedule": schedule}
+    llm = LLM(**kw, data_parallel_size=2, enable_expert_parallel=expert_parallel, speculative_config=spec,
+              distributed_timeout_s=120)
+    try:
+        engine = llm.llm_engine
+        assert _generate(llm, prompts, params) == expected
+        stats = engine.spec_decode_stats()
+        assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+        counters = engine.rank_counters()
+        if expert_parallel:  # a rank with nothing left ran placeholder steps beside its peer's
+            assert sum(c["placeholder_steps"] for c in counters) > 0, counters
+    finally:
+        llm.llm_engine.shutdown()

@@ -284,6 +284,8 @@ class AsyncLLM:
         drafts = getattr(self.engine, "drafts", None)
         if drafts is not None:  # the counters only: the gate's per-bucket figures are not for every step
             self.spec_decode_stats = drafts.stats.as_dict()
+        elif callable(getattr(self.engine, "spec_decode_stats", None)):  # a data-parallel front-end's, summed
+            self.spec_decode_stats = self.engine.spec_decode_stats()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.parallel.prefix_router import PrefixAffinityRouter
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 from deepinfer_core.worker.multiproc_executor import RankFailure, RankProcesses
 
 
@@ -71,6 +72,7 @@ class DataParallelEngine:
         self.load = [0] * self.num_ranks  # outstanding tokens per rank
         self._busy = [False] * self.num_ranks
         self._stats: list[dict[str, float] | None] = [None] * self.num_ranks  # prefix cache, per rank
+        self._spec: list[SpecDecodeStats | None] = [None] * self.num_ranks  # speculative decoding, per rank
         # without prefix caching there is no affinity to keep: a block size nobody reaches
         block = args.block_size if args.enable_prefix_caching else 1 << 62
         self.router = PrefixAffinityRouter(self.num_ranks, block, self.scheduler_config.max_num_batched_tokens)
@@ -136,8 +138,8 @@ class DataParallelEngine:
             ranks = [r for r in range(self.num_ranks) if self._busy[r]]
         answers = self.ranks.call_all(ranks, "step")
         outputs: list[RequestOutput] = []
-        for rank, (outs, busy, stats) in answers.items():
-            self._busy[rank], self._stats[rank] = busy, stats
+        for rank, (outs, busy, stats, spec) in answers.items():
+            self._busy[rank], self._stats[rank], self._spec[rank] = busy, stats, spec
             outputs.extend(outs)
         outputs.sort(key=lambda out: self._order.get(out.request_id, -1))
         for out in outputs:
@@ -169,6 +171,17 @@ class DataParallelEngine:
                     stats[key] = stats.get(key, 0) + value
         stats["hit_rate"] = stats["hit_tokens"] / stats["query_tokens"] if stats.get("query_tokens") else 0.0
         return stats
+
+    def spec_decode_stats(self) -> dict | None:
+        """Speculative decoding counters summed over the ranks (as of each rank's last step); None without
+        speculation."""
+        if self.args.speculative_config is None:
+            return None
+        total = SpecDecodeStats()
+        for stats in self._spec:
+            if stats is not None:
+                total.add(stats)
+        return total.as_dict()
 
     def expert_load(self) -> torch.Tensor | None:
         """``[layer, expert]``: the (token, expert) pairs routed to each logical expert since the last call,

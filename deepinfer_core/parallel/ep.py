@@ -135,10 +135,17 @@ def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def dummy_moe_step(model) -> None:
-    """Every MoE layer of the forward, with no tokens: the rank takes part in each dispatch and combine."""
+def dummy_moe_step(model, mtp_steps: int = 0) -> None:
+    """Every MoE layer of the forward, then the MTP block's ``mtp_steps`` times (a speculative step's
+    drafting), with no tokens: the rank takes part in each dispatch and combine."""
     w = model.weights
-    h = torch.empty((0, model.cfg.hidden_size), dtype=model.dtype, device=model.device)
-    ids = torch.empty((0,), dtype=torch.long, device=model.device)
     for block in w.layers:
-        model.moe(block.moe, h, ids)
+        dummy_moe(model, block.moe)
+    for _ in range(mtp_steps):
+        dummy_moe(model, w.mtp[0].block.moe)
+
+
+def dummy_moe(model, moe) -> None:
+    """One MoE layer with no tokens (its collectives only)."""
+    h = torch.empty((0, model.cfg.hidden_size), dtype=model.dtype, device=model.device)
+    model.moe(moe, h, torch.empty((0,), dtype=torch.long, device=model.device))

@@ -21,14 +21,14 @@ from deepinfer_core.spec_decode.metrics import SpecDecodeStats
 
 
 class DraftPlanner:
-    def __init__(self, config: SpeculativeConfig, window: int = 0):
+    def __init__(self, config: SpeculativeConfig, window: int = 0, gate: bool = True):
         self.config = config
         self.window = window  # the MTP block's sliding window: what a plain step leaves stale
         self.stats = SpecDecodeStats()
         self.confidence = ConfidenceScheduler() if config.schedule == "confidence" else None
         # confidence scheduling may also choose plain decode steps (no drafting at all) where those are faster
         self.gate = None
-        if self.confidence is not None:
+        if self.confidence is not None and gate:
             self.gate = SpeculationGate(max_tokens_per_step=1 + config.num_speculative_tokens)
         self.speculate = True  # whether the step being scheduled speculates
         self._step_finish: float | None = None  # when the last finished step's output was there
@@ -49,9 +49,8 @@ class DraftPlanner:
             raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} is more than this model "
                              f"allows ({cap}: a verification must fit its smallest compressor ring of "
                              f"{cap + 1} rows)")
-        if parallel.data_parallel_size > 1:
-            raise ValueError("speculative decoding is not available with data_parallel_size > 1 yet")
-        return cls(config, window=cfg.sliding_window or 0)
+        # expert-parallel ranks meet in every MoE layer's collectives: each step of each rank speculates
+        return cls(config, window=cfg.sliding_window or 0, gate=parallel.expert_parallel_size == 1)
 
     # --- before scheduling -----------------------------------------------------------------------
 

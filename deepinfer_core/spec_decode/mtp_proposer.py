@@ -10,6 +10,9 @@ verification), which writes its KV for them and, at a sequence's last position, 
 
 Draft positions past the blocks the step holds read and write nothing (rows -1): such a draft sees less
 of its own context, which costs acceptance, never correctness.
+
+With expert parallel every rank's step runs the MTP block k times, whatever it drafts (the missing
+times with no tokens, through the MoE's collectives only), so that the ranks' collectives line up.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
+from deepinfer_core.parallel.ep import dummy_moe
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 
 
@@ -67,10 +71,22 @@ class MtpProposer:
     def propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
         """Catch the MTP block up over ``spans`` (``streams``: the target's [T, n, D]) and draft for the
         spans that ask."""
+        if self.graphs is not None and spans and self._graphable(spans):
+            return self._propose_padded(spans, streams)
+        self._forwards = 0
+        proposal = self._propose(spans, streams)
+        if self.model.ep is not None:  # the expert-parallel peers run the block k times a step
+            for _ in range(self.k - self._forwards):
+                dummy_moe(self.model, self.model.weights.mtp[0].block.moe)
+        return proposal
+
+    def _forward(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        self._forwards += 1
+        return self.model.mtp_forward(*args)
+
+    def _propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
         if not spans:
             return Proposal([], [])
-        if self.graphs is not None and self._graphable(spans):
-            return self._propose_padded(spans, streams)
         seq_spans, ids, rows, out_rows = [], [], [], []
         for span in spans:
             n = len(span.next_ids)
@@ -83,7 +99,7 @@ class MtpProposer:
         batch = self._batch(seq_spans, ids, out_rows)
         index = torch.tensor(rows, dtype=torch.long).to(streams.device, non_blocking=True)
         next_ids = torch.tensor(ids, dtype=torch.long).to(streams.device, non_blocking=True)
-        logits, out = self.model.mtp_forward(batch, self.cache, streams[index], next_ids)
+        logits, out = self._forward(batch, self.cache, streams[index], next_ids)
         drafting = [s for s in spans if s.draft]
         if not drafting:
             return Proposal([], [])
@@ -102,7 +118,7 @@ class MtpProposer:
                 table, window = self._tables(s, p + j)
                 step_spans.append(SeqSpan(p + j, 1, table, window, -1))
             batch = self._batch(step_spans, [0] * len(drafting), list(range(len(drafting))))
-            logits, h = self.model.mtp_forward(batch, self.cache, h, token)
+            logits, h = self._forward(batch, self.cache, h, token)
         draft_ids = torch.stack(tokens, dim=1).tolist()
         confidences = torch.stack(confs, dim=1).tolist()
         return Proposal(draft_ids, confidences)

@@ -86,7 +86,7 @@ class _RankCore:
         self.engine.abort_request(request_id)
         return self.engine.has_unfinished_requests()
 
-    def step(self, _: Any) -> tuple[list[Any], bool, dict[str, float]]:
+    def step(self, _: Any) -> tuple[list[Any], bool, dict[str, float], Any]:
         launched = self.executor.num_launched
         outputs = self.engine.step()
         if self.expert_parallel and self.executor.failed is not None:
@@ -97,7 +97,9 @@ class _RankCore:
             self.num_placeholder_steps += 1
             self.executor.execute_dummy()
         self.executor.driver_worker.eplb_step()
-        return outputs, self.engine.has_unfinished_requests(), self.engine.prefix_cache_stats()
+        drafts = self.engine.drafts
+        return (outputs, self.engine.has_unfinished_requests(), self.engine.prefix_cache_stats(),
+                None if drafts is None else drafts.stats)
 
     def rearrange(self, load: torch.Tensor | None) -> dict[str, Any]:
         state = self.executor.driver_worker.eplb_state

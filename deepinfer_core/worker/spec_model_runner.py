@@ -230,6 +230,8 @@ class SpecDecodeModelRunner(ModelRunner):
                                                         drafted, windows))
         if drafted is not None:
             self._chain.pending = self._pending
+        if self.model.ep is not None:  # the drafting's collectives meet the expert-parallel peers' in this step
+            self._pending.get_output()
         return self._pending
 
     def _chains(self, so: SchedulerOutput) -> bool:

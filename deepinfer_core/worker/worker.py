@@ -108,4 +108,4 @@ class Worker:
     def execute_dummy(self) -> None:
         """A step with nothing scheduled: the MoE layers' expert-parallel collectives, with no tokens."""
         if self.ep_dispatcher is not None:
-            dummy_moe_step(self.model)
+            dummy_moe_step(self.model, getattr(self.model_runner, "k", 0))
