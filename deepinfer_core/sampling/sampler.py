@@ -218,20 +218,29 @@ class Sampler:
     def _penalise(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
         """Penalties from each penalised sequence's persistent prompt mask and output counts."""
         prompt_mask, counts = self._penalty_rows(seqs, logits.shape[-1], logits.device)
-        return self._apply_penalties(logits, prompt_mask, counts, [s.params for s in seqs])
+        return self.ops.apply_penalties(logits, prompt_mask, counts, *self._penalty_values(seqs, logits))
 
     def penalise_verification(self, logits: torch.Tensor, seqs: list[Any], drafts: torch.Tensor) -> torch.Tensor:
         """The penalties of verification rows: ``logits`` [S, Q, V], row ``j`` of sequence ``i`` the
         position after its drafts ``drafts[i, :j]`` ([S, >= Q - 1], device), which count as its outputs
-        there (as they are, where accepted)."""
+        there (as they are, where accepted). Every row is penalised by the outputs' counts, then the
+        drafts' own tokens again with the counts that row sees (a [S * Q, Q - 1] matrix, not a
+        vocabulary-wide one per row)."""
         num, q, vocab = logits.shape
         prompt_mask, counts = self._penalty_rows(seqs, vocab, logits.device)
-        drafted = torch.zeros((num, q, vocab), dtype=torch.long, device=logits.device)
-        drafted[:, 1:].scatter_(2, drafts[:, : q - 1].unsqueeze(2), 1)
-        counts = (counts.unsqueeze(1) + drafted.cumsum(dim=1)).view(num * q, vocab)
-        params = [s.params for s in seqs for _ in range(q)]
-        prompt_mask = prompt_mask.repeat_interleave(q, dim=0)
-        return self._apply_penalties(logits.reshape(num * q, vocab), prompt_mask, counts, params).view(num, q, vocab)
+        values = self._penalty_values(seqs, logits)
+        out = torch.stack([self.ops.apply_penalties(logits[:, j], prompt_mask, counts, *values) for j in range(q)], 1)
+        if q == 1:
+            return out
+        d = drafts[:, : q - 1]
+        same = (d.unsqueeze(2) == d.unsqueeze(1)).long()  # [S, p', p]: draft p' is draft p's token
+        before = torch.cat([same.new_zeros((num, 1, q - 1)), same.cumsum(1)], 1)  # row j: drafts p' < j
+        seen = (counts.gather(1, d).unsqueeze(1) + before).view(num * q, q - 1)
+        mask = prompt_mask.gather(1, d).repeat_interleave(q, dim=0)
+        cols = d.unsqueeze(1).expand(num, q, q - 1)
+        narrow = self.ops.apply_penalties(logits.gather(2, cols).view(num * q, q - 1), mask, seen,
+                                          *(v.repeat_interleave(q) for v in values))
+        return out.scatter_(2, cols, narrow.view(num, q, q - 1))
 
     def _penalty_rows(self, seqs: list[Any], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's prompt mask and output counts ([len(seqs), vocab]; zeros for an unpenalised one),
@@ -263,9 +272,11 @@ class Sampler:
                 counts[row] = state.counts
         return prompt_mask, counts
 
-    def _apply_penalties(self, logits: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor,
-                         params: list[Any]) -> torch.Tensor:
-        values = torch.tensor([[x.repetition_penalty for x in params], [x.presence_penalty for x in params],
-                               [x.frequency_penalty for x in params]], dtype=torch.float64)
+    @staticmethod
+    def _penalty_values(seqs: list[Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(repetition, presence, frequency) per sequence on the logits' device (one copy)."""
+        p = [s.params for s in seqs]
+        values = torch.tensor([[x.repetition_penalty for x in p], [x.presence_penalty for x in p],
+                               [x.frequency_penalty for x in p]], dtype=torch.float64)
         repetition, presence, frequency = values.to(logits.device, non_blocking=True).to(logits.dtype)
-        return self.ops.apply_penalties(logits, prompt_mask, counts, repetition, presence, frequency)
+        return repetition, presence, frequency
