@@ -60,8 +60,7 @@ class ExternalLauncherEngine:
         while it has requests and :meth:`shutdown` does after); this rank's outputs."""
         if not self._any_rank_busy():
             return []
-        outputs, _, _ = self.rank_core.step(None)
-        return outputs
+        return self.rank_core.step(None)[0]
 
     def has_unfinished_requests(self) -> bool:
         """This rank's requests only (no collective)."""
@@ -73,6 +72,10 @@ class ExternalLauncherEngine:
 
     def eplb_stats(self) -> dict[str, Any]:
         return self.rank_core.eplb_stats(None)
+
+    def spec_decode_stats(self) -> dict | None:
+        """This rank's speculative decoding counters (None without speculation)."""
+        return self.core.spec_decode_stats()
 
     def rank_counters(self) -> dict[str, int]:
         return self.rank_core.counters(None)
