@@ -36,6 +36,24 @@ def test_step_time_model_interpolates_and_extrapolates():
     assert StepTimeModel().seconds(100) == StepTimeModel().seconds(1)  # nothing measured: flat
 
 
+def test_steps_are_priced_by_the_curve_of_their_batch_size():
+    """Speculative steps of 8 sequences cost the same whatever their drafts (the device is not full);
+    plain steps of 32 sequences, also 32 tokens, cost more. A step of 8 is priced by its own curve once
+    it has two token buckets, so it verifies every draft; the curve over all steps, which mixes the two
+    sizes, prices each draft as if it were a sequence and admits fewer."""
+    steps = [(32, 0.5, 32)] + [(tokens, 0.2, 8) for tokens in (8, 16, 32)]
+    model, mixed = StepTimeModel(), StepTimeModel()
+    for _ in range(5):
+        for tokens, seconds, seqs in steps:
+            model.observe(tokens, seconds, num_seqs=seqs)
+            mixed.observe(tokens, seconds)  # the same steps, without their batch sizes
+    assert model.seconds(32, 8) == pytest.approx(0.2)
+    assert model.seconds(32, 16) == model.seconds(32) == mixed.seconds(32) > 0.3  # no curve of 16: all steps'
+    cands = [Candidate(i, [0.8, 0.8, 0.8], 3) for i in range(8)]
+    assert sum(trusting(step_time=model).plan(cands, 8, 8, batch=8).values()) == 24
+    assert sum(trusting(step_time=mixed).plan(cands, 8, 8, batch=8).values()) < 24
+
+
 def trusting(**kwargs) -> ConfidenceScheduler:
     """A scheduler whose calibrator trusts the confidences from the start (no optimistic first tests)."""
     return ConfidenceScheduler(calibrator=AcceptanceCalibrator(min_tests=0), **kwargs)

@@ -448,7 +448,7 @@ class LLMEngine:
         emitted = 0
         if self.drafts is not None:
             self.drafts.observe_step(launched.num_tokens, launched.started, time.perf_counter(), launched.speculate,
-                                     pipelined)
+                                     pipelined, len(launched.sampled))
         for i, (seq, pos) in enumerate(zip(launched.sampled, launched.positions)):
             if seq.finish_reason is not None:  # finished or aborted after the launch: its sample is dropped
                 continue

@@ -5,11 +5,11 @@ probability that it and every draft before it are accepted: the product of per-p
 estimates, each the drafter's confidence in that draft calibrated online against measured acceptance
 (:class:`AcceptanceCalibrator`). A step-time curve prices each extra token: the seconds of the captured
 graph a decode step would replay, by batch size and query length (:class:`StepProfile`, timed when the
-graphs are captured), or else a curve by batch token count learnt from the steps the engine runs
-(:class:`StepTimeModel`). Pairs are taken by descending survival and the prefix with the most estimated
-accepted tokens per second is admitted, so a large batch verifies fewer drafts and a lone sequence
-verifies more. A graph's query length is fixed: there, a step costs what its longest span costs (every
-span is filled up to it). With confidence scheduling a graph is captured for every 1 + j tokens, so a
+graphs are captured), or else a curve by batch token count learnt from the steps the engine runs, one
+per batch size bucket (:class:`StepTimeModel`). Pairs are taken by descending survival and the prefix
+with the most estimated accepted tokens per second is admitted, so a large batch verifies fewer drafts
+and a lone sequence verifies more. A graph's query length is fixed: there, a step costs what its longest
+span costs (every span is filled up to it). With confidence scheduling a graph is captured for every 1 + j tokens, so a
 step that verifies at most j drafts a sequence is priced, and run, as the 1 + j graph.
 """
 
@@ -49,20 +49,20 @@ class AcceptanceCalibrator:
             self.accepted[b] += j < num_accepted
 
 
-class StepTimeModel:
-    """Seconds of one step against its token count: a running mean per power-of-two bucket, linear between
-    buckets' mean points and extrapolated from the last two. Until something is measured every size
-    costs the same (verify everything)."""
+def _bucket(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
 
-    def __init__(self, decay: float = 0.8):
+
+class _Curve:
+    """Seconds against token count: a running mean per power-of-two bucket, linear between buckets' mean
+    points and extrapolated from the last two."""
+
+    def __init__(self, decay: float):
         self.decay = decay
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens < 1 or not seconds > 0:
-            return
-        bucket = 1 << max(0, math.ceil(math.log2(num_tokens)))
-        old = self.points.get(bucket)
+        bucket, old = _bucket(num_tokens), self.points.get(_bucket(num_tokens))
         if old is None:
             self.points[bucket] = (float(num_tokens), seconds)
         else:
@@ -71,8 +71,6 @@ class StepTimeModel:
 
     def seconds(self, num_tokens: int) -> float:
         pts = sorted(self.points.values())
-        if not pts:
-            return 1.0
         if len(pts) == 1 or num_tokens <= pts[0][0]:
             return pts[0][1]
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -81,6 +79,36 @@ class StepTimeModel:
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
         return y1 + slope * (num_tokens - x1)
+
+
+class StepTimeModel:
+    """Seconds of one step against its token count, learnt from the steps run: one curve over all steps,
+    and one per power-of-two bucket of the step's decoding sequences, which prices a step once it has
+    two token buckets measured (across batch sizes, tokens grow with the sequences, whose own cost the
+    curve over all steps would charge to each draft). Until something is measured every size costs the
+    same (verify everything)."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.all = _Curve(decay)
+        self.by_seqs: dict[int, _Curve] = {}
+
+    @property
+    def points(self) -> dict[int, tuple[float, float]]:
+        return self.all.points
+
+    def observe(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> None:
+        if num_tokens < 1 or not seconds > 0:
+            return
+        self.all.observe(num_tokens, seconds)
+        if num_seqs:
+            self.by_seqs.setdefault(_bucket(num_seqs), _Curve(self.decay)).observe(num_tokens, seconds)
+
+    def seconds(self, num_tokens: int, num_seqs: int | None = None) -> float:
+        curve = self.by_seqs.get(_bucket(num_seqs)) if num_seqs else None
+        if curve is not None and len(curve.points) >= 2:
+            return curve.seconds(num_tokens)
+        return self.all.seconds(num_tokens) if self.all.points else 1.0
 
 
 @dataclass
@@ -121,10 +149,11 @@ class ConfidenceScheduler:
         return out
 
     def plan(self, candidates: list[Candidate], base_tokens: int, base_accepted: float,
-             max_tokens: int | None = None, num_seqs: int | None = None) -> dict[int, int]:
+             max_tokens: int | None = None, num_seqs: int | None = None, batch: int | None = None) -> dict[int, int]:
         """Drafts to verify per candidate key. ``base_tokens``: the step's tokens without drafts;
         ``base_accepted``: the tokens it yields for sure (one per sampled sequence); ``num_seqs``: the
-        step's sequences where it is all decodes (a graph's shape), else None."""
+        step's sequences where it is all decodes (a graph's shape), else None; ``batch``: its decoding
+        sequences (those of the candidates where not given), for the step-time curve of that size."""
         pairs = []
         for cand in candidates:
             for j, s in enumerate(self.survival(cand.confidences[: cand.room])):
@@ -132,7 +161,8 @@ class ConfidenceScheduler:
         pairs.sort()
         counts = {c.key: 0 for c in candidates}
         tokens, expected, longest = max(1, base_tokens), max(base_accepted, 1e-9), 1
-        best, chosen, best_len = expected / self._seconds(tokens, num_seqs, longest), [], 0
+        batch = len(candidates) if batch is None else batch
+        best, chosen, best_len = expected / self._seconds(tokens, num_seqs, longest, batch), [], 0
         for neg_s, j, key in pairs:
             if max_tokens is not None and tokens + 1 > max_tokens:
                 break
@@ -140,7 +170,7 @@ class ConfidenceScheduler:
                 continue
             counts[key], tokens, expected, longest = j + 1, tokens + 1, expected - neg_s, max(longest, j + 2)
             chosen.append(key)
-            rate = expected / self._seconds(tokens, num_seqs, longest)
+            rate = expected / self._seconds(tokens, num_seqs, longest, batch)
             if rate > best:
                 best, best_len = rate, len(chosen)
         admitted = {c.key: 0 for c in candidates}
@@ -148,15 +178,15 @@ class ConfidenceScheduler:
             admitted[key] += 1
         return admitted
 
-    def _seconds(self, num_tokens: int, num_seqs: int | None, longest: int) -> float:
+    def _seconds(self, num_tokens: int, num_seqs: int | None, longest: int, batch: int) -> float:
         if self.profile is not None and num_seqs:
             seconds = self.profile.lookup(num_seqs, longest)
             if seconds is not None:
                 return seconds
-        return self.step_time.seconds(num_tokens)
+        return self.step_time.seconds(num_tokens, batch)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.step_time.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> None:
+        self.step_time.observe(num_tokens, seconds, num_seqs)
 
     def observe_verification(self, confidences: list[float], num_accepted: int) -> None:
         self.calibrator.observe(confidences, num_accepted)

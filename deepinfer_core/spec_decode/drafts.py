@@ -104,7 +104,7 @@ class DraftPlanner:
                       for seq in decoding if rooms[seq.seq_id]]
         decode_only = base == len(decoding)  # no prefill chunk: a step of a graph's shape
         budget = self.confidence.plan(candidates, base, len(decoding), config.max_num_batched_tokens,
-                                      num_seqs=len(decoding) if decode_only else None)
+                                      num_seqs=len(decoding) if decode_only else None, batch=len(decoding))
         for seq in scheduler.running:
             seq.draft_budget = budget.get(seq.seq_id, 0)
 
@@ -116,8 +116,9 @@ class DraftPlanner:
     # --- after a step ----------------------------------------------------------------------------
 
     def observe_step(self, num_tokens: int, started: float, now: float, speculated: bool = True,
-                     pipelined: bool = False) -> None:
-        """A step of ``num_tokens`` launched at ``started`` has its output at ``now``. Where a later step was
+                     pipelined: bool = False, num_seqs: int | None = None) -> None:
+        """A step of ``num_tokens`` (``num_seqs`` sampled sequences) launched at ``started`` has its output
+        at ``now``. Where a later step was
         launched before it finished (``pipelined``), its time runs from the later of its launch and the
         previous step's output: while that one ran, this one only waited. The last step of a pipeline is
         not timed (see :func:`~deepinfer_core.spec_decode.gate.step_begin`)."""
@@ -125,7 +126,7 @@ class DraftPlanner:
         self._step_finish = now
         # the verification cost curve is a speculative step's
         if self.confidence is not None and speculated and begin is not None:
-            self.confidence.observe_step(num_tokens, now - begin)
+            self.confidence.observe_step(num_tokens, now - begin, num_seqs)
 
     def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,
                        now: float, seqs: list[Sequence] = (), pipelined: bool = True) -> None:
