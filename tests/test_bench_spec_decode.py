@@ -140,3 +140,15 @@ def test_speed_mode_times_steps_by_a_virtual_clock_when_asked(bsd):
     assert off["seconds"] == pytest.approx(8e-3, rel=0.1)
     with pytest.raises(SystemExit):
         bsd.main(["--mode", "speed", "--virtual-clock", "fast"])
+
+
+def test_confidence_plan_benchmark_times_both_pricings(bsd, tmp_path):
+    import bench_confidence_plan
+
+    report = bench_confidence_plan.main(["--batch-sizes", "1,8", "--repeats", "2",
+                                         "--json-out", str(tmp_path / "plan.json")])
+    rows = {(r["pricing"], r["batch"]): r for r in report["rows"]}
+    assert set(rows) == {("graphs", 1), ("graphs", 8), ("eager", 1), ("eager", 8)}
+    assert all(r["plan_ms"] > 0 and 0 <= r["drafts_admitted"] <= 3 * r["batch"] for r in rows.values())
+    assert rows["graphs", 1]["drafts_admitted"] == 3  # a lone sequence verifies every draft
+    assert (tmp_path / "plan.json").read_text().startswith("{")

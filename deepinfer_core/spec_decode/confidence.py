@@ -15,7 +15,9 @@ step that verifies at most j drafts a sequence is priced, and run, as the 1 + j 
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -60,8 +62,10 @@ class _Curve:
     def __init__(self, decay: float):
         self.decay = decay
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
+        self._sorted: list[tuple[float, float]] | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        self._sorted = None
         bucket, old = _bucket(num_tokens), self.points.get(_bucket(num_tokens))
         if old is None:
             self.points[bucket] = (float(num_tokens), seconds)
@@ -70,7 +74,9 @@ class _Curve:
             self.points[bucket] = (d * old[0] + (1 - d) * num_tokens, d * old[1] + (1 - d) * seconds)
 
     def seconds(self, num_tokens: int) -> float:
-        pts = sorted(self.points.values())
+        if self._sorted is None:
+            self._sorted = sorted(self.points.values())
+        pts = self._sorted
         if len(pts) == 1 or num_tokens <= pts[0][0]:
             return pts[0][1]
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -105,24 +111,33 @@ class StepTimeModel:
             self.by_seqs.setdefault(_bucket(num_seqs), _Curve(self.decay)).observe(num_tokens, seconds)
 
     def seconds(self, num_tokens: int, num_seqs: int | None = None) -> float:
+        return self.curve(num_seqs)(num_tokens)
+
+    def curve(self, num_seqs: int | None = None) -> Callable[[int], float]:
+        """Seconds against token count for steps of ``num_seqs`` decoding sequences."""
         curve = self.by_seqs.get(_bucket(num_seqs)) if num_seqs else None
         if curve is not None and len(curve.points) >= 2:
-            return curve.seconds(num_tokens)
-        return self.all.seconds(num_tokens) if self.all.points else 1.0
+            return curve.seconds
+        return self.all.seconds if self.all.points else (lambda num_tokens: 1.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepProfile:
     """Seconds of one replay of each captured decode graph, by (batch size, query length)."""
 
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
 
+    def __post_init__(self):
+        object.__setattr__(self, "_sizes", sorted({s for s, _ in self.seconds}))
+        object.__setattr__(self, "_lengths", sorted({q for _, q in self.seconds}))
+
     def lookup(self, num_seqs: int, longest: int) -> float | None:
         """The seconds of the graph a step of ``num_seqs`` sequences, the longest ``longest`` tokens, pads
         to; None where none holds it."""
-        size = min((s for s, _ in self.seconds if s >= num_seqs), default=None)
-        q = min((q for _, q in self.seconds if q >= longest), default=None)
-        return None if size is None or q is None else self.seconds.get((size, q))
+        i, j = bisect.bisect_left(self._sizes, num_seqs), bisect.bisect_left(self._lengths, longest)
+        if i == len(self._sizes) or j == len(self._lengths):
+            return None
+        return self.seconds.get((self._sizes[i], self._lengths[j]))
 
 
 @dataclass
@@ -161,8 +176,8 @@ class ConfidenceScheduler:
         pairs.sort()
         counts = {c.key: 0 for c in candidates}
         tokens, expected, longest = max(1, base_tokens), max(base_accepted, 1e-9), 1
-        batch = len(candidates) if batch is None else batch
-        best, chosen, best_len = expected / self._seconds(tokens, num_seqs, longest, batch), [], 0
+        seconds = self._pricer(num_seqs, len(candidates) if batch is None else batch)
+        best, chosen, best_len = expected / seconds(tokens, longest), [], 0
         for neg_s, j, key in pairs:
             if max_tokens is not None and tokens + 1 > max_tokens:
                 break
@@ -170,7 +185,7 @@ class ConfidenceScheduler:
                 continue
             counts[key], tokens, expected, longest = j + 1, tokens + 1, expected - neg_s, max(longest, j + 2)
             chosen.append(key)
-            rate = expected / self._seconds(tokens, num_seqs, longest, batch)
+            rate = expected / seconds(tokens, longest)
             if rate > best:
                 best, best_len = rate, len(chosen)
         admitted = {c.key: 0 for c in candidates}
@@ -178,12 +193,21 @@ class ConfidenceScheduler:
             admitted[key] += 1
         return admitted
 
-    def _seconds(self, num_tokens: int, num_seqs: int | None, longest: int, batch: int) -> float:
-        if self.profile is not None and num_seqs:
-            seconds = self.profile.lookup(num_seqs, longest)
-            if seconds is not None:
-                return seconds
-        return self.step_time.seconds(num_tokens, batch)
+    def _pricer(self, num_seqs: int | None, batch: int) -> Callable[[int, int], float]:
+        """Seconds of a step by (tokens, longest span): its graph's where one holds it (``num_seqs``: a
+        step of decodes only), else the learnt curve of its batch size."""
+        curve = self.step_time.curve(batch)
+        graphs: dict[int, float | None] = {}
+
+        def seconds(num_tokens: int, longest: int) -> float:
+            if self.profile is not None and num_seqs:
+                if longest not in graphs:
+                    graphs[longest] = self.profile.lookup(num_seqs, longest)
+                if graphs[longest] is not None:
+                    return graphs[longest]
+            return curve(num_tokens)
+
+        return seconds
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> None:
         self.step_time.observe(num_tokens, seconds, num_seqs)
