@@ -496,16 +496,16 @@ def test_chained_steps_replay_the_shortest_graph_that_holds_their_drafts(make_ll
 
 def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
     """Sampled requests chain too (temperature with top-k, top-p and min-p, seeded and not, beside a greedy
-    one): a chained step's target distributions, acceptance uniforms and residual noise are those of the
-    positions the device moved its spans to, so its tokens are those of the same engine when every step
-    waits for the one before, drafts rejected at random offsets."""
+    one; two with logprobs): a chained step's target distributions, acceptance uniforms and residual noise
+    are those of the positions the device moved its spans to, so its tokens (and logprobs) are those of
+    the same engine when every step waits for the one before, drafts rejected at random offsets."""
     plain = make_llm(None, dtype="float64", block_size=32)
     ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
     prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=30),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=12, max_tokens=26),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=12, max_tokens=26, logprobs=2),
               SamplingParams(temperature=0.7, top_k=20, min_p=0.05, max_tokens=33),
-              greedy(24),
+              greedy(24, logprobs=0),
               SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=13, max_tokens=28)]
     runs = {}
     for chain in (False, True):
@@ -515,8 +515,14 @@ def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
             llm.llm_engine.runner._chains = lambda so: False
         chained = count_chained(llm)
         outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-        runs[chain] = ([o.outputs[0].token_ids for o in outs], chained[0], llm.llm_engine.spec_decode_stats())
+        runs[chain] = ([o.outputs[0].token_ids for o in outs], chained[0], llm.llm_engine.spec_decode_stats(),
+                       [o.outputs[0].logprobs for o in outs])
     assert runs[True][0] == runs[False][0]
+    for i in (1, 3):
+        got, want = runs[True][3][i], runs[False][3][i]
+        assert len(got) == len(want) == params[i].max_tokens
+        for a, b in zip(got, want):
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-12)
     assert [len(t) for t in runs[True][0]] == [p.max_tokens for p in params]
     assert runs[False][1] == 0 and runs[True][1] >= 5, runs[True][1]
     stats = runs[True][2]

@@ -22,8 +22,8 @@ only (verifications and plain samples) whose batch a drafting graph holds launch
 after verification, laid out on the device from the accepted counts; steps with prefill chunks draft in
 the second half, from the accepted counts read back. A verification's row j is masked by its grammar
 after its drafts before j (``SchedulerOutput.grammar_bitmask``), then penalised by its outputs and those
-drafts; one that asks for logprobs gets the plain sampler's at each kept position. Such verifications
-are not chained. With async scheduling the engine schedules the next step while
+drafts; one that asks for logprobs gets the plain sampler's at each kept position. Masked or penalised
+verifications are not chained. With async scheduling the engine schedules the next step while
 the first half runs on the device. Such a step's sequences carry placeholders (their token of the step
 before and its drafts) at the positions they would have if that step accepted nothing; the runner
 shifts each span by the drafts the step before accepted and fills in the tokens. When the step before
@@ -253,8 +253,7 @@ class SpecDecodeModelRunner(ModelRunner):
             state = self.requests.get(s.seq_id)
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
-                    or any(t != PLACEHOLDER for t in s.token_ids)
-                    or state.params.has_penalties or state.params.logprobs is not None):
+                    or any(t != PLACEHOLDER for t in s.token_ids) or state.params.has_penalties):
                 return False
         q = self._chained_query_len(so.scheduled)
         return q is not None and self._chained_padding(so.scheduled, q) is not None
@@ -317,7 +316,10 @@ class SpecDecodeModelRunner(ModelRunner):
             kept = torch.cat([kept, kept.new_full((n, self.k + 1 - q), -1)], dim=1)
         drafted = self._propose_chained(scheduled, catch, kept, out.num_accepted, stream_rows, streams, shift)
         verifies = [_Verify(i, i * q, self.requests[s.seq_id], []) for i, s in enumerate(scheduled)]
-        verified = _HostCopy(self.platform, [out.output_token_ids, out.num_accepted])
+        logprobs = []
+        if any(v.state.params.logprobs is not None for v in verifies):
+            logprobs = self._logprobs(logits[: n * q], out.output_token_ids, verifies)
+        verified = _HostCopy(self.platform, [out.output_token_ids, out.num_accepted] + logprobs)
         drafted = _HostCopy(self.platform, list(drafted))
 
         def complete() -> ModelRunnerOutput:
