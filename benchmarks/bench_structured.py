@@ -71,8 +71,25 @@ def _best_interleaved(runs: dict, repeats: int) -> dict:
     return best
 
 
+def _speculative(args: argparse.Namespace) -> dict:
+    if not args.speculative:
+        return {}
+    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": args.speculative}}
+
+
+def _acceptance_length(engine, run) -> float | None:
+    """Mean acceptance length (tokens a verification step) of ``run()`` alone; None without speculation."""
+    before = engine.spec_decode_stats()
+    if before is None:
+        return None
+    run()
+    after = engine.spec_decode_stats()
+    steps = after["num_drafts"] - before["num_drafts"]
+    return (steps + after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(steps, 1)
+
+
 def bench_structured(args: argparse.Namespace) -> dict:
-    llm = LLM(args.model, backend=args.backend, dtype=args.dtype, **_block(args))
+    llm = LLM(args.model, backend=args.backend, dtype=args.dtype, **_block(args), **_speculative(args))
     engine = llm.llm_engine
     prompts = _prompts(args.num_requests, args.prompt_len, engine.model_config.vocab_size)
     constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
@@ -86,9 +103,9 @@ def bench_structured(args: argparse.Namespace) -> dict:
     fill = {"s": 0.0, "calls": 0}
     original = engine.structured.bitmask
 
-    def timed_bitmask(states):
+    def timed_bitmask(states, drafts=None):
         t = time.perf_counter()
-        out = original(states)
+        out = original(states, drafts)
         fill["s"] += time.perf_counter() - t
         fill["calls"] += 1
         return out
@@ -127,6 +144,8 @@ def bench_structured(args: argparse.Namespace) -> dict:
     best = _best_interleaved({"on": lambda: _run(llm, prompts, on_params),
                               "off": lambda: _run(llm, prompts, off_params)}, args.repeats)
     on_s, off_s = best["on"][0], best["off"][0]
+    acceptance = {"on": _acceptance_length(engine, lambda: _run(llm, prompts, on_params)),
+                  "off": _acceptance_length(engine, lambda: _run(llm, prompts, off_params))}
     tokens = sum(counts)
     return {
         "requests": args.num_requests, "generated_tokens": tokens, "valid_outputs": valid,
@@ -136,6 +155,7 @@ def bench_structured(args: argparse.Namespace) -> dict:
         "overhead_pct": 100 * (on_s / off_s - 1),
         "mask_share_pct": 100 * (fill_s + apply_s + accept_s) / on_once_s,
         "compile_s": {"first": first_compile, "cached": cached_compile},
+        "spec_decode": engine.spec_decode_stats(), "acceptance_length": acceptance,
     }
 
 
@@ -185,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="structured output with K MTP drafts a step (both runs; the mask covers every draft)")
     ap.add_argument("--skip-batch-invariant", action="store_true")
     ap.add_argument("--json-out", default="bench_results/structured.json")
     args = ap.parse_args(argv)
@@ -204,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{1e3 * on['apply_token_bitmask_s']:.1f} ms + matcher accept {1e3 * on['matcher_accept_s']:.1f} ms over "
           f"{on['bitmask_calls']} steps); compile {1e3 * s['compile_s']['first']:.1f} ms first, "
           f"{1e6 * s['compile_s']['cached']:.0f} us cached")
+    if s["spec_decode"]:
+        print(f"  speculative k={args.speculative}: mean acceptance length {s['acceptance_length']['on']:.2f} "
+              f"constrained, {s['acceptance_length']['off']:.2f} unconstrained")
     if not args.skip_batch_invariant:
         b = report["batch_invariant"] = bench_batch_invariant(args)
         print(f"batch-invariant mode ({args.num_requests} requests; generate: {args.prompt_len}-token prompts, "
