@@ -13,6 +13,9 @@ then not the model's; it shows what the scheduler chooses at a given acceptance,
 ``--virtual-clock h200-trained`` times the steps by another machine's measured step costs
 (``deepinfer_core.testing.virtual_clock``): the tokens, acceptance and scheduling are this run's, the
 seconds those the H200 would take, so the confidence scheduler's choices can be checked on a CPU.
+``--waves W`` serves batch x W requests, at most batch at once: one closed batch (W = 1) ends with its
+slowest request, and speculation's requests finish over many steps (their acceptance differs), so its
+last steps decode a few sequences; with more waves the batch stays full until the last one.
 
 Prints a table and writes JSON (``--json-out``). Example (CPU):
 ``python benchmarks/bench_spec_decode.py --mode acceptance --max-tokens 64``.
@@ -157,19 +160,24 @@ def _speed_rows(args, llm: LLM, name: str, params: SamplingParams, trace: list[s
                 clock: VirtualClock | None) -> list[dict]:
     """One mode's rows: each batch size's warm-up run, then its measured runs."""
     rows = []
+    sched = llm.llm_engine.scheduler.config
     for batch in args.batch_sizes:
-        prompts = _prompts(llm, batch, args.prompt_len)
-        if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
-            _generate(llm, prompts, params, clock)
-        if trace is not None:
-            trace.clear()
-        before = llm.llm_engine.spec_decode_stats()
-        runs = sorted(_generate(llm, prompts, params, clock)[1] for _ in range(args.repeats))
+        prompts = _prompts(llm, batch * args.waves, args.prompt_len)
+        cap, sched.max_num_seqs = sched.max_num_seqs, batch  # later waves join as earlier requests finish
+        try:
+            if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
+                _generate(llm, prompts, params, clock)
+            if trace is not None:
+                trace.clear()
+            before = llm.llm_engine.spec_decode_stats()
+            runs = sorted(_generate(llm, prompts, params, clock)[1] for _ in range(args.repeats))
+        finally:
+            sched.max_num_seqs = cap
         seconds = statistics.median(runs)
         stats = llm.llm_engine.spec_decode_stats()
-        tokens = batch * args.max_tokens
-        row = {"mode": name, "batch": batch, "seconds": seconds, "total_tok_s": tokens / seconds,
-               "per_user_tok_s": args.max_tokens / seconds, "run_seconds": runs}
+        total = len(prompts) * args.max_tokens / seconds
+        row = {"mode": name, "batch": batch, "requests": len(prompts), "seconds": seconds, "total_tok_s": total,
+               "per_user_tok_s": total / batch, "run_seconds": runs}
         if stats is not None:
             steps = stats["num_drafts"] - before["num_drafts"]
             acc = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
@@ -225,7 +233,8 @@ def speed(args, engine_kw: dict) -> dict:
         print(f"{r['mode']:>16} {r['batch']:>5} {r['per_user_tok_s']:>14.2f} {r['total_tok_s']:>11.2f} "
               f"{r['speedup']:>8.2f} {r['spread']:>6.1%} {r.get('mean_acceptance_length', 1.0):>10.2f} "
               f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
-    return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
+    return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "waves": args.waves,
+            "async_scheduling": args.async_scheduling,
             "force_acceptance": args.force_acceptance, "repeats": args.repeats,
             "virtual_clock": dataclasses.asdict(args.virtual_clock) if args.virtual_clock else None, "rows": rows}
 
@@ -308,12 +317,18 @@ def main(argv: list[str] | None = None) -> dict:
                     help="speed: time steps by a cost model instead of the wall clock (the model still runs): "
                          f"one of {', '.join(VIRTUAL_COSTS)}, or 'P1,P64,S1,S64', milliseconds a plain and a "
                          "speculative decode step take at batch 1 and 64")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="speed: batch x WAVES requests, at most batch at once (continuous batching keeps the "
+                         "batch full; 1: one closed batch, whose rate ends with its slowest request). "
+                         "per-user tok/s is then the total over the batch")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.waves < 1:
+        ap.error("--waves must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_kw = _engine_kw(args, float64=args.mode == "acceptance")

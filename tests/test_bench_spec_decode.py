@@ -112,6 +112,30 @@ def test_speed_mode_repeats_each_run_and_reports_the_median_and_spread(bsd):
         bsd.main(["--mode", "speed", "--repeats", "0"])
 
 
+def test_speed_mode_serves_waves_of_requests_at_most_a_batch_at_once(bsd, monkeypatch):
+    from deepinfer_core.engine.scheduler import Scheduler
+
+    running, schedule = [], Scheduler.schedule
+
+    def spy(self):
+        out = schedule(self)
+        running.append((self.config.max_num_seqs, len(self.running)))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes",
+                       "2,4", "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup", "--waves",
+                       "3", "--modes", "k=1"])
+    assert report["waves"] == 3
+    assert {cap: max(n for c, n in running if c == cap) for cap, _ in running} == {2: 2, 4: 4}
+    for row in report["rows"]:
+        b = row["batch"]
+        assert row["requests"] == 3 * b and row["total_tok_s"] == pytest.approx(3 * b * 4 / row["seconds"])
+        assert row["per_user_tok_s"] == pytest.approx(row["total_tok_s"] / b)
+    with pytest.raises(SystemExit):
+        bsd.main(["--mode", "speed", "--waves", "0"])
+
+
 def test_speed_mode_picks_modes_samples_and_traces_the_gate(bsd):
     """``--modes`` runs the named modes beside plain decode, ``--temperature`` samples, and ``--gate-trace``
     keeps each confidence row's gate decisions (one letter a step, bucket changes and interval starts)."""
