@@ -12,11 +12,7 @@ bucket's top while a run's tail passes below it); and speculation's yield: outpu
 and step, over many steps (``yield_decay``: a step's yield at batch 1 is anything from 1 to 1 + k, and
 a few of them decide nothing). A mode's rate (output tokens per second) is the two multiplied (plain
 decode yields one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps
-now and then. Plain decode counts as faster only where its rate beats speculation's by ``plain_margin``:
-its steps cost more than their own time (the MTP rows they leave stale lower the yield of the window of
-speculative steps after them, which the fresh yield leaves out, and each switch drains the pipeline),
-and a probe's few steps measure a rate to some 10-25% on a GPU, where a near tie would otherwise flip
-the mode on noise.
+now and then.
 Probing costs the time the slower mode's steps take beyond what the faster one would take for their
 tokens; the steps of the faster mode until the next probe are as many as keep that cost below
 ``probe_cost_share`` of the time (between ``probe_every`` and ``max_probe_every``). The first interval
@@ -112,8 +108,7 @@ class _Bucket:
 class SpeculationGate:
     def __init__(self, probe_every: int = 64, probe_steps: int = 8, settle_steps: int = 2, decay: float = 0.7,
                  max_probe_every: int = 1024, max_tokens_per_step: int | None = None, max_stale_steps: int = 128,
-                 fresh_probe_every: int = 4, probe_cost_share: float = 0.01, yield_decay: float = 0.95,
-                 plain_margin: float = 0.1):
+                 fresh_probe_every: int = 4, probe_cost_share: float = 0.01, yield_decay: float = 0.95):
         if probe_steps <= settle_steps:
             raise ValueError("a probe must outlast the steps left out after a switch")
         if max_probe_every < probe_every:
@@ -122,7 +117,6 @@ class SpeculationGate:
         self.max_probe_every, self.decay, self.yield_decay = max_probe_every, decay, yield_decay
         self.max_tokens_per_step, self.max_stale_steps = max_tokens_per_step, max_stale_steps
         self.fresh_probe_every, self.probe_cost_share = fresh_probe_every, probe_cost_share
-        self.plain_margin = plain_margin
         self.buckets: dict[int, _Bucket] = {}
         self.counts = {True: 0, False: 0}  # steps run per mode
         self._run: tuple[bool, int] | None = None  # (mode, bucket) of the current run of steps
@@ -165,11 +159,7 @@ class SpeculationGate:
     def _best(self, b: _Bucket) -> bool | None:
         """Whether speculation is the faster mode in ``b``; None: not both measured."""
         spec, plain = self._spec_rate(b), b.rate(False)
-        return None if spec is None or plain is None else self._faster(spec, plain)
-
-    def _faster(self, spec: float, plain: float) -> bool:
-        """Whether speculation at ``spec`` tokens per second is the mode to run against plain's ``plain``."""
-        return spec * (1 + self.plain_margin) >= plain
+        return None if spec is None or plain is None else spec >= plain
 
     def _nearest(self, size: int) -> _Bucket | None:
         """The measured bucket nearest bucket ``size`` (the smaller of two as near), other than itself."""
@@ -195,7 +185,7 @@ class SpeculationGate:
         return rate
 
     def _choose(self, b: _Bucket, spec: float) -> bool:
-        best = self._faster(spec, b.rate(False))
+        best = spec >= b.rate(False)
         if b.best is None or (b.steps >= b.next_probe + self._probe_length(b) and self._probed(b)):
             first, changed = b.best is None, b.best is not None and b.best != best  # an interval begins
             amortised = self._interval(b, best, spec)
