@@ -43,6 +43,22 @@ def test_costs_fit_two_points_and_parse_names_or_milliseconds():
         StepCosts.parse("fast")
 
 
+def test_a_step_with_prefill_chunks_costs_its_decodes_too():
+    """Under continuous batching prompts join steps that decode the rest of the batch: such a step costs
+    its decodes (speculative or plain) and the chunks' tokens, not a prefill alone."""
+    from types import SimpleNamespace
+
+    costs = StepCosts(plain=1e-3, plain_per_seq=1e-4, spec=3e-3, spec_per_seq=2e-4, prefill_per_token=1e-5)
+    decode = SimpleNamespace(sample=True, token_ids=[1, 2, 3, 4], num_drafts=3)
+    chunk = SimpleNamespace(sample=True, token_ids=list(range(100)), num_drafts=0)
+    mixed = SimpleNamespace(scheduled=[decode] * 3 + [chunk])
+    assert costs.device(mixed, speculative=True) == pytest.approx(3e-3 + 2 * 2e-4 + 100 * 1e-5)
+    plain = SimpleNamespace(sample=True, token_ids=[1], num_drafts=0)
+    assert costs.device(SimpleNamespace(scheduled=[plain] * 3 + [chunk]), speculative=False) == pytest.approx(
+        1e-3 + 2 * 1e-4 + 100 * 1e-5)
+    assert costs.device(SimpleNamespace(scheduled=[chunk]), speculative=True) == pytest.approx(1e-3 + 100 * 1e-5)
+
+
 def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_torch_thread):  # noqa: F811
     """Plain decode with async scheduling: the device paces the steps (its time a step, not host + device),
     and outside ``attach`` the engine is timed by the wall clock again."""

@@ -20,16 +20,22 @@ from deepinfer_core.engine import llm_engine
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 
 
+def _decodes(s: Any) -> bool:
+    """Whether a scheduled sequence decodes (its token and drafts) rather than prefills a chunk."""
+    return s.sample and len(s.token_ids) == 1 + s.num_drafts
+
+
 def is_decode(so: SchedulerOutput) -> bool:
-    return bool(so.scheduled) and all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in so.scheduled)
+    return bool(so.scheduled) and all(_decodes(s) for s in so.scheduled)
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of a step by its kind and its sequences ``n``: a plain decode's device time is
+    """Seconds of a step by its kind and its decoding sequences ``n``: a plain decode's device time is
     ``plain + plain_per_seq * (n - 1)``, a speculative decode's ``spec + spec_per_seq * (n - 1)`` (drafting
-    and verification; what it verifies changes little in a graph), a step with prefill chunks
-    ``prefill_per_token`` a token. Every step also costs ``host`` seconds of host work at its launch."""
+    and verification; what it verifies changes little in a graph); prefill chunks add ``prefill_per_token``
+    a token (a step of prefill chunks only costs ``plain`` besides). Every step also costs ``host`` seconds
+    of host work at its launch."""
 
     plain: float
     plain_per_seq: float
@@ -40,12 +46,14 @@ class StepCosts:
 
     def device(self, so: SchedulerOutput, speculative: bool) -> float:
         """``speculative``: the step drafts (an engine with speculative decoding, in a speculative step)."""
-        n = len(so.scheduled)
-        if not is_decode(so):
-            return self.plain + self.prefill_per_token * sum(len(s.token_ids) for s in so.scheduled)
+        decoding = [s for s in so.scheduled if _decodes(s)]
+        n = len(decoding)
+        prefill = self.prefill_per_token * sum(len(s.token_ids) for s in so.scheduled if not _decodes(s))
+        if not n:
+            return self.plain + prefill
         if speculative:
-            return self.spec + self.spec_per_seq * (n - 1)
-        return self.plain + self.plain_per_seq * (n - 1)
+            return self.spec + self.spec_per_seq * (n - 1) + prefill
+        return self.plain + self.plain_per_seq * (n - 1) + prefill
 
     @classmethod
     def parse(cls, text: str) -> StepCosts:
