@@ -46,14 +46,12 @@ class StepCosts:
 
     def device(self, so: SchedulerOutput, speculative: bool) -> float:
         """``speculative``: the step drafts (an engine with speculative decoding, in a speculative step)."""
-        decoding = [s for s in so.scheduled if _decodes(s)]
-        n = len(decoding)
+        n = sum(map(_decodes, so.scheduled))
         prefill = self.prefill_per_token * sum(len(s.token_ids) for s in so.scheduled if not _decodes(s))
         if not n:
             return self.plain + prefill
-        if speculative:
-            return self.spec + self.spec_per_seq * (n - 1) + prefill
-        return self.plain + self.plain_per_seq * (n - 1) + prefill
+        base, per_seq = (self.spec, self.spec_per_seq) if speculative else (self.plain, self.plain_per_seq)
+        return base + per_seq * (n - 1) + prefill
 
     @classmethod
     def parse(cls, text: str) -> StepCosts:
