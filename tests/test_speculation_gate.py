@@ -298,6 +298,39 @@ def test_async_engine_tells_the_gate_which_steps_had_a_later_one_launched(tiny_p
     assert seen.count(True) >= len(seen) // 2
 
 
+def test_yield_leaves_out_the_sequences_a_step_ends():
+    """A drain: 2.5 tokens per sequence and step, but one sequence a step ends with a single token (its
+    ``max_tokens`` reached) or none (it had ended before the step, launched before that was known).
+    Counted in, they would halve the yield at 2 sequences and make plain decode look faster."""
+    gate = SpeculationGate(probe_steps=4, settle_steps=1, max_tokens_per_step=4)
+    for i in range(40):
+        gate.observe(True, 2, 3 if i % 2 else 2, i * 1e-3, (i + 1) * 1e-3, num_yielding=1 if i % 2 else 0)
+    assert gate.buckets[2].spec_yield == pytest.approx(3.0)
+    gate.observe(True, 2, 5, 0.04, 0.041)  # num_yielding left out: all of them
+    assert gate.buckets[2].spec_yield == pytest.approx((0.95 * 3.0 * 0.95 ** 38 + 5) / (0.95 * 0.95 ** 38 + 2),
+                                                       rel=0.2)
+
+
+def test_engine_gives_the_gate_the_tokens_of_the_sequences_that_go_on(tiny_path, make_llm, make_async):
+    """All drafts right: every sequence a step does not end yields its verified drafts and one more; the
+    sequences a step ends (staggered ``max_tokens``, some already ended when the step was launched) are
+    left out of the yield."""
+    path = tiny_path("tiny")
+    prompts = PROMPTS[:6]
+    ref = reference(make_llm, path, prompts, max_tokens=30)
+    llm = make_async(path, dtype="float64", max_num_seqs=8, **spec(3, "confidence"))
+    worker_oracle(llm, ref)
+    alternate_modes(llm, [True])
+    gate, seen = llm.llm_engine.drafts.gate, []
+    observe = gate.observe
+    gate.observe = lambda *a, **kw: seen.append((a[1], a[2], kw["num_yielding"])) or observe(*a, **kw)
+    params = [greedy(5 + 4 * i) for i in range(len(prompts))]
+    assert run_tokens(llm, prompts, params) == [ref[tuple(p)][:5 + 4 * i] for i, p in enumerate(prompts)]
+    assert any(going_on < decoding for decoding, _, going_on in seen)
+    for decoding, tokens, going_on in seen:
+        assert going_on <= decoding and going_on <= tokens <= 4 * going_on
+
+
 def alternate_modes(llm, pattern: list[bool]) -> list[bool]:
     """Make the engine's gate follow ``pattern`` (cycled); returns the modes it ran, in order."""
     gate, ran = llm.llm_engine.drafts.gate, []

@@ -445,7 +445,7 @@ class LLMEngine:
         if launched.output is None:
             return
         out = launched.output.get_output()
-        emitted = 0
+        emitted = going_on = 0  # output tokens of the sequences not finished by the step, and those sequences
         if self.drafts is not None:
             self.drafts.observe_step(launched.num_tokens, launched.started, time.perf_counter(), launched.speculate,
                                      pipelined, len(launched.sampled))
@@ -461,11 +461,11 @@ class LLMEngine:
                 seq.grammar.dead_end = out.dead_ends[i]
             touched[seq.request_id] = self.requests[seq.request_id]
             if out.new_token_ids is None:
-                emitted += 1
                 self._append(seq, pos, token, out.logprobs[i])
+                going_on += seq.finish_reason is None
+                emitted += seq.finish_reason is None
                 continue
             tokens, verified = out.new_token_ids[i], launched.num_drafts[i]
-            emitted += len(tokens)
             if seq.params.max_tokens is not None:  # the worker dropped drafts past it (see ``DraftPlanner.room``)
                 verified = max(0, min(verified, seq.params.max_tokens - pos - 1))
             self.drafts.accept(seq, pos, tokens, self.block_manager, verified, launched.num_drafts[i])
@@ -477,11 +477,13 @@ class LLMEngine:
                     break
             else:
                 self.drafts.offer(seq, out.draft_token_ids[i], out.draft_confidences[i])
+                emitted += len(tokens)
+                going_on += 1
         if self.drafts is not None:
             decode = len(launched.scheduled) == len(launched.sampled) and (
                 launched.num_tokens == len(launched.sampled) + sum(launched.num_drafts or []))
             self.drafts.observe_output(launched.speculate, len(launched.sampled) if decode else None, emitted,
-                                       launched.started, time.perf_counter(), launched.sampled, pipelined)
+                                       launched.started, time.perf_counter(), launched.sampled, pipelined, going_on)
 
     def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
         """End ``seqs`` with an error after an exception in their step; the other requests go on."""

@@ -129,17 +129,20 @@ class DraftPlanner:
             self.confidence.observe_step(num_tokens, now - begin, num_seqs)
 
     def observe_output(self, speculated: bool, num_decoding: int | None, num_tokens: int, started: float,
-                       now: float, seqs: list[Sequence] = (), pipelined: bool = True) -> None:
+                       now: float, seqs: list[Sequence] = (), pipelined: bool = True,
+                       num_going_on: int | None = None) -> None:
         """A finished step's output tokens for the gate; ``num_decoding`` None: not an all-decode step;
         ``seqs``: its sequences (a speculative step is fresh when none drafted from rows a plain step left);
-        ``pipelined``: a later step was launched before it finished."""
+        ``pipelined``: a later step was launched before it finished; ``num_going_on``: the sequences the
+        step did not finish, whose tokens ``num_tokens`` counts (default: all of them)."""
         if self.gate is None:
             return
         if num_decoding is None:
             self.gate.interrupt()
         else:
             fresh = not speculated or all(len(seq) >= seq.mtp_stale_until for seq in seqs)
-            self.gate.observe(speculated, num_decoding, num_tokens, started, now, fresh=fresh, pipelined=pipelined)
+            self.gate.observe(speculated, num_decoding, num_tokens, started, now, fresh=fresh, pipelined=pipelined,
+                              num_yielding=num_going_on)
 
     def accept(self, seq: Sequence, pos: int, tokens: list[int], block_manager: BlockManager,
                verified: int | None = None, reserved: int = 0) -> None:

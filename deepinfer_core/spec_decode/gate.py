@@ -220,11 +220,14 @@ class SpeculationGate:
         return done or b.steps >= b.next_probe + self.probe_steps + self.max_stale_steps
 
     def observe(self, speculated: bool, num_decoding: int, num_tokens: int, started: float, now: float,
-                fresh: bool = True, pipelined: bool = True) -> None:
+                fresh: bool = True, pipelined: bool = True, num_yielding: int | None = None) -> None:
         """A finished all-decode step: its mode, sequences and output tokens, when it was launched and when
         it finished, (speculative) whether every sequence drafted from MTP rows it had written, and
         whether a later step was launched before it finished. Its time begins at :func:`step_begin`; the
-        last step of a pipeline (before a switch of mode, a prefill or an idle engine) is not timed."""
+        last step of a pipeline (before a switch of mode, a prefill or an idle engine) is not timed.
+        ``num_yielding``: the sequences whose tokens ``num_tokens`` counts, where not all of them (a
+        sequence that ends in the step, at ``max_tokens`` or a stop, or had ended before it, yields less
+        than its drafts were worth and is left out of the yield)."""
         run = (speculated, bucket(num_decoding))
         if run != self._run:
             self._run, self._run_length = run, 0
@@ -236,10 +239,11 @@ class SpeculationGate:
         b = self._bucket(run[1])
         step = self._ratio(b, "spec" if speculated else "plain", self.decay).add(now - begin, 1)
         b.seq_rate[speculated] = run[1] / step
-        if speculated and fresh:
-            b.spec_yield = self._ratio(b, "fresh", self.yield_decay).add(num_tokens, num_decoding)
-        elif speculated:
-            b.stale_yield = self._ratio(b, "stale", self.yield_decay).add(num_tokens, num_decoding)
+        yielding = num_decoding if num_yielding is None else num_yielding
+        if speculated and fresh and yielding:
+            b.spec_yield = self._ratio(b, "fresh", self.yield_decay).add(num_tokens, yielding)
+        elif speculated and yielding:
+            b.stale_yield = self._ratio(b, "stale", self.yield_decay).add(num_tokens, yielding)
             b.stale_samples += 1
         if b.best is not None and speculated != b.best and (fresh or not speculated):
             b.probe_samples += 1
