@@ -221,7 +221,7 @@ def speed(args, engine_kw: dict) -> dict:
         if unchained:
             llm.llm_engine.runner._chains = lambda so: False
         trace = _trace_gate(llm) if args.gate_trace else None
-        clock = VirtualClock(args.virtual_clock) if args.virtual_clock else None
+        clock = VirtualClock(args.virtual_clock, args.clock_jitter) if args.virtual_clock else None
         with clock.attach(llm) if clock is not None else contextlib.nullcontext():
             rows += _speed_rows(args, llm, name, params, trace, clock)
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
@@ -236,7 +236,8 @@ def speed(args, engine_kw: dict) -> dict:
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "waves": args.waves,
             "async_scheduling": args.async_scheduling,
             "force_acceptance": args.force_acceptance, "repeats": args.repeats,
-            "virtual_clock": dataclasses.asdict(args.virtual_clock) if args.virtual_clock else None, "rows": rows}
+            "virtual_clock": dataclasses.asdict(args.virtual_clock) if args.virtual_clock else None,
+            "clock_jitter": args.clock_jitter, "rows": rows}
 
 
 def _random_llm_factory(args, engine_kw: dict):
@@ -317,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="speed: time steps by a cost model instead of the wall clock (the model still runs): "
                          f"one of {', '.join(VIRTUAL_COSTS)}, or 'P1,P64,S1,S64', milliseconds a plain and a "
                          "speculative decode step take at batch 1 and 64")
+    ap.add_argument("--clock-jitter", type=float, default=0.0, metavar="SIGMA",
+                    help="--virtual-clock: scatter each step's device time by a log-normal factor of mean 1 "
+                         "and this sigma (seeded), as a real device's step times scatter")
     ap.add_argument("--waves", type=int, default=1,
                     help="speed: batch x WAVES requests, at most batch at once (continuous batching keeps the "
                          "batch full; 1: one closed batch, whose rate ends with its slowest request). "

@@ -3,6 +3,8 @@ the trained default model the speculation gate keeps plain decode's speed where 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from engine_fixtures import one_torch_thread  # noqa: F401 (fixture)
 
@@ -46,8 +48,6 @@ def test_costs_fit_two_points_and_parse_names_or_milliseconds():
 def test_a_step_with_prefill_chunks_costs_its_decodes_too():
     """Under continuous batching prompts join steps that decode the rest of the batch: such a step costs
     its decodes (speculative or plain) and the chunks' tokens, not a prefill alone."""
-    from types import SimpleNamespace
-
     costs = StepCosts(plain=1e-3, plain_per_seq=1e-4, spec=3e-3, spec_per_seq=2e-4, prefill_per_token=1e-5)
     decode = SimpleNamespace(sample=True, token_ids=[1, 2, 3, 4], num_drafts=3)
     chunk = SimpleNamespace(sample=True, token_ids=list(range(100)), num_drafts=0)
@@ -57,6 +57,37 @@ def test_a_step_with_prefill_chunks_costs_its_decodes_too():
     assert costs.device(SimpleNamespace(scheduled=[plain] * 3 + [chunk]), speculative=False) == pytest.approx(
         1e-3 + 2 * 1e-4 + 100 * 1e-5)
     assert costs.device(SimpleNamespace(scheduled=[chunk]), speculative=True) == pytest.approx(1e-3 + 100 * 1e-5)
+
+
+def test_graph_steps_cost_their_padded_batch():
+    """With graph sizes an all-decode step costs the graph it runs in (the next size up); a step with a
+    prefill chunk runs eagerly and costs its own sequences."""
+    costs = StepCosts(plain=1e-3, plain_per_seq=1e-4, spec=3e-3, spec_per_seq=2e-4, prefill_per_token=1e-5,
+                      graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    decode = SimpleNamespace(sample=True, token_ids=[1], num_drafts=0)
+    assert costs.device(SimpleNamespace(scheduled=[decode] * 40), speculative=False) == pytest.approx(
+        1e-3 + 63 * 1e-4)
+    assert costs.device(SimpleNamespace(scheduled=[decode] * 70), speculative=False) == pytest.approx(
+        1e-3 + 69 * 1e-4)
+    chunk = SimpleNamespace(sample=True, token_ids=list(range(10)), num_drafts=0)
+    assert costs.device(SimpleNamespace(scheduled=[decode] * 40 + [chunk]), speculative=False) == pytest.approx(
+        1e-3 + 39 * 1e-4 + 10 * 1e-5)
+
+
+def test_jitter_scatters_step_times_around_their_cost():
+    costs = StepCosts(plain=1e-3, plain_per_seq=0.0, spec=1e-3, spec_per_seq=0.0, host=0.0)
+    so = SimpleNamespace(scheduled=[SimpleNamespace(sample=True, token_ids=[1], num_drafts=0)], speculate=False)
+    output = SimpleNamespace(get_output=lambda: None)
+    for jitter in (0.0, 0.25):
+        clock, times = VirtualClock(costs, jitter=jitter, seed=1), []
+        for _ in range(2000):
+            before = clock.device_free
+            clock._launch(lambda so: output, so, drafts=False)
+            clock.now = clock.device_free
+            times.append(clock.device_free - before)
+        mean = sum(times) / len(times)
+        spread = (sum((t - mean) ** 2 for t in times) / len(times)) ** 0.5 / mean
+        assert mean == pytest.approx(1e-3, rel=0.03) and spread == pytest.approx(jitter, abs=0.03)
 
 
 def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_torch_thread):  # noqa: F811

@@ -11,6 +11,8 @@ the engine's scheduling are the real ones; only the clock they are timed by is n
 from __future__ import annotations
 
 import contextlib
+import math
+import random
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +37,8 @@ class StepCosts:
     ``plain + plain_per_seq * (n - 1)``, a speculative decode's ``spec + spec_per_seq * (n - 1)`` (drafting
     and verification; what it verifies changes little in a graph); prefill chunks add ``prefill_per_token``
     a token (a step of prefill chunks only costs ``plain`` besides). Every step also costs ``host`` seconds
-    of host work at its launch."""
+    of host work at its launch. With ``graph_sizes`` an all-decode step of up to the largest runs as a
+    graph padded to the next of them, and costs what that many sequences cost."""
 
     plain: float
     plain_per_seq: float
@@ -43,6 +46,7 @@ class StepCosts:
     spec_per_seq: float
     prefill_per_token: float = 2e-6
     host: float = 2e-4
+    graph_sizes: tuple[int, ...] = ()
 
     def device(self, so: SchedulerOutput, speculative: bool) -> float:
         """``speculative``: the step drafts (an engine with speculative decoding, in a speculative step)."""
@@ -50,6 +54,8 @@ class StepCosts:
         prefill = self.prefill_per_token * sum(len(s.token_ids) for s in so.scheduled if not _decodes(s))
         if not n:
             return self.plain + prefill
+        if not prefill and self.graph_sizes and n <= self.graph_sizes[-1]:
+            n = min(size for size in self.graph_sizes if size >= n)
         base, per_seq = (self.spec, self.spec_per_seq) if speculative else (self.plain, self.plain_per_seq)
         return base + per_seq * (n - 1) + prefill
 
@@ -67,7 +73,7 @@ class StepCosts:
         return cls.fit({1: p1, 64: p64}, {1: s1, 64: s64})
 
     @classmethod
-    def fit(cls, plain: dict[int, float], spec: dict[int, float], **kw: float) -> StepCosts:
+    def fit(cls, plain: dict[int, float], spec: dict[int, float], **kw: Any) -> StepCosts:
         """Costs through two measured (batch size -> seconds per step) points of each kind."""
         (n0, p0), (n1, p1) = sorted(plain.items())[0], sorted(plain.items())[-1]
         (m0, s0), (m1, s1) = sorted(spec.items())[0], sorted(spec.items())[-1]
@@ -78,8 +84,13 @@ class StepCosts:
 #: Steps of the trained default model in bf16 on one H200 with async scheduling and CUDA graphs
 #: (benchmarks/results/h200/spec_confidence_5fd37e3: plain decode 1.27 ms a step at batch 1 and
 #: 2.75 ms at 64; chained k=3 speculative steps 2.66 ms and 9.95 ms).
-H200_TRAINED = StepCosts.fit({1: 1.266e-3, 64: 2.751e-3}, {1: 2.664e-3, 64: 9.946e-3})
-VIRTUAL_COSTS = {"h200-trained": H200_TRAINED}
+H200_TRAINED = StepCosts.fit({1: 1.266e-3, 64: 2.751e-3}, {1: 2.664e-3, 64: 9.946e-3},
+                             graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+#: The same on an H100 machine whose host paces the steps (benchmarks/results/h100/spec_cd9122d, end to
+#: end: plain decode 1.24 ms a step at batch 1 and 3.31 ms at 64; k=3 2.70 ms and 7.69 ms), where k=3
+#: wins at both ends.
+H100_TRAINED = StepCosts.fit({1: 1.238e-3, 64: 3.311e-3}, {1: 2.700e-3, 64: 7.690e-3})
+VIRTUAL_COSTS = {"h200-trained": H200_TRAINED, "h100-trained": H100_TRAINED}
 
 
 class _Timed:
@@ -97,8 +108,12 @@ class _Timed:
 
 
 class VirtualClock:
-    def __init__(self, costs: StepCosts):
+    """``jitter``: each step's device time is scaled by a log-normal factor of mean 1 and this sigma
+    (seeded by ``seed``), as a real device's step times scatter (other processes, clocks, the host)."""
+
+    def __init__(self, costs: StepCosts, jitter: float = 0.0, seed: int = 0):
         self.costs = costs
+        self.jitter, self._rng = jitter, random.Random(seed)
         self.now = 0.0
         self.device_free = 0.0
         self.steps = {True: 0, False: 0}  # decode steps launched, by whether they speculated
@@ -111,7 +126,8 @@ class VirtualClock:
         self.now += self.costs.host
         start = max(self.now, self.device_free)
         speculative = drafts and so.speculate
-        self.device_free = start + self.costs.device(so, speculative)
+        scale = math.exp(self._rng.gauss(0.0, self.jitter) - self.jitter ** 2 / 2) if self.jitter else 1.0
+        self.device_free = start + self.costs.device(so, speculative) * scale
         if is_decode(so):
             self.steps[speculative] += 1
         _Timed(self, output, self.device_free)
