@@ -18,7 +18,7 @@ from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
 
 from deepinfer_core.spec_decode.config import SpeculativeConfig
 from deepinfer_core.spec_decode.drafts import DraftPlanner
-from deepinfer_core.spec_decode.gate import SpeculationGate, bucket
+from deepinfer_core.spec_decode.gate import SpeculationGate, _StepTime, bucket
 from deepinfer_core.worker.model_runner import ModelRunner
 
 make_llm = engine_fixtures.make_llm
@@ -58,6 +58,45 @@ def test_gate_measures_both_modes_then_runs_the_faster_and_probes_the_other():
     modes = feed(gate, 1, 200, spec_s=1.2e-3, plain_s=1e-3, tokens_spec=2.5)
     assert modes[40:].count(False) / len(modes[40:]) < 0.2
     assert gate.as_dict()["plain_steps"] > 0 and gate.as_dict()["speculative_steps"] > 0
+
+
+def test_step_time_follows_the_sequences_where_their_number_spreads():
+    """A graph's step takes as long for any batch of its bucket: samples at one size give that time. Where
+    the host paces the steps, their time grows with the sequences (1 ms + 50 us a sequence): samples from
+    64 down to 33 sequences give the time at 64, not their mean."""
+    times = _StepTime(decay=0.9)
+    for _ in range(10):
+        times.add(64, 3e-3)
+    assert times.seconds(40) == pytest.approx(3e-3)
+    times = _StepTime(decay=0.9)
+    for n in range(64, 32, -1):
+        times.add(n, 1e-3 + 5e-5 * n)
+    assert times.seconds(64) == pytest.approx(1e-3 + 5e-5 * 64, rel=0.01)
+    assert times.seconds(48) == pytest.approx(1e-3 + 5e-5 * 48, rel=0.01)
+    skewed = _StepTime(decay=0.9)  # a time falling with the sequences (noise) stays constant
+    for n in range(64, 32, -1):
+        skewed.add(n, 5e-3 - 5e-5 * n)
+    assert skewed.seconds(64) == pytest.approx(skewed.level[2] / skewed.level[0])
+
+
+def test_a_closed_batchs_speculative_tail_is_judged_at_the_buckets_size():
+    """Host-paced steps (plain 1 ms + 30 us a sequence, k=3 2.7 ms + 80 us): plain decode measured at 64
+    sequences, speculation while a closed batch drains from 64 to 33. At the bucket's size speculation
+    yields 64 * 2.5 tokens per 7.7 ms against 64 per 2.9 ms; its tail's mean time (5.3 ms) scaled to 64
+    sequences would have made it look 1.4x faster than plain decode."""
+    gate = SpeculationGate(probe_steps=4, settle_steps=1, max_tokens_per_step=4)
+    plain, spec_time = (lambda n: 1e-3 + 3e-5 * n), (lambda n: 2.7e-3 + 8e-5 * n)
+    now = 0.0
+    for _ in range(20):
+        gate.observe(False, 64, 64, now, now + plain(64))
+        now += plain(64)
+    for n in range(64, 32, -1):
+        gate.observe(True, n, round(2.5 * n), now, now + spec_time(n))
+        now += spec_time(n)
+    b = gate.buckets[64]
+    assert b.rate(False) == pytest.approx(64 / plain(64))
+    assert b.rate(True) == pytest.approx(64 * 2.5 / spec_time(64), rel=0.02)
+    assert gate._best(b) is False
 
 
 def probe_starts(modes: list[bool], slower: bool) -> list[int]:

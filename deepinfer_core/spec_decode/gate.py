@@ -6,13 +6,14 @@ few it verifies. Where that fixed cost outweighs what verification gains (a larg
 few layers) the step is better off as a plain decode: no drafts, no MTP, the plain async pipeline.
 
 The gate measures, per batch-size bucket (powers of two of decoding sequences), each mode's cost:
-sequence-steps per second at the bucket's size, from the mean time of consecutive steps of that mode
-(a step's time changes far less across a bucket than its sequences do, and a probe measures at the
-bucket's top while a run's tail passes below it); and speculation's yield: output tokens per sequence
-and step, over many steps (``yield_decay``: a step's yield at batch 1 is anything from 1 to 1 + k, and
-a few of them decide nothing). A mode's rate (output tokens per second) is the two multiplied (plain
-decode yields one token). It runs the faster mode, measuring the other one for ``probe_steps`` steps
-now and then.
+sequence-steps per second at the bucket's size, from the time of consecutive steps of that mode and
+their sequences (:class:`_StepTime`: a graph's step takes as long for any batch of its bucket, but where
+the host paces the steps their time grows with their sequences, and a closed batch's speculative tail
+runs below the bucket's top while its plain steps all ran at it); and speculation's yield: output
+tokens per sequence and step of the sequences the step did not end, over many steps (``yield_decay``:
+a step's yield at batch 1 is anything from 1 to 1 + k, and a few of them decide nothing). A mode's
+rate (output tokens per second) is the two multiplied (plain decode yields one token). It runs the
+faster mode, measuring the other one for ``probe_steps`` steps now and then.
 Probing costs the time the slower mode's steps take beyond what the faster one would take for their
 tokens; the steps of the faster mode until the next probe are as many as keep that cost below
 ``probe_cost_share`` of the time (between ``probe_every`` and ``max_probe_every``). The first interval
@@ -66,7 +67,7 @@ def step_begin(started: float, last_finish: float | None, pipelined: bool) -> fl
 
 @dataclass
 class _Ratio:
-    """num / den of decayed sums: a sample weighs its denominator, and older ones fade by ``decay`` a sample."""
+    """num / den of decayed sums: older samples fade by ``decay`` a sample."""
 
     decay: float
     num: float = 0.0
@@ -75,6 +76,37 @@ class _Ratio:
     def add(self, num: float, den: float) -> float:
         self.num, self.den = self.decay * self.num + num, self.decay * self.den + den
         return self.num / self.den
+
+
+@dataclass
+class _StepTime:
+    """A step's seconds as a function of its sequences, t(n) = t̄ + slope (n - n̄): t̄ and n̄ the means of the
+    samples, older ones fading by ``decay`` a sample, and the slope fitted over a longer memory
+    (``slope_decay``: how a step's time grows with its sequences is the machine's, a run's drain passes
+    through a bucket's sizes in many steps). The slope is fitted only where those samples' sizes spread
+    (``min_spread`` of their mean), and kept between a constant time (a graph's padded batch) and one
+    proportional to the sequences; otherwise the time is taken as constant."""
+
+    decay: float
+    slope_decay: float = 0.97
+    min_spread: float = 0.1
+    level: list[float] = field(default_factory=lambda: [0.0] * 3)  # decayed count, sum n, sum t
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # the same over the longer memory, sum n², n t
+
+    def add(self, n: int, t: float) -> None:
+        self.level = [self.decay * v + x for v, x in zip(self.level, (1, n, t))]
+        self.fit = [self.slope_decay * v + x for v, x in zip(self.fit, (1, n, t, n * n, n * t))]
+
+    def seconds(self, n: int) -> float:
+        w, sn, st = self.level
+        mean_n, mean_t = sn / w, st / w
+        fw, fn, ft, fnn, fnt = self.fit
+        fit_n, fit_t = fn / fw, ft / fw
+        var = fnn / fw - fit_n ** 2
+        if var <= (self.min_spread * fit_n) ** 2:
+            return mean_t
+        slope = min(max((fnt / fw - fit_n * fit_t) / var, 0.0), mean_t / mean_n)
+        return mean_t + slope * (n - mean_n)
 
 
 @dataclass
@@ -92,7 +124,8 @@ class _Bucket:
     mode_steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # since the interval began
     probe_samples: int = 0  # samples of the slower mode taken in the current probe (fresh ones of speculation)
     fresh_due: int = 0  # the step before which a probe of speculation does not wait for fresh rows
-    sums: dict[str, _Ratio] = field(default_factory=dict)  # the ratios behind seq_rate and the yields
+    sums: dict[str, _Ratio] = field(default_factory=dict)  # the ratios behind the yields
+    times: dict[bool, _StepTime] = field(default_factory=dict)  # speculate -> the step times behind seq_rate
 
     def rate(self, speculated: bool) -> float | None:
         """Output tokens per second, where known."""
@@ -237,8 +270,9 @@ class SpeculationGate:
         if self._run_length <= self.settle_steps or begin is None or now <= begin or not num_decoding:
             return
         b = self._bucket(run[1])
-        step = self._ratio(b, "spec" if speculated else "plain", self.decay).add(now - begin, 1)
-        b.seq_rate[speculated] = run[1] / step
+        times = b.times.setdefault(speculated, _StepTime(self.decay))
+        times.add(num_decoding, now - begin)
+        b.seq_rate[speculated] = run[1] / times.seconds(run[1])
         yielding = num_decoding if num_yielding is None else num_yielding
         if speculated and fresh and yielding:
             b.spec_yield = self._ratio(b, "fresh", self.yield_decay).add(num_tokens, yielding)
