@@ -203,6 +203,34 @@ def test_confidence_scheduled_engine_is_greedy_equal_and_counts(make_llm):
     assert sum(cal.tested) > 0  # calibrated online from the verifications
 
 
+def test_requests_queued_behind_a_full_batch_leave_its_drafts_alone(make_llm):
+    """Under load the batch is full and requests wait: they cannot join the step, so their prompts do not
+    count against its token budget. Counted in (here two prompts of 50 tokens against 96), they left no
+    room for a single draft."""
+    text = open("data/heldout_slice.txt").read()
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(text)
+    prompts = [ids[i * 120: i * 120 + 50] for i in range(8)]
+    params = engine_fixtures.greedy(12)
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    llm = make_llm(None, dtype="float64", block_size=32, max_num_seqs=2, max_num_batched_tokens=96,
+                   **spec(3, "confidence"))
+    engine, queued = llm.llm_engine, []
+    engine.drafts.gate.decide = lambda num_decoding, decode_only=True: True  # no plain steps
+    execute = engine.runner.execute_model
+
+    def record(so):
+        decodes = all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in so.scheduled)
+        if engine.scheduler.waiting and decodes:
+            queued.append(sum(s.num_drafts for s in so.scheduled))
+        return execute(so)
+
+    engine.runner.execute_model = record
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert len(queued) > 10 and sum(map(bool, queued)) >= len(queued) - 1
+
+
 def test_a_pipelined_step_is_timed_from_the_previous_output():
     """With async scheduling a step is launched while the one before runs: its time for the step-time
     curve is from the previous step's output (or its launch, if later), not from its own launch; the

@@ -97,7 +97,8 @@ class DraftPlanner:
                 seq.draft_budget = rooms[seq.seq_id]
             return
         base = sum(seq.num_uncomputed for seq in scheduler.running)
-        base += sum(seq.num_uncomputed for seq in list(scheduler.waiting)[: config.max_num_seqs])
+        room = max(0, config.max_num_seqs - len(scheduler.running))  # requests queued behind a full batch wait
+        base += sum(seq.num_uncomputed for seq in list(scheduler.waiting)[:room])
         base = min(base, config.max_num_batched_tokens)
         decoding = [seq for seq in scheduler.running if seq.num_uncomputed == 1]
         candidates = [Candidate(seq.seq_id, seq.draft_confidences, rooms[seq.seq_id])
