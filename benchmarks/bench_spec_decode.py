@@ -207,7 +207,8 @@ def speed(args, engine_kw: dict) -> dict:
     modes = [("off", None, {}), ("off eager", None, {"enforce_eager": True})]
     modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
     modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"), {})]
-    if args.async_scheduling:  # every step waiting for the one before (the host moving the spans on)
+    if args.async_scheduling and args.device == "cuda":  # every step waiting for the one before (elsewhere
+        # no step chains: the host moves the spans on)
         modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks)), {"unchained": True})]
     if args.modes:
         modes = [m for m in modes if m[0] == "off" or any(m[0].startswith(w) for w in args.modes)]
