@@ -344,9 +344,9 @@ def test_structured_output_survives_preemption_and_chunked_prefill(tiny_path, ma
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculation_masks_every_verified_position_by_the_grammar(tiny_path, make_llm, k):
     """Grammar requests speculate: a verification's row j is masked by the grammar after its drafts before
-    j, so a draft the grammar rejects is rejected there. Drafts are the greedy constrained output with
-    some replaced by other tokens (some invalid): greedy outputs equal those without speculation, next
-    to an unconstrained request, and are valid; sampled ones are valid."""
+    j (drafts from the first one the grammar rejects on are not verified). Drafts are the greedy
+    constrained output with some replaced by other tokens (some invalid): greedy outputs equal those
+    without speculation, next to an unconstrained request, and are valid; sampled ones are valid."""
     from spec_fixtures import oracle_drafts, spec
 
     path = tiny_path("tiny")
@@ -367,9 +367,57 @@ def test_speculation_masks_every_verified_position_by_the_grammar(tiny_path, mak
             assert b.outputs[0].finish_reason == "stop"
             CASES[case][1](b.outputs[0].text)
     stats = [o.spec_decode_stats for o in outs]
-    assert all(0 < s["num_accepted_tokens"] < s["num_draft_tokens"] for s in stats), stats
+    assert all(0 < s["num_accepted_tokens"] <= s["num_draft_tokens"] for s in stats), stats
+    assert sum(s["num_accepted_tokens"] < s["num_draft_tokens"] for s in stats) >= 2, stats
     sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=160, structured_outputs=CASES[c][0])
                for i, c in enumerate(cases)]
     for out, case in zip(llm.generate(token_prompts(prompts[:4]), sampled, use_tqdm=False), cases):
         assert out.error is None and out.outputs[0].finish_reason == "stop", case
         CASES[case][1](out.outputs[0].text)
+
+
+@needs_xgrammar
+def test_drafts_the_grammar_rejects_are_not_verified(tiny_path, make_llm):
+    """A draft the grammar rejects would be rejected by its row's mask: it and the drafts after it are not
+    verified at all. The outputs and the accepted drafts are those of verifying them; fewer drafts are
+    verified, and every one verified is one the grammar allowed."""
+    from spec_fixtures import oracle_drafts, spec
+
+    from deepinfer_core.sampling.structured import GrammarState
+
+    path = tiny_path("tiny")
+    cases = ["json_schema", "regex", "grammar", "choice"]
+    prompts = [make_prompt(n, seed=900 + i) for i, n in enumerate([5, 12, 20, 9])]
+    params = [SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=CASES[c][0]) for c in cases]
+    ref = make_llm(path, dtype="float64").generate(token_prompts(prompts), params, use_tqdm=False)
+    ref_tokens = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, ref)}
+
+    def run(check: bool):
+        llm = make_llm(path, dtype="float64", **spec(3))
+        oracle_drafts(llm, ref_tokens, lambda seq, m, j: (m + 2 * j) % 5 == 3)
+        engine, verified = llm.llm_engine, []
+        execute = engine.runner.execute_model
+
+        def checked(so):
+            seqs = {seq.seq_id: seq for seq in engine.scheduler.running}
+            for s in so.scheduled:
+                if check and s.num_drafts and seqs[s.seq_id].grammar is not None:
+                    drafts = s.token_ids[-s.num_drafts:]
+                    verified.append(seqs[s.seq_id].grammar.valid_prefix(drafts) == len(drafts))
+            return execute(so)
+
+        engine.runner.execute_model = checked
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert verified == [True] * len(verified)
+        return engine.spec_decode_stats()
+
+    cut = run(check=True)
+    valid_prefix = GrammarState.valid_prefix
+    GrammarState.valid_prefix = lambda self, drafts: len(drafts)  # every draft verified, as before
+    try:
+        whole = run(check=False)
+    finally:
+        GrammarState.valid_prefix = valid_prefix
+    assert cut["num_accepted_tokens"] == whole["num_accepted_tokens"] > 0
+    assert cut["num_draft_tokens"] < whole["num_draft_tokens"]

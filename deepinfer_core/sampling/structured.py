@@ -19,7 +19,9 @@
   accepted twice and nothing needs rolling back.
 * With speculative decoding a verification of drafts gets a mask row per position: the matcher
   accepts the drafts one by one to fill the rows after them, then rolls back
-  (:meth:`GrammarState.fill_after`); the engine feeds it only the tokens verification keeps.
+  (:meth:`GrammarState.fill_after`); the engine feeds it only the tokens verification keeps. Drafts
+  from the first one the grammar rejects on are not verified at all (:meth:`GrammarState.valid_prefix`):
+  their rows' masks would reject them anyway.
 
 xgrammar is an optional dependency (``pip install deepinfer[structured]``), imported on first use.
 """
@@ -121,6 +123,18 @@ class GrammarState:
             self.fill(bitmask, row + advanced)
         if advanced:
             self.matcher.rollback(advanced)
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many of ``drafts``, from the first, the grammar allows (none after one that ends the output);
+        the matcher is then as it was."""
+        advanced = 0
+        for token in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                break
+            advanced += 1
+        if advanced:
+            self.matcher.rollback(advanced)
+        return advanced
 
     def accept(self, token: int) -> bool:
         ok = bool(self.matcher.accept_token(int(token)))

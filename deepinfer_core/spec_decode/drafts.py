@@ -60,14 +60,18 @@ class DraftPlanner:
         tokens are the plain sampler's), and never past ``max_tokens`` or ``max_model_len``. With a step in
         flight (async scheduling) its accepted drafts are not known yet: the room for ``max_tokens`` is
         the one if it accepts none (the worker, which knows, drops drafts past the limit), and for
-        ``max_model_len`` the one if it accepts all."""
+        ``max_model_len`` the one if it accepts all. A grammar request's drafts end before the first one
+        its grammar rejects: that row's mask would reject it."""
         p = seq.params
         if seq.num_uncomputed != 1 or len(seq.output_token_ids) < p.min_tokens:
             return 0
         room = len(seq.draft_token_ids)
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - len(seq.output_token_ids) - 1)
-        return max(0, min(room, max_model_len - len(seq) - seq.num_unresolved_drafts - 1))
+        room = max(0, min(room, max_model_len - len(seq) - seq.num_unresolved_drafts - 1))
+        if room and seq.grammar is not None:  # none the grammar rejects (no step of it is ever in flight)
+            room = seq.grammar.valid_prefix(seq.draft_token_ids[:room])
+        return room
 
     def decide(self, scheduler: Any) -> bool:
         """Whether the next step speculates (the gate's choice for its decoding sequences; always
