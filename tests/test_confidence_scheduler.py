@@ -177,13 +177,18 @@ def test_stats_count_positions():
     assert s.mean_acceptance_length == pytest.approx(2.5)
 
 
-def test_confidence_scheduled_engine_is_greedy_equal_and_counts(make_llm):
-    text = open("data/heldout_slice.txt").read()
+def heldout_greedy(make_llm, num_prompts: int, max_tokens: int):
+    """Prompts of 50 held-out tokens, greedy params and the trained model's outputs without speculation."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(text)
-    prompts = [ids[i * 120: i * 120 + 50] for i in range(6)]
-    params = engine_fixtures.greedy(20)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 120: i * 120 + 50] for i in range(num_prompts)]
+    params = engine_fixtures.greedy(max_tokens)
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    return prompts, params, ref
+
+
+def test_confidence_scheduled_engine_is_greedy_equal_and_counts(make_llm):
+    prompts, params, ref = heldout_greedy(make_llm, 6, 20)
     llm = make_llm(None, dtype="float64", block_size=32, **spec(3, "confidence"))
     outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -207,12 +212,7 @@ def test_requests_queued_behind_a_full_batch_leave_its_drafts_alone(make_llm):
     """Under load the batch is full and requests wait: they cannot join the step, so their prompts do not
     count against its token budget. Counted in (here two prompts of 50 tokens against 96), they left no
     room for a single draft."""
-    text = open("data/heldout_slice.txt").read()
-    plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(text)
-    prompts = [ids[i * 120: i * 120 + 50] for i in range(8)]
-    params = engine_fixtures.greedy(12)
-    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    prompts, params, ref = heldout_greedy(make_llm, 8, 12)
     llm = make_llm(None, dtype="float64", block_size=32, max_num_seqs=2, max_num_batched_tokens=96,
                    **spec(3, "confidence"))
     engine, queued = llm.llm_engine, []
