@@ -138,6 +138,24 @@ def test_stop_strings_eos_min_tokens_penalties_and_grammar(tiny_path, make_llm, 
     assert outs[6].outputs[0].text in ("yes", "no", "maybe")
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_penalised_requests_overlap_and_count_every_token(tiny_path, make_llm, batch_invariant):
+    """A plain step's samples are counted into the penalty state on the device as they are drawn, so
+    penalised requests no longer keep step N+1 waiting for N's tokens on the host; their outputs are
+    the synchronous engine's (each penalty, greedy and seeded, a prompt repeated so counts build up)."""
+    sync, async_ = pair(make_llm, tiny_path("tiny"), dtype="float64", batch_invariant=batch_invariant)
+    prompts = token_prompts([make_prompt(n, seed=70 + n) for n in (3, 9, 17)] + [make_prompt(5, seed=1) * 4])
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=1.5),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=0.9),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=22, ignore_eos=True, repetition_penalty=1.6),
+              SamplingParams(temperature=0.6, seed=8, max_tokens=18, ignore_eos=True, presence_penalty=-0.5,
+                             frequency_penalty=0.4, logprobs=2)]
+    outs = generate_both(sync, async_, prompts, params)
+    assert async_.llm_engine.counts["overlapped"] >= 20 and not async_.llm_engine.counts["drained"]
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    assert counts == [24, 20, 22, 18]
+
+
 @pytest.mark.parametrize("engine_args", [
     dict(max_num_batched_tokens=8),
     dict(max_num_batched_tokens=13, max_num_seqs=3),

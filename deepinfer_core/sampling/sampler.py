@@ -14,7 +14,9 @@ earlier steps, preemption and recomputation, or an engine restart.
 The per-row parameters travel to the device in one copy per step. Tokens come back as a device tensor
 (``SamplerOutput``); the model runner copies them to the host (``to_host``, through the platform).
 Penalty state (prompt mask, output counts) is kept per sequence across steps on the device and grows by
-the tokens sampled since the last step (vLLM's persistent batch), instead of being rebuilt every step.
+the tokens sampled since the last step (vLLM's persistent batch), instead of being rebuilt every step. A
+plain decode step's samples are counted there as soon as they are drawn (``count_samples``), so the next
+step needs none of them on the host; a verification's accepted drafts are counted from the outputs.
 """
 
 from __future__ import annotations
@@ -241,6 +243,19 @@ class Sampler:
         narrow = self.ops.apply_penalties(logits.gather(2, cols).view(num * q, q - 1), mask, seen,
                                           *(v.repeat_interleave(q) for v in values))
         return out.scatter_(2, cols, narrow.view(num, q, q - 1))
+
+    def count_samples(self, seqs: list[Any], tokens: torch.Tensor) -> None:
+        """Count the samples ``tokens`` (on the device), each the next output of its sequence, into the
+        penalised sequences' states there: the next step may be penalised by them before they reach the
+        host (async scheduling). A sequence's later outputs are counted from the host as before."""
+        rows = [row for row, seq in enumerate(seqs) if seq.params.has_penalties]
+        if not rows:
+            return
+        one = torch.ones(1, dtype=torch.long, device=tokens.device)
+        for row in rows:
+            state = self._penalties[seqs[row].seq_id]
+            state.counts.index_add_(0, tokens[row:row + 1], one)
+            state.num_counted += 1
 
     def _penalty_rows(self, seqs: list[Any], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's prompt mask and output counts ([len(seqs), vocab]; zeros for an unpenalised one),

@@ -122,6 +122,7 @@ class ModelRunner:
         if not states:
             return ReadyOutput(EMPTY_OUTPUT)
         out = self.sampler(logits, states, so.grammar_bitmask)
+        self.sampler.count_samples(states, out.sampled_token_ids)  # a penalised next step may not wait for them
         positions = []
         for state in states:
             positions.append(len(state.output_token_ids))
