@@ -124,6 +124,26 @@ def test_penalised_requests_and_logprobs_speculate_through_the_graphs():
     assert same >= len(prompts) - 1
 
 
+def test_penalised_requests_overlap_plain_graph_steps():
+    """Plain decode through the graphs with async scheduling: penalised requests (their samples counted
+    into the penalty state on the device as they are drawn) overlap their steps, and every request's
+    tokens are the synchronous engine's, bit for bit."""
+    ids = make(enforce_eager=True).llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 30 + 9 * i]} for i in range(4)]
+    extra = [dict(presence_penalty=1.2), dict(frequency_penalty=0.8, logprobs=1),
+             dict(temperature=0.8, seed=3, repetition_penalty=1.4), {}]
+    params = [SamplingParams(**({"temperature": 0} | e), max_tokens=32, ignore_eos=True) for e in extra]
+    sync = [o.outputs[0] for o in make().generate(prompts, params, use_tqdm=False)]
+    llm = make(async_scheduling=True)
+    engine, overlapped = llm.llm_engine, []
+    can_overlap = engine._can_overlap
+    engine._can_overlap = lambda prev: overlapped.append(can_overlap(prev)) or overlapped[-1]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in sync]
+    assert sum(overlapped) >= 28
+
+
 def test_chained_speculative_steps_on_the_device():
     """Async scheduling with MTP speculation (k = 3): greedy verification steps launch while the step
     before is in flight, laid out on the device from its result. The tokens and the acceptance counts are
