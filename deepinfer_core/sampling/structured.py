@@ -113,25 +113,23 @@ class GrammarState:
     def fill_after(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         """Rows ``row + 1 ..``: the masks after each draft (speculative decoding), as far as the matcher
         accepts them; the matcher is then as it was."""
-        advanced = 0
-        for token in drafts:
-            if not self.matcher.accept_token(int(token)):
-                break
-            advanced += 1
-            if self.matcher.is_terminated():  # the draft ends the output: nothing after it is kept
-                break
-            self.fill(bitmask, row + advanced)
-        if advanced:
-            self.matcher.rollback(advanced)
+        self._try(drafts, lambda accepted: self.fill(bitmask, row + accepted))
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of ``drafts``, from the first, the grammar allows (none after one that ends the output);
         the matcher is then as it was."""
+        return self._try(drafts)
+
+    def _try(self, drafts: list[int], after=None) -> int:
+        """Accept ``drafts`` while the grammar allows them, calling ``after(count)`` after each that does
+        not end the output, then roll back; returns the count accepted."""
         advanced = 0
         for token in drafts:
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
                 break
             advanced += 1
+            if after is not None and not self.matcher.is_terminated():
+                after(advanced)
         if advanced:
             self.matcher.rollback(advanced)
         return advanced
