@@ -131,13 +131,17 @@ class ModelRunner:
         self._prev_tokens = out.sampled_token_ids
         return _PendingOutput(states, positions, out.to_host(self.platform))
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for seq_id in so.finished_seq_ids:
-            self.requests.pop(seq_id, None)
-            self.sampler.free(seq_id)
+    def _update_states(self, so: SchedulerOutput, drop_finished: bool = True) -> None:
+        if drop_finished:
+            self._drop(so.finished_seq_ids)
         for new in so.new_requests:
             self.requests[new.seq_id] = CachedRequestState(new.seq_id, list(new.prompt_token_ids), new.params,
                                                            new.seed)
+
+    def _drop(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.requests.pop(seq_id, None)
+            self.sampler.free(seq_id)
 
     def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int]) -> ForwardBatch:
         """The step's batch on the model's device; padded to a captured shape when a graph will run it."""

@@ -143,9 +143,7 @@ class SpecDecodeModelRunner(ModelRunner):
             pending, self._pending = self._pending, None  # the step before ends first: this one builds on it
             pending.get_output()
         self._chain = None
-        for seq_id in so.finished_seq_ids:
-            self._accepted.pop(seq_id, None)
-            self._drafts.pop(seq_id, None)
+        self._forget(so.finished_seq_ids, keep_states=True)
         if not so.speculate:  # a plain decode step: no drafting, the plain (async) pipeline
             for s in so.scheduled:
                 self._accepted[s.seq_id], self._drafts[s.seq_id] = 0, []
@@ -234,20 +232,27 @@ class SpecDecodeModelRunner(ModelRunner):
             self._pending.get_output()
         return self._pending
 
+    def _forget(self, seq_ids: list[int], keep_states: bool = False) -> None:
+        """Drop what the runner keeps of sequences that left; ``keep_states``: their request states, which
+        ``_update_states`` drops."""
+        for seq_id in seq_ids:
+            self._accepted.pop(seq_id, None)
+            self._drafts.pop(seq_id, None)
+        if not keep_states:
+            self._drop(seq_ids)
+
     def _chains(self, so: SchedulerOutput) -> bool:
         """Whether the step can launch while the step before is in flight, laid out on the device from its
         result (``self._chain``): that step drafted on the device and its output is not read yet; this one
         is a speculative step of verifications only, every span its sequence's placeholders (moved on
         by that step's accepted drafts) with at most k drafts (those past ``max_tokens`` once moved on are
-        dropped on the device), in a batch
-        that a verification graph with the undo log inside and a drafting graph hold; no sequence of the
-        step before leaves."""
+        dropped on the device), in a batch that a verification graph with the undo log inside and a
+        drafting graph hold. Sequences of the step before may leave (see :meth:`_execute_chained`)."""
         chain, graphs, k = self._chain, self.graph_runner, self.k
         if (chain is None or chain.pending is not self._pending or self._pending._output is not None
                 or not so.speculate or not so.scheduled or so.grammar_bitmask is not None
                 or getattr(graphs, "prologue", None) is None
-                or self.proposer.graphs is None or self.proposer.graphs.size_for(len(so.scheduled)) is None
-                or any(seq_id in chain.rows for seq_id in so.finished_seq_ids)):
+                or self.proposer.graphs is None or self.proposer.graphs.size_for(len(so.scheduled)) is None):
             return False
         for s in so.scheduled:
             state = self.requests.get(s.seq_id)
@@ -278,12 +283,10 @@ class SpecDecodeModelRunner(ModelRunner):
     def _execute_chained(self, so: SchedulerOutput) -> _Pending:
         """Launch a step of verifications before the step before ends (see :meth:`_chains`): its spans
         moved on, its tokens and drafts filled in, its layout derived and its drafting laid out on the
-        device, from the step before's result there; the host reads nothing until this step's output."""
+        device, from the step before's result there; the host reads nothing until this step's output.
+        The sequences that leave are forgotten once the step before's output, which holds them, is in."""
         prev, chain = self._pending, self._chain
-        self._update_states(so)
-        for seq_id in so.finished_seq_ids:
-            self._accepted.pop(seq_id, None)
-            self._drafts.pop(seq_id, None)
+        self._update_states(so, drop_finished=False)
         scheduled, graphs = so.scheduled, self.graph_runner
         n, q = len(scheduled), self._chained_query_len(scheduled)
         spans, pad = self._chained_spans(scheduled, q), self._chained_padding(scheduled, q)
@@ -324,6 +327,7 @@ class SpecDecodeModelRunner(ModelRunner):
 
         def complete() -> ModelRunnerOutput:
             prev.get_output()  # the step before's tokens go in first
+            self._forget(so.finished_seq_ids)
             return self._complete(so, streams, [], [], None, verifies, verified, drafted, None)
 
         self._pending = self._chain.pending = _Pending(complete)

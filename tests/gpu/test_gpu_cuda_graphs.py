@@ -166,6 +166,35 @@ def test_chained_speculative_steps_on_the_device():
     assert sum(a == b for a, b in zip(runs[True][0], ref)) >= len(prompts) - 1
 
 
+def test_chained_steps_go_on_past_finishing_sequences():
+    """A chained step launches in the step after a sequence finished (its ``max_tokens`` or a stop token
+    reached): the step before, still in flight, holds the finished sequence, which is forgotten once that
+    step's output is in. The tokens are those of the engine when each step waits for the one before."""
+    prompts, params, ref = _trained_workload(24)
+    stops = [dict(stop_token_ids=[ref[1][30]]), dict(stop_token_ids=[ref[4][35]])]
+    params[1], params[4] = (SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, **s)
+                            for p, s in zip((params[1], params[4]), stops))
+    runs = {}
+    for chain in (False, True):
+        llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": 3}, async_scheduling=True)
+        runner, across = llm.llm_engine.runner, []
+        chained = runner._execute_chained
+
+        def launch(so, chained=chained, runner=runner, across=across):
+            across.append(bool(set(so.finished_seq_ids) & set(runner._chain.rows)))
+            return chained(so)
+
+        runner._execute_chained = launch
+        if not chain:
+            runner._chains = lambda so: False
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[chain] = (outs, across)
+    assert runs[False][1] == [] and sum(runs[True][1]) >= 3, runs[True][1]
+    assert runs[True][0] == runs[False][0]
+    assert len(runs[True][0][1]) < params[1].max_tokens and len(runs[True][0][4]) < params[4].max_tokens
+    assert sum(b[: len(a)] == a for a, b in zip(runs[True][0], ref)) >= len(prompts) - 1
+
+
 def test_confidence_scheduling_replays_a_graph_of_every_verification_length():
     """Confidence scheduling captures a verification graph of every 1 + j tokens (k = 3); with the draft
     budgets capped at 1 and 2 in turn, chained steps replay the 2- and 3-token graphs, and the tokens are
