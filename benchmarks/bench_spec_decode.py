@@ -202,7 +202,8 @@ def speed(args, engine_kw: dict) -> dict:
     if args.force_acceptance is not None:
         force_acceptance(args.force_acceptance)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0} if args.temperature else {}
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **({"temperature": 0.0} | sampling))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, presence_penalty=args.presence_penalty,
+                            **({"temperature": 0.0} | sampling))
     # "off eager": plain decode without CUDA graphs, as speculation's steps run (on the CPU the same as "off")
     modes = [("off", None, {}), ("off eager", None, {"enforce_eager": True})]
     modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
@@ -235,7 +236,7 @@ def speed(args, engine_kw: dict) -> dict:
               f"{r['speedup']:>8.2f} {r['spread']:>6.1%} {r.get('mean_acceptance_length', 1.0):>10.2f} "
               f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "waves": args.waves,
-            "async_scheduling": args.async_scheduling,
+            "async_scheduling": args.async_scheduling, "presence_penalty": args.presence_penalty,
             "force_acceptance": args.force_acceptance, "repeats": args.repeats,
             "virtual_clock": dataclasses.asdict(args.virtual_clock) if args.virtual_clock else None,
             "clock_jitter": args.clock_jitter, "rows": rows}
@@ -301,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="speed: sample at this temperature (seeded) instead of greedily")
     ap.add_argument("--top-p", type=float, default=1.0, help="speed, with --temperature: nucleus sampling")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="speed: every request's presence penalty (default 0, off)")
     ap.add_argument("--gate-trace", action="store_true",
                     help="speed: keep the confidence scheduler's gate decisions of each measured run in the JSON")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
