@@ -433,6 +433,36 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
             assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
+def test_chained_steps_go_on_past_finishing_sequences(make_llm, make_async):
+    """A chained step launches in the step after a sequence finished (max_tokens, a stop token): the step
+    before, still in flight, holds the finished sequence, which the runner forgets once that step's output
+    is in. The trained model, requests finishing at staggered steps: the outputs are those without
+    speculation, and the runner keeps nothing of the finished requests once the next batch runs."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(6)]
+    params = [greedy(12 + 5 * i) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[3][16]])
+    ref[3] = ref[3][: ref[3].index(ref[3][16]) + 1]
+    llm = make_async(None, dtype="float64", block_size=32, **spec(3))
+    with_drafting_graphs(llm, 3, [1, 2, 4, 8])
+    runner, across = llm.llm_engine.runner, []
+    execute = runner._execute_chained
+
+    def chained(so):
+        across.append(bool(set(so.finished_seq_ids) & set(runner._chain.rows)))
+        return execute(so)
+
+    runner._execute_chained = chained
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sum(across) >= 2 and len(across) >= 12, across
+    first = {s for s in runner.requests}
+    llm.generate(token_prompts(prompts[:1]), greedy(4), use_tqdm=False)
+    assert not first & (runner.requests.keys() | runner._accepted.keys() | runner._drafts.keys())
+
+
 def capped_budgets(llm, caps: list[int]) -> None:
     """Cap every sequence's draft budget, the same for all, at ``caps`` in turn, one a planning."""
     planner, turn = llm.llm_engine.drafts, [0]

@@ -189,7 +189,7 @@ def test_chained_steps_go_on_past_finishing_sequences():
             runner._chains = lambda so: False
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runs[chain] = (outs, across)
-    assert runs[False][1] == [] and sum(runs[True][1]) >= 3, runs[True][1]
+    assert runs[False][1] == [] and sum(runs[True][1]) >= 2, runs[True][1]
     assert runs[True][0] == runs[False][0]
     assert len(runs[True][0][1]) < params[1].max_tokens and len(runs[True][0][4]) < params[4].max_tokens
     assert sum(b[: len(a)] == a for a, b in zip(runs[True][0], ref)) >= len(prompts) - 1
