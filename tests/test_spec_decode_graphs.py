@@ -525,16 +525,18 @@ def test_chained_steps_replay_the_shortest_graph_that_holds_their_drafts(make_ll
 
 
 def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
-    """Sampled requests chain too (temperature with top-k, top-p and min-p, seeded and not, beside a greedy
-    one; two with logprobs): a chained step's target distributions, acceptance uniforms and residual noise
-    are those of the positions the device moved its spans to, so its tokens (and logprobs) are those of
-    the same engine when every step waits for the one before, drafts rejected at random offsets."""
+    """Sampled requests chain too (temperature with top-k, top-p and min-p, seeded and not, two penalised,
+    beside a greedy one; two with logprobs): a chained step's target distributions, acceptance uniforms
+    and residual noise are those of the positions the device moved its spans to, so its tokens (and
+    logprobs) are those of the same engine when every step waits for the one before, drafts rejected at
+    random offsets."""
     plain = make_llm(None, dtype="float64", block_size=32)
     ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
     prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
-    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=30),
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=30, presence_penalty=0.7),
               SamplingParams(temperature=1.0, top_p=0.9, seed=12, max_tokens=26, logprobs=2),
-              SamplingParams(temperature=0.7, top_k=20, min_p=0.05, max_tokens=33),
+              SamplingParams(temperature=0.7, top_k=20, min_p=0.05, max_tokens=33, repetition_penalty=1.2,
+                             frequency_penalty=0.4),
               greedy(24, logprobs=0),
               SamplingParams(temperature=1.3, top_k=50, top_p=0.95, seed=13, max_tokens=28)]
     runs = {}
@@ -566,8 +568,9 @@ def test_penalised_verification_keeps_greedy_equal(graphs, make_llm, make_async)
     """Penalised greedy requests speculate: each verification row is penalised by the outputs and the
     drafts before it; requests with logprobs get those of every kept token. The trained model (which
     repeats itself, so the penalties change its argmax), k=3, penalised and unpenalised requests in one
-    batch, eagerly and through the padded graphs with async scheduling: the tokens and logprobs are
-    those without speculation, with drafts accepted and rejected."""
+    batch, eagerly and through the padded graphs with async scheduling (steps chained, each penalised by
+    the step before's tokens counted on the device): the tokens and logprobs are those without
+    speculation, with drafts accepted and rejected."""
     plain = make_llm(None, dtype="float64", block_size=32)
     ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
     prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
@@ -579,10 +582,13 @@ def test_penalised_verification_keeps_greedy_equal(graphs, make_llm, make_async)
     unpenalised = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), greedy(24), use_tqdm=False)]
     assert all(a != b for a, b, p in zip(ref, unpenalised, penalties) if p)  # the penalties matter
     llm = (make_async if graphs else make_llm)(None, dtype="float64", block_size=32, **spec(3))
+    chained = [0]
     if graphs:
         with_drafting_graphs(llm, 3, [1, 2, 4, 8])
+        chained = count_chained(llm)
     outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+    assert chained[0] >= 5 if graphs else chained[0] == 0, chained  # counted on the device, they chain
     for out, want in zip(outs[1::2], ref_outs[1::2]):  # and the logprobs, to float64 rounding
         assert len(out.outputs[0].logprobs) == len(want.outputs[0].logprobs)
         for got, lp in zip(out.outputs[0].logprobs, want.outputs[0].logprobs):

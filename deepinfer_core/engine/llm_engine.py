@@ -343,10 +343,10 @@ class LLMEngine:
     def _can_overlap(self, prev: _Step) -> bool:
         """Whether step N+1 may be scheduled and launched before ``prev`` (step N) is finished.
 
-        Not when a sequence going on needs its token of N on the host to sample N+1 (grammar, min_tokens,
-        penalties with speculative decoding: only a plain sample is counted on the device), nor when the
-        schedule would preempt. A sequence that may stop on its token of N (stop or end-of-sequence tokens,
-        stop strings) is scheduled and its row discarded if it did stop.
+        Not when a sequence going on needs its token of N on the host to sample N+1 (grammar, min_tokens;
+        penalties count N's tokens on the device), nor when the schedule would preempt. A sequence that may
+        stop on its token of N (stop or end-of-sequence tokens, stop strings) is scheduled and its row
+        discarded if it did stop.
         The extra row moves the other rows' arithmetic unless the engine is batch-invariant, and the rest
         of the schedule must not depend on it (``Scheduler.running_fits``, strict): otherwise N is
         finished first.
@@ -356,9 +356,7 @@ class LLMEngine:
         live = [s for s in prev.sampled if s.finish_reason is None]
         leaving = {s.seq_id for s in live if self._out_of_room(s)}
         going = [s for s in live if s.seq_id not in leaving]
-        penalties = self.drafts is not None  # a verification counts its accepted drafts from the host's outputs
-        if any(s.grammar is not None or (penalties and s.params.has_penalties)
-               or len(s.output_token_ids) < s.params.min_tokens for s in going):
+        if any(s.grammar is not None or len(s.output_token_ids) < s.params.min_tokens for s in going):
             return False
         limit = self.scheduler_config.max_model_len  # positions past it may not be computed, even dropped
         if any(len(s) + s.num_unresolved_drafts >= limit for s in going if s.num_unresolved_drafts):

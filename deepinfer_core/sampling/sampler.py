@@ -257,6 +257,27 @@ class Sampler:
             state.counts.index_add_(0, tokens[row:row + 1], one)
             state.num_counted += 1
 
+    def count_outputs(self, seqs: list[Any], tokens: torch.Tensor, num_accepted: torch.Tensor | None = None) -> None:
+        """Count the penalised sequences' new outputs into their states on the device: row ``i``'s first
+        ``num_accepted[i] + 1`` of ``tokens[i]`` ([len(seqs), q] on the device; all of them where
+        ``num_accepted`` is None), before they reach the host, which marks them counted
+        (:meth:`mark_counted`) as it records them."""
+        rows = [row for row, seq in enumerate(seqs) if seq.params.has_penalties]
+        if not rows:
+            return
+        keep = torch.ones_like(tokens)
+        if num_accepted is not None:
+            keep = (torch.arange(tokens.shape[1], device=tokens.device) <= num_accepted.unsqueeze(1)).long()
+        ids = tokens.clamp(min=0)  # past the accepted ones, padding of weight 0
+        for row in rows:
+            self._penalties[seqs[row].seq_id].counts.scatter_add_(0, ids[row], keep[row])
+
+    def mark_counted(self, seq: Any, n: int) -> None:
+        """The sequence's last ``n`` outputs, now on the host, were counted by :meth:`count_outputs`."""
+        state = self._penalties.get(seq.seq_id)
+        if state is not None:
+            state.num_counted += n
+
     def _penalty_rows(self, seqs: list[Any], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's prompt mask and output counts ([len(seqs), vocab]; zeros for an unpenalised one),
         its persistent state brought up to date with the outputs sampled since its last step (one copy of

@@ -202,6 +202,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 bitmask = bitmask[[mask_rows[i] for i, _ in plain]]
             index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
             plain_samples = self.sampler(logits.index_select(0, index), states, bitmask)
+            self.sampler.count_outputs(states, plain_samples.sampled_token_ids.unsqueeze(1))
             plain_out = plain_samples.to_host(self.platform)
         fillers = filler_mask if any(filler) else None  # on the host: a uniform verification never reads it
         if verifies:
@@ -258,7 +259,7 @@ class SpecDecodeModelRunner(ModelRunner):
             state = self.requests.get(s.seq_id)
             if (state is None or s.seq_id not in chain.rows or not s.sample or s.restore_boundary is not None
                     or len(s.token_ids) != 1 + s.num_drafts or s.num_drafts > k
-                    or any(t != PLACEHOLDER for t in s.token_ids) or state.params.has_penalties):
+                    or any(t != PLACEHOLDER for t in s.token_ids)):
                 return False
         q = self._chained_query_len(so.scheduled)
         return q is not None and self._chained_padding(so.scheduled, q) is not None
@@ -308,7 +309,8 @@ class SpecDecodeModelRunner(ModelRunner):
         sampled = None if all(st.params.greedy for st in states) else self._sampling(states, shift)
         batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
-        out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled)
+        penalised = states if any(st.params.has_penalties for st in states) else None
+        out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled, penalised)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
                  for sp in spans]
         # the catch-up's k + 1 positions a sequence: its q rows, the last repeated past them (never kept)
@@ -516,6 +518,8 @@ class SpecDecodeModelRunner(ModelRunner):
             uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
                                            [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
             out = rejection_sample(probs, drafts_d, num_d, uniforms, noise, greedy=greedy_d.bool())
+        if penalised:  # the next step may be penalised by them before they reach the host
+            self.sampler.count_outputs([v.state for v in verifies], out.output_token_ids, out.num_accepted)
         rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
         if fillers is not None:
             rejected |= fillers.to(device)
@@ -547,12 +551,16 @@ class SpecDecodeModelRunner(ModelRunner):
         return self._verify_rows(logits, host[:, :-1], host[:, -1], undo, span, num_tokens)
 
     def _verify_rows(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, undo: CacheUndo,
-                     span: int, num_tokens: int, sampled: tuple | None = None):
+                     span: int, num_tokens: int, sampled: tuple | None = None,
+                     penalised: list[CachedRequestState] | None = None):
         """Verification of ``drafts`` [s, span - 1] (device; ``num_drafts`` [s] of each are real) in the first
-        ``s`` spans of ``span`` logits rows each, greedy or (``sampled``, from :meth:`_sampling`) lossless;
-        the rows rejected tokens wrote are put back."""
+        ``s`` spans of ``span`` logits rows each, greedy or (``sampled``, from :meth:`_sampling`) lossless,
+        penalised where ``penalised`` (the spans' states) is given; the rows rejected tokens wrote are put
+        back."""
         s = drafts.shape[0]
         rows = logits[: s * span]
+        if penalised is not None:
+            rows = self.sampler.penalise_verification(rows.reshape(s, span, -1), penalised, drafts).view(s * span, -1)
         if sampled is None:
             out = greedy_verify(rows.reshape(s, span, -1), drafts, num_drafts)
         else:
@@ -560,6 +568,8 @@ class SpecDecodeModelRunner(ModelRunner):
             probs = self._target_probs(rows, [p for p in params for _ in range(span)])
             uniforms, noise = verify_noise_at(hashed, first, span, rows.shape[-1])
             out = rejection_sample(probs.view(s, span, -1), drafts, num_drafts, uniforms, noise, greedy=greedy)
+        if penalised is not None:
+            self.sampler.count_outputs(penalised, out.output_token_ids, out.num_accepted)
         offset, owner = self._uniform_layout(num_tokens, span, logits.device)
         accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
         undo.restore(offset > accepted[owner])
@@ -629,6 +639,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 continue
             state = self.requests[s.seq_id]
             state.output_token_ids.extend(new_tokens[i])
+            self.sampler.mark_counted(state, len(new_tokens[i]))  # counted on the device at launch
             out.seq_ids.append(s.seq_id)
             out.sampled_token_ids.append(new_tokens[i][0])
             lps = logprobs.get(i)
