@@ -248,14 +248,9 @@ class Sampler:
         """Count the samples ``tokens`` (on the device), each the next output of its sequence, into the
         penalised sequences' states there: the next step may be penalised by them before they reach the
         host (async scheduling). A sequence's later outputs are counted from the host as before."""
-        rows = [row for row, seq in enumerate(seqs) if seq.params.has_penalties]
-        if not rows:
-            return
-        one = torch.ones(1, dtype=torch.long, device=tokens.device)
-        for row in rows:
-            state = self._penalties[seqs[row].seq_id]
-            state.counts.index_add_(0, tokens[row:row + 1], one)
-            state.num_counted += 1
+        self.count_outputs(seqs, tokens.unsqueeze(1))
+        for seq in seqs:
+            self.mark_counted(seq, 1)
 
     def count_outputs(self, seqs: list[Any], tokens: torch.Tensor, num_accepted: torch.Tensor | None = None) -> None:
         """Count the penalised sequences' new outputs into their states on the device: row ``i``'s first
