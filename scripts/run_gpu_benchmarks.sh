@@ -15,6 +15,8 @@
 #                 the gate's decisions traced (issue 15's "never slower at batch 64")
 #   spec_waves    spec_gate with four waves of requests, at most a batch at once: full batches as in serving,
 #                 not one closed batch whose rate ends with its slowest request
+#   spec_penalised  off / k=3 with async scheduling, batch 1 and 64, every request with a presence penalty
+#                 (its tokens counted on the device, so steps still overlap and chain): against spec_async
 #   profile_spec  where a k=3 speculative step's host time goes at batch 1, and the GPU's busy time
 #   profile_spec_async  the same with async scheduling
 #   profile_fp8   the kernel breakdown of an FP8 decode step at batch 64
@@ -29,7 +31,7 @@ set -u -o pipefail
 source "$(dirname "$0")/gpu_setup.sh" "$@"
 OUT="$OUT_DIR"
 LIMIT="${GPU_BENCH_LIMIT:-200}"
-STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async spec_gate spec_waves profile_spec profile_spec_async profile_fp8 profile_prefill}"
+STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async spec_gate spec_waves spec_penalised profile_spec profile_spec_async profile_fp8 profile_prefill}"
 : > "$OUT/summary.txt"
 if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
 SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
@@ -56,6 +58,8 @@ for step in $STEPS; do
                        --gate-trace --json-out "$OUT/spec_gate.json" ;;
         spec_waves) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \
                         --gate-trace --waves 4 --repeats 1 --json-out "$OUT/spec_waves.json" ;;
+        spec_penalised) run "$step" "$PY" "${SPEC[@]}" --modes k=3 --async-scheduling --presence-penalty 0.5 \
+                            --json-out "$OUT/spec_penalised.json" ;;
         profile_spec) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
                           --ks 3 --batch-sizes 1 --json-out "$OUT/profile_spec.json" ;;
         profile_spec_async) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
