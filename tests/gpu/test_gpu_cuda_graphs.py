@@ -171,7 +171,7 @@ def test_chained_steps_go_on_past_finishing_sequences():
     reached): the step before, still in flight, holds the finished sequence, which is forgotten once that
     step's output is in. The tokens are those of the engine when each step waits for the one before."""
     prompts, params, ref = _trained_workload(24)
-    stops = [dict(stop_token_ids=[ref[1][30]]), dict(stop_token_ids=[ref[4][35]])]
+    stops = [dict(stop_token_ids=[ref[1][14]]), dict(stop_token_ids=[ref[4][25]])]
     params[1], params[4] = (SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, **s)
                             for p, s in zip((params[1], params[4]), stops))
     runs = {}
