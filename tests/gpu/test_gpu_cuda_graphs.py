@@ -229,12 +229,13 @@ def test_confidence_scheduling_replays_a_graph_of_every_verification_length():
 
 
 def test_chained_sampled_steps_queue_without_waiting():
-    """Seeded sampled requests (temperature with top-k, top-p and min-p) chain as greedy ones do: their
-    tokens are those of the same engine when each step waits for the one before, and launching a chained
-    step makes no call that waits for the device (torch's sync debug mode reports none)."""
+    """Seeded sampled requests (temperature with top-k, top-p and min-p; two penalised) chain as greedy ones
+    do: their tokens are those of the same engine when each step waits for the one before, and launching a
+    chained step makes no call that waits for the device (torch's sync debug mode reports none)."""
     prompts, _, _ = _trained_workload(40)
     params = [SamplingParams(temperature=0.9, top_p=0.95 if i % 2 else 1.0, top_k=40 if i % 3 == 0 else 0,
-                             min_p=0.02 if i == 4 else 0.0, seed=100 + i, max_tokens=40 + 4 * i, ignore_eos=True)
+                             min_p=0.02 if i == 4 else 0.0, seed=100 + i, max_tokens=40 + 4 * i, ignore_eos=True,
+                             presence_penalty=0.6 if i in (1, 2) else 0.0, repetition_penalty=1.2 if i == 2 else 1.0)
               for i in range(len(prompts))]
     runs = {}
     for chain in (False, True):
