@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -195,6 +196,8 @@ def _speed_rows(args, llm: LLM, name: str, params: SamplingParams, trace: list[s
         if trace is not None:
             row["gate_trace"] = "".join(trace)
         rows.append(row)
+        print(f"# {name} batch {batch}: {total:.1f} tok/s total, {seconds:.3f} s,"  # a run cut short keeps these
+              f" plain step share {row.get('plain_step_share', 0.0):.2f}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -245,8 +248,6 @@ def speed(args, engine_kw: dict) -> dict:
 def _random_llm_factory(args, engine_kw: dict):
     """Engines over one random model at V4-Flash widths (``--small``: tiny widths) with an MTP block, built
     once on the target device; its drafts are accepted at random (``--force-acceptance``)."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import bench_gpu_decode as bgd
 
