@@ -99,14 +99,14 @@ STEPS=" ${GPU_SUITE_STEPS:-gpu_suite conformance} "
 # --- the GPU suite ---------------------------------------------------------------------------------
 if [[ "$STEPS" == *" gpu_suite "* ]]; then
     : > "$LOG_DIR/gpu_suite_times.tsv"
-    DEEPINFER_TEST_TIMES="$LOG_DIR/gpu_suite_times.tsv" "$PY" -m pytest tests/gpu -m gpu -rs -v --durations=15 \
+    DEEPINFER_TEST_TIMES="$LOG_DIR/gpu_suite_times.tsv" "$PY" -m pytest tests/gpu -m gpu -rfEs -v --durations=15 \
         --junitxml="$LOG_DIR/gpu_suite.xml" "${EXTRA[@]}" 2>&1 | tee "$LOG_DIR/gpu_suite.log"
     record gpu_suite "${PIPESTATUS[0]}"
 fi
 
 # --- the conformance suite for nvidia_sm100 (tiny in every dtype, then v4_flash) -------------------
 if [[ "$STEPS" == *" conformance "* ]]; then
-    "$PY" -m pytest tests/test_conformance.py --backend nvidia_sm100 -m "slow or not slow" -rs -q \
+    "$PY" -m pytest tests/test_conformance.py --backend nvidia_sm100 -m "slow or not slow" -rfEs -q \
         --durations=15 --junitxml="$LOG_DIR/conformance.xml" "${EXTRA[@]}" 2>&1 | tee "$LOG_DIR/conformance.log"
     record conformance "${PIPESTATUS[0]}"
 fi
