@@ -15,7 +15,7 @@ import torch
 from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
 from spec_fixtures import oracle_drafts, spec
 from test_spec_async import expected, worker_oracle
-from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference
+from test_spec_decode import MAX_TOKENS, PROMPTS, mixed, reference, run_with_aborts
 
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams
@@ -461,6 +461,31 @@ def test_chained_steps_go_on_past_finishing_sequences(make_llm, make_async):
     first = {s for s in runner.requests}
     llm.generate(token_prompts(prompts[:1]), greedy(4), use_tqdm=False)
     assert not first & (runner.requests.keys() | runner._accepted.keys() | runner._drafts.keys())
+
+
+def test_chained_steps_go_on_past_aborted_requests(make_llm, make_async):
+    """Requests aborted while chained steps are in flight: the next step still chains, the aborted ones
+    give no output and the others' tokens are those without speculation (the trained model)."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(6)]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), greedy(30), use_tqdm=False)]
+    llm = make_async(None, dtype="float64", block_size=32, **spec(3))
+    with_drafting_graphs(llm, 3, [1, 2, 4, 8])
+    engine, runner, across = llm.llm_engine, llm.llm_engine.runner, []
+    execute = runner._execute_chained
+
+    def chained(so):
+        across.append(bool(set(so.finished_seq_ids) & set(runner._chain.rows)))
+        return execute(so)
+
+    runner._execute_chained = chained
+    rids = [engine.add_request(None, {"prompt_token_ids": p}, greedy(30)) for p in prompts]
+    done = run_with_aborts(engine, {rids[1]: 4, rids[4]: 6})
+    assert {rid: done[rid] for rid in rids if rid not in (rids[1], rids[4])} == {
+        rid: want for rid, want in zip(rids, ref) if rid not in (rids[1], rids[4])}
+    assert rids[1] not in done and rids[4] not in done
+    assert sum(across) >= 1, across
 
 
 def capped_budgets(llm, caps: list[int]) -> None:
