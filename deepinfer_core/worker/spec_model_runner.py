@@ -143,7 +143,7 @@ class SpecDecodeModelRunner(ModelRunner):
             pending, self._pending = self._pending, None  # the step before ends first: this one builds on it
             pending.get_output()
         self._chain = None
-        self._forget(so.finished_seq_ids, keep_states=True)
+        self._forget(so.finished_seq_ids)
         if not so.speculate:  # a plain decode step: no drafting, the plain (async) pipeline
             for s in so.scheduled:
                 self._accepted[s.seq_id], self._drafts[s.seq_id] = 0, []
@@ -233,14 +233,12 @@ class SpecDecodeModelRunner(ModelRunner):
             self._pending.get_output()
         return self._pending
 
-    def _forget(self, seq_ids: list[int], keep_states: bool = False) -> None:
-        """Drop what the runner keeps of sequences that left; ``keep_states``: their request states, which
-        ``_update_states`` drops."""
+    def _forget(self, seq_ids: list[int]) -> None:
+        """Drop all the runner keeps of sequences that left."""
         for seq_id in seq_ids:
             self._accepted.pop(seq_id, None)
             self._drafts.pop(seq_id, None)
-        if not keep_states:
-            self._drop(seq_ids)
+        self._drop(seq_ids)
 
     def _chains(self, so: SchedulerOutput) -> bool:
         """Whether the step can launch while the step before is in flight, laid out on the device from its
