@@ -29,6 +29,12 @@ one_torch_thread = engine_fixtures.one_torch_thread
 tiny_path = engine_fixtures.tiny_path
 
 
+def heldout_prompts(llm, n: int) -> list[list[int]]:
+    """``n`` prompts of 40, 49, ... tokens from the held-out text, 150 tokens apart."""
+    ids = llm.llm_engine.encode(open("data/heldout_slice.txt").read())
+    return [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(n)]
+
+
 def with_spec_graphs(llm, k: int, sizes: list[int], undo_in_graph: bool = True,
                      query_lens: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     """Give the engine's speculative runner padded graphs for ``query_lens`` (1 and 1 + k) new tokens
@@ -293,8 +299,7 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
     the padded catch-up and draft steps propose the eager proposer's drafts with its confidences, and
     the outputs are the ones without speculation."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
+    prompts = heldout_prompts(plain, 5)
     params = [greedy(20 + 3 * i) for i in range(len(prompts))]
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
     runs = {}
@@ -400,8 +405,7 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
     that the same engine proposes when each step waits for the one before (the worker shifting the spans
     on the host)."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
+    prompts = heldout_prompts(plain, 5)
     params = [greedy(20 + 3 * i) for i in range(len(prompts))]
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
     params[2] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[2][13]])
@@ -439,8 +443,7 @@ def test_chained_steps_go_on_past_finishing_sequences(make_llm, make_async):
     is in. The trained model, requests finishing at staggered steps: the outputs are those without
     speculation, and the runner keeps nothing of the finished requests once the next batch runs."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(6)]
+    prompts = heldout_prompts(plain, 6)
     params = [greedy(12 + 5 * i) for i in range(len(prompts))]
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
     params[3] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[3][16]])
@@ -467,8 +470,7 @@ def test_chained_steps_go_on_past_aborted_requests(make_llm, make_async):
     """Requests aborted while chained steps are in flight: the next step still chains, the aborted ones
     give no output and the others' tokens are those without speculation (the trained model)."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(6)]
+    prompts = heldout_prompts(plain, 6)
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), greedy(30), use_tqdm=False)]
     llm = make_async(None, dtype="float64", block_size=32, **spec(3))
     with_drafting_graphs(llm, 3, [1, 2, 4, 8])
@@ -522,8 +524,7 @@ def test_chained_steps_replay_the_shortest_graph_that_holds_their_drafts(make_ll
     speculation, a sampled one that of unchained steps, and chained steps propose the drafts, with their
     confidences, of unchained ones."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
+    prompts = heldout_prompts(plain, 4)
     params = [greedy(24 + 3 * i) for i in range(len(prompts))]
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
     params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=27)  # equal chained or not
@@ -556,8 +557,7 @@ def test_chained_sampled_steps_equal_unchained_ones(make_llm, make_async):
     logprobs) are those of the same engine when every step waits for the one before, drafts rejected at
     random offsets."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(5)]
+    prompts = heldout_prompts(plain, 5)
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=30, presence_penalty=0.7),
               SamplingParams(temperature=1.0, top_p=0.9, seed=12, max_tokens=26, logprobs=2),
               SamplingParams(temperature=0.7, top_k=20, min_p=0.05, max_tokens=33, repetition_penalty=1.2,
@@ -597,8 +597,7 @@ def test_penalised_verification_keeps_greedy_equal(graphs, make_llm, make_async)
     the step before's tokens counted on the device): the tokens and logprobs are those without
     speculation, with drafts accepted and rejected."""
     plain = make_llm(None, dtype="float64", block_size=32)
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [ids[i * 150: i * 150 + 40 + 9 * i] for i in range(4)]
+    prompts = heldout_prompts(plain, 4)
     penalties = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5), {},
                  dict(frequency_penalty=1.2)]
     params = [greedy(24, **p, logprobs=2 if i % 2 else None) for i, p in enumerate(penalties)]
