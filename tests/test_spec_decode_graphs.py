@@ -437,6 +437,19 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
             assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
+def record_chains_past_leaving(llm) -> list[bool]:
+    """For every chained step, whether a sequence of the step in flight left (finished or aborted)."""
+    runner, across = llm.llm_engine.runner, []
+    execute = runner._execute_chained
+
+    def chained(so):
+        across.append(bool(set(so.finished_seq_ids) & set(runner._chain.rows)))
+        return execute(so)
+
+    runner._execute_chained = chained
+    return across
+
+
 def test_chained_steps_go_on_past_finishing_sequences(make_llm, make_async):
     """A chained step launches in the step after a sequence finished (max_tokens, a stop token): the step
     before, still in flight, holds the finished sequence, which the runner forgets once that step's output
@@ -450,14 +463,8 @@ def test_chained_steps_go_on_past_finishing_sequences(make_llm, make_async):
     ref[3] = ref[3][: ref[3].index(ref[3][16]) + 1]
     llm = make_async(None, dtype="float64", block_size=32, **spec(3))
     with_drafting_graphs(llm, 3, [1, 2, 4, 8])
-    runner, across = llm.llm_engine.runner, []
-    execute = runner._execute_chained
-
-    def chained(so):
-        across.append(bool(set(so.finished_seq_ids) & set(runner._chain.rows)))
-        return execute(so)
-
-    runner._execute_chained = chained
+    runner = llm.llm_engine.runner
+    across = record_chains_past_leaving(llm)
     outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert sum(across) >= 2 and len(across) >= 12, across
@@ -474,14 +481,8 @@ def test_chained_steps_go_on_past_aborted_requests(make_llm, make_async):
     ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), greedy(30), use_tqdm=False)]
     llm = make_async(None, dtype="float64", block_size=32, **spec(3))
     with_drafting_graphs(llm, 3, [1, 2, 4, 8])
-    engine, runner, across = llm.llm_engine, llm.llm_engine.runner, []
-    execute = runner._execute_chained
-
-    def chained(so):
-        across.append(bool(set(so.finished_seq_ids) & set(runner._chain.rows)))
-        return execute(so)
-
-    runner._execute_chained = chained
+    engine = llm.llm_engine
+    across = record_chains_past_leaving(llm)
     rids = [engine.add_request(None, {"prompt_token_ids": p}, greedy(30)) for p in prompts]
     done = run_with_aborts(engine, {rids[1]: 4, rids[4]: 6})
     assert {rid: done[rid] for rid in rids if rid not in (rids[1], rids[4])} == {
