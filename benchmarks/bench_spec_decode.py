@@ -59,9 +59,10 @@ def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
               clock: VirtualClock | None = None) -> tuple[list[list[int]], float]:
     """The outputs and the seconds they took (by ``clock`` where given, else the wall clock)."""
     now = (lambda: clock.now) if clock is not None else time.perf_counter
-    start = now()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], now() - start
+    with clock.attach(llm) if clock is not None else contextlib.nullcontext():  # one clock at a time
+        start = now()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], now() - start
 
 
 def acceptance(args, engine_kw: dict) -> dict:
@@ -157,46 +158,60 @@ def _trace_gate(llm) -> list[str] | None:
     return trace
 
 
-def _speed_rows(args, llm: LLM, name: str, params: SamplingParams, trace: list[str] | None,
-                clock: VirtualClock | None) -> list[dict]:
-    """One mode's rows: each batch size's warm-up run, then its measured runs."""
-    rows = []
-    sched = llm.llm_engine.scheduler.config
-    for batch in args.batch_sizes:
-        prompts = _prompts(llm, batch * args.waves, args.prompt_len)
-        cap, sched.max_num_seqs = sched.max_num_seqs, batch  # later waves join as earlier requests finish
-        try:
+@dataclasses.dataclass
+class _Mode:
+    name: str
+    llm: LLM
+    trace: list[str] | None
+    clock: VirtualClock | None
+
+
+def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) -> list[dict]:
+    """Every mode's row at one batch size: each mode's warm-up run, then the measured runs in rotation
+    (repeat r starts at mode r), so that a machine's drift over the run (clocks, another tenant) falls on
+    every mode alike instead of on whichever ran last."""
+    prompts, runs, before = {}, {m.name: [] for m in modes}, {}
+    caps = [(m, m.llm.llm_engine.scheduler.config.max_num_seqs) for m in modes]
+    try:
+        for m in modes:
+            prompts[m.name] = _prompts(m.llm, batch * args.waves, args.prompt_len)
+            m.llm.llm_engine.scheduler.config.max_num_seqs = batch  # later waves join as earlier requests finish
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
-                _generate(llm, prompts, params, clock)
-            if trace is not None:
-                trace.clear()
-            before = llm.llm_engine.spec_decode_stats()
-            runs = sorted(_generate(llm, prompts, params, clock)[1] for _ in range(args.repeats))
-        finally:
-            sched.max_num_seqs = cap
-        seconds = statistics.median(runs)
-        stats = llm.llm_engine.spec_decode_stats()
-        total = len(prompts) * args.max_tokens / seconds
-        row = {"mode": name, "batch": batch, "requests": len(prompts), "seconds": seconds, "total_tok_s": total,
-               "per_user_tok_s": total / batch, "run_seconds": runs}
+                _generate(m.llm, prompts[m.name], params, m.clock)
+            if m.trace is not None:
+                m.trace.clear()
+            before[m.name] = m.llm.llm_engine.spec_decode_stats()
+        for r in range(args.repeats):
+            for m in modes[r % len(modes):] + modes[:r % len(modes)]:
+                runs[m.name].append(_generate(m.llm, prompts[m.name], params, m.clock)[1])
+    finally:
+        for m, cap in caps:
+            m.llm.llm_engine.scheduler.config.max_num_seqs = cap
+    rows = []
+    for m in modes:
+        seconds = statistics.median(runs[m.name])
+        total = len(prompts[m.name]) * args.max_tokens / seconds
+        row = {"mode": m.name, "batch": batch, "requests": len(prompts[m.name]), "seconds": seconds,
+               "total_tok_s": total, "per_user_tok_s": total / batch, "run_seconds": runs[m.name]}
+        stats, start = m.llm.llm_engine.spec_decode_stats(), before[m.name]
         if stats is not None:
-            steps = stats["num_drafts"] - before["num_drafts"]
-            acc = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
-            verified = stats["num_draft_tokens"] - before["num_draft_tokens"]
+            steps = stats["num_drafts"] - start["num_drafts"]
+            acc = stats["num_accepted_tokens"] - start["num_accepted_tokens"]
+            verified = stats["num_draft_tokens"] - start["num_draft_tokens"]
             row.update(mean_acceptance_length=1 + acc / steps if steps else 1.0,
                        drafts_verified_per_step=verified / steps if steps else 0.0)
             if "gate" in stats:  # confidence scheduling's plain steps (no drafting) among all
-                plain = stats["gate"]["plain_steps"] - before["gate"]["plain_steps"]
-                spec_steps = stats["gate"]["speculative_steps"] - before["gate"]["speculative_steps"]
+                plain = stats["gate"]["plain_steps"] - start["gate"]["plain_steps"]
+                spec_steps = stats["gate"]["speculative_steps"] - start["gate"]["speculative_steps"]
                 row["plain_step_share"] = plain / max(1, plain + spec_steps)
                 row["gate"] = stats["gate"]  # what it measured per batch bucket, after the runs
-            profile = llm.llm_engine.drafts.confidence and llm.llm_engine.drafts.confidence.profile
+            profile = m.llm.llm_engine.drafts.confidence and m.llm.llm_engine.drafts.confidence.profile
             if profile is not None:  # the decode graphs' seconds the scheduler priced steps by
                 row["step_profile_ms"] = {f"{n},{q}": round(t * 1e3, 4) for (n, q), t in profile.seconds.items()}
-        if trace is not None:
-            row["gate_trace"] = "".join(trace)
+        if m.trace is not None:
+            row["gate_trace"] = "".join(m.trace)
         rows.append(row)
-        print(f"# {name} batch {batch}: {total:.1f} tok/s total, {seconds:.3f} s,"  # a run cut short keeps these
+        print(f"# {m.name} batch {batch}: {total:.1f} tok/s total, {seconds:.3f} s,"  # a run cut short keeps these
               f" plain step share {row.get('plain_step_share', 0.0):.2f}", file=sys.stderr, flush=True)
     return rows
 
@@ -216,28 +231,35 @@ def speed(args, engine_kw: dict) -> dict:
         modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks)), {"unchained": True})]
     if args.modes:
         modes = [m for m in modes if m[0] == "off" or any(m[0].startswith(w) for w in args.modes)]
-    rows = []
     make = _random_llm_factory(args, engine_kw) if args.random else (
         lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
     sched = {"async_scheduling": True} if args.async_scheduling else {}
+    # every engine lives through the run; their KV pools hold the benchmark's sequences, not the device
+    max_len = args.prompt_len + args.max_tokens + 64
+    engines = []
     for name, spec, extra in modes:
         unchained = extra.pop("unchained", False)
-        llm = make(spec, max_num_seqs=max(args.batch_sizes), **sched, **extra)
+        llm = make(spec, max_num_seqs=max(args.batch_sizes), max_model_len=max_len, **sched, **extra)
         if unchained:
             llm.llm_engine.runner._chains = lambda so: False
         trace = _trace_gate(llm) if args.gate_trace else None
         clock = VirtualClock(args.virtual_clock, args.clock_jitter) if args.virtual_clock else None
-        with clock.attach(llm) if clock is not None else contextlib.nullcontext():
-            rows += _speed_rows(args, llm, name, params, trace, clock)
+        engines.append(_Mode(name, llm, trace, clock))
+    rows = [r for batch in args.batch_sizes for r in _speed_rows(args, engines, batch, params)]
+    rows.sort(key=lambda r: [m.name for m in engines].index(r["mode"]))
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
-    print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} "
+    base_runs = {r["batch"]: r["run_seconds"] for r in rows if r["mode"] == "off"}
+    print(f"{'mode':>16} {'batch':>5} {'per-user tok/s':>14} {'total tok/s':>11} {'speed-up':>8} {'paired':>6} "
           f"{'spread':>7} {'accept len':>10} {'verified/step':>13} {'plain steps':>11}")
     for r in rows:
         r["speedup"] = r["per_user_tok_s"] / base[r["batch"]]
-        r["spread"] = r["run_seconds"][-1] / r["run_seconds"][0] - 1  # slowest run against the fastest
+        # the median of each repeat's ratio to plain decode's run of the same rotation (run side by side)
+        r["paired_speedup"] = statistics.median(o / s for o, s in zip(base_runs[r["batch"]], r["run_seconds"]))
+        r["spread"] = max(r["run_seconds"]) / min(r["run_seconds"]) - 1  # slowest run against the fastest
         print(f"{r['mode']:>16} {r['batch']:>5} {r['per_user_tok_s']:>14.2f} {r['total_tok_s']:>11.2f} "
-              f"{r['speedup']:>8.2f} {r['spread']:>6.1%} {r.get('mean_acceptance_length', 1.0):>10.2f} "
-              f"{r.get('drafts_verified_per_step', 0.0):>13.2f} {r.get('plain_step_share', 0.0):>11.2f}")
+              f"{r['speedup']:>8.2f} {r['paired_speedup']:>6.2f} {r['spread']:>6.1%} "
+              f"{r.get('mean_acceptance_length', 1.0):>10.2f} {r.get('drafts_verified_per_step', 0.0):>13.2f} "
+              f"{r.get('plain_step_share', 0.0):>11.2f}")
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "waves": args.waves,
             "async_scheduling": args.async_scheduling, "presence_penalty": args.presence_penalty,
             "force_acceptance": args.force_acceptance, "repeats": args.repeats,

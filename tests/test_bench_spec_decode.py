@@ -104,12 +104,31 @@ def test_speed_mode_repeats_each_run_and_reports_the_median_and_spread(bsd):
     report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
                        "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--no-warmup", "--repeats", "3"])
     assert report["repeats"] == 3
+    off = next(r["run_seconds"] for r in report["rows"] if r["mode"] == "off")
     for row in report["rows"]:
         runs = row["run_seconds"]
-        assert len(runs) == 3 and runs == sorted(runs)
-        assert row["seconds"] == runs[1] and row["spread"] == runs[-1] / runs[0] - 1 >= 0
+        assert len(runs) == 3 and row["seconds"] == sorted(runs)[1]
+        assert row["spread"] == max(runs) / min(runs) - 1 >= 0
+        assert row["paired_speedup"] == sorted(o / s for o, s in zip(off, runs))[1]
     with pytest.raises(SystemExit):
         bsd.main(["--mode", "speed", "--repeats", "0"])
+
+
+def test_speed_mode_runs_the_modes_in_rotation(bsd, monkeypatch):
+    """Each repeat runs every mode once, repeat r starting at mode r, after every mode's warm-up."""
+    calls, generate = [], bsd._generate
+
+    def spy(llm, prompts, params, clock=None):
+        calls.append(llm)
+        return generate(llm, prompts, params, clock)
+
+    monkeypatch.setattr(bsd, "_generate", spy)
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+                       "--max-tokens", "3", "--prompt-len", "12", "--threads", "1", "--repeats", "2"])
+    engines = list(dict.fromkeys(calls))
+    order = [engines.index(c) for c in calls]
+    n = len(report["rows"])
+    assert n == 4 and order == list(range(n)) + list(range(n)) + list(range(1, n)) + [0]
 
 
 def test_speed_mode_serves_waves_of_requests_at_most_a_batch_at_once(bsd, monkeypatch):
