@@ -60,6 +60,11 @@ TIMED = [
     ("deepinfer_core.worker.graph_runner", "GraphRunner.replay_step"),
     ("deepinfer_core.model.deepseek_v4", "DeepseekV4Model.forward"),
     ("deepinfer_core.model.deepseek_v4", "DeepseekV4Model.mtp_forward"),
+    ("deepinfer_core.spec_decode.drafts", "DraftPlanner.decide"),
+    ("deepinfer_core.spec_decode.drafts", "DraftPlanner.plan"),
+    ("deepinfer_core.spec_decode.drafts", "DraftPlanner.accept"),
+    ("deepinfer_core.spec_decode.drafts", "DraftPlanner.observe_output"),
+    ("deepinfer_core.spec_decode.confidence", "ConfidenceScheduler.plan"),
 ]
 WAITS = ("tolist", "item")  # torch.Tensor methods that wait for the device
 
@@ -145,10 +150,16 @@ def profile(args) -> dict:
     make = spec_bench._random_llm_factory(args, engine_kw) if args.random else (
         lambda spec, **kw: spec_bench.LLM(args.model, speculative_config=spec, **engine_kw, **kw))
     modes = [("off", None)] + [(f"k={k}", spec_bench._spec(k)) for k in args.ks]
+    if args.confidence:  # as the gate decides, and speculating in every step (the scheduler's own cost)
+        k = max(args.ks)
+        modes += [(f"confidence k={k}", spec_bench._spec(k, "confidence")),
+                  (f"confidence k={k} always", spec_bench._spec(k, "confidence"))]
     timers, rows = Timers(), []
     for name, spec in modes:
         sched = {"async_scheduling": True} if args.async_scheduling else {}
         llm = make(spec, max_num_seqs=max(args.batch_sizes), **sched)
+        if name.endswith("always"):
+            llm.llm_engine.drafts.gate.decide = lambda num_decoding, decode_only=True: True
         for batch in args.batch_sizes:
             prompts = spec_bench._prompts(llm, batch, args.prompt_len)
             spec_bench._generate(llm, prompts, params)  # warm-up: the same shapes
@@ -237,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    ap.add_argument("--confidence", action="store_true",
+                    help="also confidence-scheduled k = max(ks): as its gate decides, and always speculating")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cprofile", default=None, metavar="DIR", help="also write a cProfile of each run here")
     ap.add_argument("--json-out", default=None, metavar="FILE")
