@@ -101,6 +101,48 @@ def graph_profile(ratio_of: dict[int, float], sizes=(1, 2, 4, 8, 16, 32, 64), k:
     return StepProfile(seconds)
 
 
+def best_prefix(sched: ConfidenceScheduler, candidates, base_tokens, base_accepted, max_tokens, num_seqs, batch):
+    """Algorithm 1 spelt out: pairs by descending survival, each priced afresh, the best rate's prefix."""
+    pairs = sorted((-s, j, c.key) for c in candidates for j, s in enumerate(sched.survival(c.confidences[:c.room])))
+    curve = sched.step_time.curve(batch)
+
+    def seconds(tokens, longest):
+        graph = sched.profile.lookup(num_seqs, longest) if sched.profile is not None and num_seqs else None
+        return curve(tokens) if graph is None else graph
+
+    tokens, expected, longest, taken = max(1, base_tokens), base_accepted, 1, []
+    best, best_len = expected / seconds(tokens, longest), 0
+    for neg_s, j, key in pairs:
+        if max_tokens is not None and tokens + 1 > max_tokens:
+            break
+        tokens, expected, longest = tokens + 1, expected - neg_s, max(longest, j + 2)
+        taken.append(key)
+        if expected / seconds(tokens, longest) > best:
+            best, best_len = expected / seconds(tokens, longest), len(taken)
+    return {c.key: taken[:best_len].count(c.key) for c in candidates}
+
+
+def test_plan_admits_the_best_prefix_by_survival_on_random_steps():
+    """Steps of 1 to 70 sequences, graphs of some span lengths or none, a token cap or not: the plan (which
+    prices a graph step once per longest span) admits what pricing every prefix afresh admits."""
+    rng = random.Random(5)
+    for _ in range(400):
+        k, n = rng.randint(1, 4), rng.randint(1, 70)
+        sched = ConfidenceScheduler()
+        for _ in range(rng.randint(0, 120)):
+            sched.observe_verification([rng.random() for _ in range(k)], rng.randint(0, k))
+        for _ in range(rng.randint(0, 12)):
+            sched.observe_step(rng.randint(1, 300), rng.random() * 1e-2, rng.choice([None, rng.randint(1, 64)]))
+        if rng.random() < 0.6:
+            lengths = [q for q in range(1, k + 2) if rng.random() < 0.85]
+            sched.profile = StepProfile({(s, q): 1e-3 * (1 + 0.01 * s * q + 0.1 * rng.random())
+                                         for s in (1, 2, 4, 8, 16, 32, 64) for q in lengths})
+        cands = [Candidate(i, [rng.random() for _ in range(rng.randint(0, k))], rng.randint(0, k)) for i in range(n)]
+        base = n + (rng.randint(0, 100) if rng.random() < 0.3 else 0)
+        args = (base, n, rng.choice([None, base + rng.randint(-2, 3 * n)]), rng.choice([None, n]), n)
+        assert sched.plan(cands, *args[:3], num_seqs=args[3], batch=args[4]) == best_prefix(sched, cands, *args)
+
+
 def test_step_profile_finds_the_graph_a_step_pads_to():
     profile = graph_profile({})
     assert profile.lookup(3, 2) == profile.seconds[4, 4]  # 3 sequences, 1 draft: the (4, 1 + 3) graph

@@ -37,11 +37,17 @@ class AcceptanceCalibrator:
         return min(self.num_bins - 1, max(0, int(confidence * self.num_bins)))
 
     def estimate(self, confidence: float) -> float:
-        b = self._bin(confidence)
+        return self._estimate(self._bin(confidence))
+
+    def _estimate(self, b: int) -> float:
         if self.tested[b] < self.min_tests:
             return 1.0
         centre = (b + 0.5) / self.num_bins
         return (self.accepted[b] + self.prior * centre) / (self.tested[b] + self.prior)
+
+    def table(self) -> list[float]:
+        """Every bin's estimate (for a planning pass: bin ``min(num_bins - 1, int(confidence * num_bins))``)."""
+        return [self._estimate(b) for b in range(self.num_bins)]
 
     def observe(self, confidences: list[float], num_accepted: int) -> None:
         """One verification of drafts with ``confidences``; only drafts whose prefix passed were tested."""
@@ -169,23 +175,34 @@ class ConfidenceScheduler:
         ``base_accepted``: the tokens it yields for sure (one per sampled sequence); ``num_seqs``: the
         step's sequences where it is all decodes (a graph's shape), else None; ``batch``: its decoding
         sequences (those of the candidates where not given), for the step-time curve of that size."""
-        pairs = []
+        pairs, deepest = [], -1  # (-survival, position, key): survival as in :meth:`survival`, inlined (hot)
+        table, top = self.calibrator.table(), self.calibrator.num_bins - 1
         for cand in candidates:
-            for j, s in enumerate(self.survival(cand.confidences[: cand.room])):
-                pairs.append((-s, j, cand.key))
+            s, key = 1.0, cand.key
+            for j, c in enumerate(cand.confidences[: cand.room]):
+                s *= table[max(0, min(top, int(c * (top + 1))))]
+                pairs.append((-s, j, key))
+            deepest = max(deepest, min(cand.room, len(cand.confidences)) - 1)
         pairs.sort()
         counts = {c.key: 0 for c in candidates}
         tokens, expected, longest = max(1, base_tokens), max(base_accepted, 1e-9), 1
-        seconds = self._pricer(num_seqs, len(candidates) if batch is None else batch)
-        best, chosen, best_len = expected / seconds(tokens, longest), [], 0
+        seconds, graph = self._pricer(num_seqs, len(candidates) if batch is None else batch)
+        # where every span length has its graph, a step costs what its longest span costs, whatever its tokens
+        by_graph = all(graph(j + 2) is not None for j in range(deepest + 1))
+        cap = len(pairs) if max_tokens is None else max(0, max_tokens - tokens)
+        step_seconds = seconds(tokens, longest)
+        best, chosen, best_len = expected / step_seconds, [], 0
         for neg_s, j, key in pairs:
-            if max_tokens is not None and tokens + 1 > max_tokens:
+            if len(chosen) == cap:
                 break
             if counts[key] != j:  # a later position only after the one before it
                 continue
-            counts[key], tokens, expected, longest = j + 1, tokens + 1, expected - neg_s, max(longest, j + 2)
+            counts[key], tokens, expected = j + 1, tokens + 1, expected - neg_s
             chosen.append(key)
-            rate = expected / seconds(tokens, longest)
+            if not by_graph or j + 2 > longest:
+                longest = max(longest, j + 2)
+                step_seconds = seconds(tokens, longest)
+            rate = expected / step_seconds
             if rate > best:
                 best, best_len = rate, len(chosen)
         admitted = {c.key: 0 for c in candidates}
@@ -193,21 +210,26 @@ class ConfidenceScheduler:
             admitted[key] += 1
         return admitted
 
-    def _pricer(self, num_seqs: int | None, batch: int) -> Callable[[int, int], float]:
+    def _pricer(self, num_seqs: int | None, batch: int
+                ) -> tuple[Callable[[int, int], float], Callable[[int], float | None]]:
         """Seconds of a step by (tokens, longest span): its graph's where one holds it (``num_seqs``: a
-        step of decodes only), else the learnt curve of its batch size."""
+        step of decodes only), else the learnt curve of its batch size; and the graph's seconds alone by
+        longest span (None: no graph holds it)."""
         curve = self.step_time.curve(batch)
         graphs: dict[int, float | None] = {}
 
-        def seconds(num_tokens: int, longest: int) -> float:
-            if self.profile is not None and num_seqs:
-                if longest not in graphs:
-                    graphs[longest] = self.profile.lookup(num_seqs, longest)
-                if graphs[longest] is not None:
-                    return graphs[longest]
-            return curve(num_tokens)
+        def graph(longest: int) -> float | None:
+            if self.profile is None or not num_seqs:
+                return None
+            if longest not in graphs:
+                graphs[longest] = self.profile.lookup(num_seqs, longest)
+            return graphs[longest]
 
-        return seconds
+        def seconds(num_tokens: int, longest: int) -> float:
+            g = graph(longest)
+            return curve(num_tokens) if g is None else g
+
+        return seconds, graph
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> None:
         self.step_time.observe(num_tokens, seconds, num_seqs)
