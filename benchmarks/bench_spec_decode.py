@@ -16,6 +16,8 @@ seconds those the H200 would take, so the confidence scheduler's choices can be 
 ``--waves W`` serves batch x W requests, at most batch at once: one closed batch (W = 1) ends with its
 slowest request, and speculation's requests finish over many steps (their acceptance differs), so its
 last steps decode a few sequences; with more waves the batch stays full until the last one.
+``--max-tokens-spread F`` gives requests different lengths in every mode (plain decode's requests
+otherwise all end in one step, and the next wave's prompts all start in one step).
 
 Prints a table and writes JSON (``--json-out``). Example (CPU):
 ``python benchmarks/bench_spec_decode.py --mode acceptance --max-tokens 64``.
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import random
 import statistics
 import sys
 import time
@@ -55,7 +58,17 @@ def _prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
     return [ids[i * stride: i * stride + length] for i in range(n)]
 
 
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+def _request_params(params: SamplingParams, n: int, spread: float) -> list[SamplingParams]:
+    """``n`` requests' parameters: ``params`` with max_tokens drawn uniformly (seeded by ``n``) from
+    max_tokens x [1 - spread, 1 + spread], the same draws for every mode."""
+    if not spread:
+        return [params] * n
+    gen = random.Random(n)
+    low, high = round(params.max_tokens * (1 - spread)), round(params.max_tokens * (1 + spread))
+    return [dataclasses.replace(params, max_tokens=gen.randint(max(1, low), high)) for _ in range(n)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
               clock: VirtualClock | None = None) -> tuple[list[list[int]], float]:
     """The outputs and the seconds they took (by ``clock`` where given, else the wall clock)."""
     now = (lambda: clock.now) if clock is not None else time.perf_counter
@@ -171,26 +184,28 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
     (repeat r starts at mode r), so that a machine's drift over the run (clocks, another tenant) falls on
     every mode alike instead of on whichever ran last."""
     prompts, runs, before = {}, {m.name: [] for m in modes}, {}
+    requests = _request_params(params, batch * args.waves, args.max_tokens_spread)
+    tokens = sum(p.max_tokens for p in requests)  # ignore_eos: every request runs to its max_tokens
     caps = [(m, m.llm.llm_engine.scheduler.config.max_num_seqs) for m in modes]
     try:
         for m in modes:
             prompts[m.name] = _prompts(m.llm, batch * args.waves, args.prompt_len)
             m.llm.llm_engine.scheduler.config.max_num_seqs = batch  # later waves join as earlier requests finish
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
-                _generate(m.llm, prompts[m.name], params, m.clock)
+                _generate(m.llm, prompts[m.name], requests, m.clock)
             if m.trace is not None:
                 m.trace.clear()
             before[m.name] = m.llm.llm_engine.spec_decode_stats()
         for r in range(args.repeats):
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:
-                runs[m.name].append(_generate(m.llm, prompts[m.name], params, m.clock)[1])
+                runs[m.name].append(_generate(m.llm, prompts[m.name], requests, m.clock)[1])
     finally:
         for m, cap in caps:
             m.llm.llm_engine.scheduler.config.max_num_seqs = cap
     rows = []
     for m in modes:
         seconds = statistics.median(runs[m.name])
-        total = len(prompts[m.name]) * args.max_tokens / seconds
+        total = tokens / seconds
         row = {"mode": m.name, "batch": batch, "requests": len(prompts[m.name]), "seconds": seconds,
                "total_tok_s": total, "per_user_tok_s": total / batch, "run_seconds": runs[m.name]}
         stats, start = m.llm.llm_engine.spec_decode_stats(), before[m.name]
@@ -235,7 +250,7 @@ def speed(args, engine_kw: dict) -> dict:
         lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
     sched = {"async_scheduling": True} if args.async_scheduling else {}
     # every engine lives through the run; their KV pools hold the benchmark's sequences, not the device
-    max_len = args.prompt_len + args.max_tokens + 64
+    max_len = args.prompt_len + round(args.max_tokens * (1 + args.max_tokens_spread)) + 64
     engines = []
     for name, spec, extra in modes:
         unchained = extra.pop("unchained", False)
@@ -261,6 +276,7 @@ def speed(args, engine_kw: dict) -> dict:
               f"{r.get('mean_acceptance_length', 1.0):>10.2f} {r.get('drafts_verified_per_step', 0.0):>13.2f} "
               f"{r.get('plain_step_share', 0.0):>11.2f}")
     return {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "waves": args.waves,
+            "max_tokens_spread": args.max_tokens_spread,
             "async_scheduling": args.async_scheduling, "presence_penalty": args.presence_penalty,
             "force_acceptance": args.force_acceptance, "repeats": args.repeats,
             "virtual_clock": dataclasses.asdict(args.virtual_clock) if args.virtual_clock else None,
@@ -352,6 +368,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="speed: batch x WAVES requests, at most batch at once (continuous batching keeps the "
                          "batch full; 1: one closed batch, whose rate ends with its slowest request). "
                          "per-user tok/s is then the total over the batch")
+    ap.add_argument("--max-tokens-spread", type=float, default=0.0, metavar="F",
+                    help="speed: each request's max_tokens drawn from max_tokens x [1 - F, 1 + F] (seeded, the "
+                         "same for every mode), so that requests end at different steps in every mode, as in "
+                         "serving, not only where speculation desyncs them (default 0: all alike)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None, metavar="FILE")
@@ -360,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--repeats must be at least 1")
     if args.waves < 1:
         ap.error("--waves must be at least 1")
+    if not 0 <= args.max_tokens_spread < 1:
+        ap.error("--max-tokens-spread must be in [0, 1)")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_kw = _engine_kw(args, float64=args.mode == "acceptance")

@@ -131,6 +131,27 @@ def test_speed_mode_runs_the_modes_in_rotation(bsd, monkeypatch):
     assert n == 4 and order == list(range(n)) + list(range(n)) + list(range(1, n)) + [0]
 
 
+def test_speed_mode_spreads_request_lengths_alike_in_every_mode(bsd, monkeypatch):
+    lengths, generate = [], bsd._generate
+
+    def spy(llm, prompts, params, clock=None):
+        lengths.append([p.max_tokens for p in params])
+        outs, seconds = generate(llm, prompts, params, clock)
+        assert [len(o) for o in outs] == lengths[-1]
+        return outs, seconds
+
+    monkeypatch.setattr(bsd, "_generate", spy)
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "2",
+                       "--max-tokens", "8", "--max-tokens-spread", "0.5", "--waves", "3", "--prompt-len", "12",
+                       "--threads", "1", "--no-warmup"])
+    assert all(x == lengths[0] for x in lengths) and len(set(lengths[0])) > 1 and len(lengths[0]) == 6
+    assert all(4 <= n <= 12 for n in lengths[0]) and report["max_tokens_spread"] == 0.5
+    for row in report["rows"]:
+        assert row["total_tok_s"] * row["seconds"] == pytest.approx(sum(lengths[0]))
+    with pytest.raises(SystemExit):
+        bsd.main(["--mode", "speed", "--max-tokens-spread", "1"])
+
+
 def test_speed_mode_serves_waves_of_requests_at_most_a_batch_at_once(bsd, monkeypatch):
     from deepinfer_core.engine.scheduler import Scheduler
 
