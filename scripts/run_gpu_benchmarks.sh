@@ -13,8 +13,9 @@
 #   spec_async    the same with async scheduling
 #   spec_gate     off / k=3 / confidence k=3 with async scheduling at batch 1, 8, 32 and 64 in one engine,
 #                 the gate's decisions traced (issue 15's "never slower at batch 64")
-#   spec_waves    spec_gate with four waves of requests, at most a batch at once: full batches as in serving,
-#                 not one closed batch whose rate ends with its slowest request
+#   spec_waves    spec_gate with four waves of requests, at most a batch at once, their lengths spread by 50%
+#                 (every mode's requests end and join at different steps): full batches as in serving, not one
+#                 closed batch whose rate ends with its slowest request
 #   spec_penalised  off / k=3 with async scheduling, batch 1 and 64, every request with a presence penalty
 #                 (its tokens counted on the device, so steps still overlap and chain): against spec_async
 #   profile_spec  where a k=3 speculative step's host time goes at batch 1, and the GPU's busy time
@@ -57,7 +58,7 @@ for step in $STEPS; do
         spec_gate) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \
                        --gate-trace --json-out "$OUT/spec_gate.json" ;;
         spec_waves) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \
-                        --gate-trace --waves 4 --repeats 1 --json-out "$OUT/spec_waves.json" ;;
+                        --gate-trace --waves 4 --max-tokens-spread 0.5 --repeats 1 --json-out "$OUT/spec_waves.json" ;;
         spec_penalised) run "$step" "$PY" "${SPEC[@]}" --modes k=3 --async-scheduling --presence-penalty 0.5 \
                             --json-out "$OUT/spec_penalised.json" ;;
         profile_spec) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
