@@ -174,4 +174,42 @@ def test_verification_rows_are_penalised_by_the_outputs_and_the_drafts_before_th
             want = Sampler(TracingOps(), 41, [1])._penalise(logits[i, j : j + 1], [alone])
             assert torch.equal(got[i, j : j + 1], want), (i, j)
         if pen:  # the next step counts only what was output
-            assert sampler._penalties[seqs[i].seq_id].counts.sum().item() == len(o)
+            assert sampler.penalties.counts[sampler.penalties.rows[seqs[i].seq_id]].sum().item() == len(o)
+
+
+def test_penalised_steps_cost_the_same_device_ops_for_any_number_of_sequences():
+    """A penalised step gathers its rows and counts its outputs in a fixed number of ops, not one or more
+    per sequence (each a launch paced by the host on a GPU), and frees rows for later sequences."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    penalised = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.1, repetition_penalty=1.2)
+    counts = {}
+    for n in (2, 16):
+        sampler = Sampler(TracingOps(), VOCAB, [1])
+        seqs = [seq(penalised if i % 4 else SamplingParams(temperature=0), outputs=[i, 7], prompt=(3, i))
+                for i in range(n)]
+        sampler(torch.randn(n, VOCAB), seqs)  # first sight: each row's prompt mask written
+        with Count() as c:
+            out = sampler(torch.randn(n, VOCAB), seqs)
+            sampler.count_outputs(seqs, out.sampled_token_ids.unsqueeze(1))
+        counts[n] = c.ops
+        for i, s in enumerate(seqs):
+            sampler.mark_counted(s, 1)
+            if i % 4:
+                row = sampler.penalties.rows[s.seq_id]
+                s.output_token_ids.append(int(out.sampled_token_ids[i]))
+                expected = torch.bincount(torch.tensor(s.output_token_ids), minlength=VOCAB)
+                assert torch.equal(sampler.penalties.counts[row], expected), i
+        for s in seqs:
+            sampler.free(s.seq_id)
+        assert not sampler.penalties.rows and len(sampler.penalties._free) == sampler.penalties.counts.shape[0] - 1
+    assert counts[2] == counts[16], counts

@@ -29,6 +29,7 @@ import torch
 from deepinfer_core.ops import OpTable
 from deepinfer_core.platform import Event, Platform
 from deepinfer_core.sampling.argmax import argmax
+from deepinfer_core.sampling.penalties import PenaltyTable
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -129,16 +130,6 @@ class SamplerOutput:
         return tokens, out
 
 
-class _PenaltyState:
-    """One sequence's prompt mask and output-token counts on the device, and how many outputs they hold."""
-
-    def __init__(self, prompt_token_ids: list[int], vocab_size: int, device: torch.device):
-        ids = torch.tensor(prompt_token_ids, dtype=torch.long).to(device, non_blocking=True)
-        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)
-        self.counts = torch.zeros(vocab_size, dtype=torch.long, device=device)
-        self.num_counted = 0
-
-
 class Sampler:
     """Samples rows of logits for sequences; ``seqs`` are any objects with ``seq_id``, ``params``,
     ``generator``, ``prompt_token_ids`` and ``output_token_ids`` (and optionally ``grammar``)."""
@@ -146,11 +137,17 @@ class Sampler:
     def __init__(self, ops: OpTable, vocab_size: int, eos_token_ids: list[int], structured=None):
         self.ops, self.vocab_size, self.eos = ops, vocab_size, eos_token_ids
         self.structured = structured  # a StructuredOutputManager (only needed for grammar rows)
-        self._penalties: dict[int, _PenaltyState] = {}
+        self.penalties: PenaltyTable | None = None  # made on the logits' device when a penalised row comes
 
     def free(self, seq_id: int) -> None:
         """Forget a finished sequence's persistent state."""
-        self._penalties.pop(seq_id, None)
+        if self.penalties is not None:
+            self.penalties.free(seq_id)
+
+    def _table(self, device: torch.device) -> PenaltyTable:
+        if self.penalties is None:
+            self.penalties = PenaltyTable(self.vocab_size, device)
+        return self.penalties
 
     def __call__(self, logits: torch.Tensor, seqs: list[Any], bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """``bitmask``: the packed grammar mask of the rows (all ones where there is no grammar); built
@@ -257,51 +254,27 @@ class Sampler:
         ``num_accepted[i] + 1`` of ``tokens[i]`` ([len(seqs), q] on the device; all of them where
         ``num_accepted`` is None), before they reach the host, which marks them counted
         (:meth:`mark_counted`) as it records them."""
-        rows = [row for row, seq in enumerate(seqs) if seq.params.has_penalties]
-        if not rows:
+        picked = [(i, seq) for i, seq in enumerate(seqs) if seq.params.has_penalties]
+        if not picked:
             return
+        table = self._table(tokens.device)
+        index = torch.tensor([[i for i, _ in picked], [table.row(seq) for _, seq in picked]], dtype=torch.long)
+        index = index.to(tokens.device, non_blocking=True)
         keep = torch.ones_like(tokens)
         if num_accepted is not None:
             keep = (torch.arange(tokens.shape[1], device=tokens.device) <= num_accepted.unsqueeze(1)).long()
         ids = tokens.clamp(min=0)  # past the accepted ones, padding of weight 0
-        for row in rows:
-            self._penalties[seqs[row].seq_id].counts.scatter_add_(0, ids[row], keep[row])
+        table.add(index[1], ids.index_select(0, index[0]), keep.index_select(0, index[0]))
 
     def mark_counted(self, seq: Any, n: int) -> None:
         """The sequence's last ``n`` outputs, now on the host, were counted by :meth:`count_outputs`."""
-        state = self._penalties.get(seq.seq_id)
-        if state is not None:
-            state.num_counted += n
+        if self.penalties is not None:
+            self.penalties.mark_counted(seq.seq_id, n)
 
     def _penalty_rows(self, seqs: list[Any], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's prompt mask and output counts ([len(seqs), vocab]; zeros for an unpenalised one),
-        its persistent state brought up to date with the outputs sampled since its last step (one copy of
-        those token ids)."""
-        rows, tokens, states = [], [], []
-        for seq in seqs:
-            if not seq.params.has_penalties:
-                states.append(None)
-                continue
-            state = self._penalties.get(seq.seq_id)
-            if state is None:
-                state = self._penalties[seq.seq_id] = _PenaltyState(seq.prompt_token_ids, self.vocab_size, device)
-            new = seq.output_token_ids[state.num_counted:]
-            rows += [len(states)] * len(new)
-            tokens += new
-            state.num_counted += len(new)
-            states.append(state)
-        if tokens:
-            index = torch.tensor([rows, tokens], dtype=torch.long).to(device, non_blocking=True)
-            for row in sorted(set(rows)):
-                picked = index[1][index[0] == row]
-                states[row].counts.index_add_(0, picked, torch.ones_like(picked))
-        prompt_mask = torch.zeros((len(seqs), vocab), dtype=torch.bool, device=device)
-        counts = torch.zeros((len(seqs), vocab), dtype=torch.long, device=device)
-        for row, state in enumerate(states):
-            if state is not None:
-                prompt_mask[row] = state.prompt_mask
-                counts[row] = state.counts
-        return prompt_mask, counts
+        brought up to date with the outputs sampled since its last step."""
+        return self._table(device).gather(seqs)
 
     @staticmethod
     def _penalty_values(seqs: list[Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
