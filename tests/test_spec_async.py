@@ -282,3 +282,25 @@ def test_async_verifies_what_the_sync_engine_verifies_from_the_first_step(make_l
     assert runs[True][1] == runs[False][1]
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert runs[True][2][key] == runs[False][2][key], key
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_an_overlapped_step_plans_its_draft_budgets_once(schedule, tiny_path, make_llm, make_async):
+    """The budgets planned for N+1 while N is in flight stand unless a sequence left in between (the plan,
+    at a large batch a pass over every sequence's drafts, is host time of every speculative step)."""
+    path = tiny_path("tiny")
+    ref = reference(make_llm, path, PROMPTS)
+    llm = make_async(path, dtype="float64", **spec(3, schedule))
+    engine, calls = llm.llm_engine, {"plan": 0, "step": 0}
+    plan, step = engine.drafts.plan, engine.step
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    engine.drafts.plan, engine.step = counted("plan", plan), counted("step", step)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref, PROMPTS)
+    assert engine.counts["overlapped"] > 5
+    assert calls["plan"] < 1.5 * calls["step"], (calls, engine.counts)  # twice a step before

@@ -298,17 +298,19 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         if self.drafts is not None:
             self.drafts.decide(self.scheduler)
-        if prev is not None and self.drafts is not None:  # the draft budgets N+1 would verify
+        planned = prev is not None and self.drafts is not None
+        if planned:  # the draft budgets N+1 would verify
             self.drafts.plan(self.scheduler, self.scheduler_config)
         if prev is not None and not self._can_overlap(prev):
             self._finish_or_fail(prev, touched)
-            prev = None
+            prev, planned = None, False
         if prev is not None:  # a sequence whose in-flight token is its last leaves now, as it would have
             for seq in prev.sampled:
                 if seq.finish_reason is None and self._out_of_room(seq):
                     self.scheduler.finish(seq)
+                    planned = False  # the budgets were planned with it among the candidates
         preemptions = self.scheduler.num_preemptions
-        if self.drafts is not None:
+        if self.drafts is not None and not planned:
             self.drafts.plan(self.scheduler, self.scheduler_config)
         scheduled, unfittable = self.scheduler.schedule()
         assert prev is None or (self.scheduler.num_preemptions == preemptions and not unfittable)
