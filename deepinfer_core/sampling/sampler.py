@@ -216,7 +216,7 @@ class Sampler:
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
         """Penalties from each penalised sequence's persistent prompt mask and output counts."""
-        prompt_mask, counts = self._penalty_rows(seqs, logits.shape[-1], logits.device)
+        prompt_mask, counts = self._table(logits.device).gather(seqs)
         return self.ops.apply_penalties(logits, prompt_mask, counts, *self._penalty_values(seqs, logits))
 
     def penalise_verification(self, logits: torch.Tensor, seqs: list[Any], drafts: torch.Tensor) -> torch.Tensor:
@@ -225,8 +225,8 @@ class Sampler:
         there (as they are, where accepted). Every row is penalised by the outputs' counts, then the
         drafts' own tokens again with the counts that row sees (a [S * Q, Q - 1] matrix, not a
         vocabulary-wide one per row)."""
-        num, q, vocab = logits.shape
-        prompt_mask, counts = self._penalty_rows(seqs, vocab, logits.device)
+        num, q, _ = logits.shape
+        prompt_mask, counts = self._table(logits.device).gather(seqs)
         values = self._penalty_values(seqs, logits)
         out = torch.stack([self.ops.apply_penalties(logits[:, j], prompt_mask, counts, *values) for j in range(q)], 1)
         if q == 1:
@@ -270,11 +270,6 @@ class Sampler:
         """The sequence's last ``n`` outputs, now on the host, were counted by :meth:`count_outputs`."""
         if self.penalties is not None:
             self.penalties.mark_counted(seq.seq_id, n)
-
-    def _penalty_rows(self, seqs: list[Any], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's prompt mask and output counts ([len(seqs), vocab]; zeros for an unpenalised one),
-        brought up to date with the outputs sampled since its last step."""
-        return self._table(device).gather(seqs)
 
     @staticmethod
     def _penalty_values(seqs: list[Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
