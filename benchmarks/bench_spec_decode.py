@@ -183,22 +183,22 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
     """Every mode's row at one batch size: each mode's warm-up run, then the measured runs in rotation
     (repeat r starts at mode r), so that a machine's drift over the run (clocks, another tenant) falls on
     every mode alike instead of on whichever ran last."""
-    prompts, runs, before = {}, {m.name: [] for m in modes}, {}
+    runs, before = {m.name: [] for m in modes}, {}
+    prompts = _prompts(modes[0].llm, batch * args.waves, args.prompt_len)  # every mode serves the same model
     requests = _request_params(params, batch * args.waves, args.max_tokens_spread)
     tokens = sum(p.max_tokens for p in requests)  # ignore_eos: every request runs to its max_tokens
     caps = [(m, m.llm.llm_engine.scheduler.config.max_num_seqs) for m in modes]
     try:
         for m in modes:
-            prompts[m.name] = _prompts(m.llm, batch * args.waves, args.prompt_len)
             m.llm.llm_engine.scheduler.config.max_num_seqs = batch  # later waves join as earlier requests finish
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
-                _generate(m.llm, prompts[m.name], requests, m.clock)
+                _generate(m.llm, prompts, requests, m.clock)
             if m.trace is not None:
                 m.trace.clear()
             before[m.name] = m.llm.llm_engine.spec_decode_stats()
         for r in range(args.repeats):
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:
-                runs[m.name].append(_generate(m.llm, prompts[m.name], requests, m.clock)[1])
+                runs[m.name].append(_generate(m.llm, prompts, requests, m.clock)[1])
     finally:
         for m, cap in caps:
             m.llm.llm_engine.scheduler.config.max_num_seqs = cap
@@ -206,7 +206,7 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
     for m in modes:
         seconds = statistics.median(runs[m.name])
         total = tokens / seconds
-        row = {"mode": m.name, "batch": batch, "requests": len(prompts[m.name]), "seconds": seconds,
+        row = {"mode": m.name, "batch": batch, "requests": len(prompts), "seconds": seconds,
                "total_tok_s": total, "per_user_tok_s": total / batch, "run_seconds": runs[m.name]}
         stats, start = m.llm.llm_engine.spec_decode_stats(), before[m.name]
         if stats is not None:
