@@ -171,12 +171,30 @@ def _trace_gate(llm) -> list[str] | None:
     return trace
 
 
+def _log_steps(llm) -> list[list]:
+    """Every finished step of the engine: [finish time (ms, perf_counter), launch time (ms), sequences
+    sampled, tokens computed, speculative, output tokens]; the bench keeps the last measured run's."""
+    engine, log = llm.llm_engine, []
+    finish = engine._finish
+
+    def logged(launched, touched, pipelined=False):
+        before = sum(len(s.output_token_ids) - s.num_inflight for s in launched.sampled)
+        finish(launched, touched, pipelined)
+        after = sum(len(s.output_token_ids) - s.num_inflight for s in launched.sampled)
+        log.append([round(time.perf_counter() * 1e3, 3), round(launched.started * 1e3, 3), len(launched.sampled),
+                    launched.num_tokens, int(launched.speculate), after - before])
+
+    engine._finish = logged
+    return log
+
+
 @dataclasses.dataclass
 class _Mode:
     name: str
     llm: LLM
     trace: list[str] | None
     clock: VirtualClock | None
+    steps: list[list] | None = None
 
 
 def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) -> list[dict]:
@@ -198,6 +216,8 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
             before[m.name] = m.llm.llm_engine.spec_decode_stats()
         for r in range(args.repeats):
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:
+                if m.steps is not None:
+                    m.steps.clear()
                 runs[m.name].append(_generate(m.llm, prompts, requests, m.clock)[1])
     finally:
         for m, cap in caps:
@@ -225,6 +245,8 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
                 row["step_profile_ms"] = {f"{n},{q}": round(t * 1e3, 4) for (n, q), t in profile.seconds.items()}
         if m.trace is not None:
             row["gate_trace"] = "".join(m.trace)
+        if m.steps is not None:
+            row["step_log"] = list(m.steps)
         rows.append(row)
         print(f"# {m.name} batch {batch}: {total:.1f} tok/s total, {seconds:.3f} s,"  # a run cut short keeps these
               f" plain step share {row.get('plain_step_share', 0.0):.2f}", file=sys.stderr, flush=True)
@@ -259,7 +281,7 @@ def speed(args, engine_kw: dict) -> dict:
             llm.llm_engine.runner._chains = lambda so: False
         trace = _trace_gate(llm) if args.gate_trace else None
         clock = VirtualClock(args.virtual_clock, args.clock_jitter) if args.virtual_clock else None
-        engines.append(_Mode(name, llm, trace, clock))
+        engines.append(_Mode(name, llm, trace, clock, _log_steps(llm) if args.step_log else None))
     rows = [r for batch in args.batch_sizes for r in _speed_rows(args, engines, batch, params)]
     rows.sort(key=lambda r: [m.name for m in engines].index(r["mode"]))
     base = {r["batch"]: r["per_user_tok_s"] for r in rows if r["mode"] == "off"}
@@ -345,6 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="speed: every request's presence penalty (default 0, off)")
     ap.add_argument("--gate-trace", action="store_true",
                     help="speed: keep the confidence scheduler's gate decisions of each measured run in the JSON")
+    ap.add_argument("--step-log", action="store_true",
+                    help="speed: keep every step of each mode's last measured run in the JSON (finish and launch "
+                         "ms, sequences, tokens, speculative, output tokens)")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
                     help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",
