@@ -16,9 +16,12 @@ step that verifies at most j drafts a sequence is priced, and run, as the 1 + j 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class AcceptanceCalibrator:
@@ -32,6 +35,7 @@ class AcceptanceCalibrator:
         self.num_bins, self.prior, self.min_tests = num_bins, prior, min_tests
         self.tested = [0] * num_bins
         self.accepted = [0] * num_bins
+        self._table: np.ndarray | None = None
 
     def _bin(self, confidence: float) -> int:
         return min(self.num_bins - 1, max(0, int(confidence * self.num_bins)))
@@ -45,13 +49,15 @@ class AcceptanceCalibrator:
         centre = (b + 0.5) / self.num_bins
         return (self.accepted[b] + self.prior * centre) / (self.tested[b] + self.prior)
 
-    def table(self) -> list[float]:
+    def table(self) -> np.ndarray:
         """Every bin's estimate (for a planning pass: bin ``min(num_bins - 1, int(confidence * num_bins))``)."""
-        return [self._estimate(b) for b in range(self.num_bins)]
+        if self._table is None:
+            self._table = np.array([self._estimate(b) for b in range(self.num_bins)])
+        return self._table
 
     def observe(self, confidences: list[float], num_accepted: int) -> None:
         """One verification of drafts with ``confidences``; only drafts whose prefix passed were tested."""
-        top = self.num_bins - 1
+        top, self._table = self.num_bins - 1, None
         for j, c in enumerate(confidences[: num_accepted + 1]):
             b = int(c * self.num_bins)  # _bin, inlined: once per verified draft of every step
             b = 0 if b < 0 else top if b > top else b
@@ -66,15 +72,15 @@ def _bucket(n: int) -> int:
 
 class _Curve:
     """Seconds against token count: a running mean per power-of-two bucket, linear between buckets' mean
-    points and extrapolated from the last two."""
+    points and extrapolated from the last two; 1 s for any count before anything is measured."""
 
     def __init__(self, decay: float):
         self.decay = decay
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
-        self._sorted: list[tuple[float, float]] | None = None
+        self._xy: tuple[np.ndarray, np.ndarray, float] | None = None  # the sorted points and the last slope
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        self._sorted = None
+        self._xy = None
         bucket, old = _bucket(num_tokens), self.points.get(_bucket(num_tokens))
         if old is None:
             self.points[bucket] = (float(num_tokens), seconds)
@@ -82,18 +88,19 @@ class _Curve:
             d = self.decay
             self.points[bucket] = (d * old[0] + (1 - d) * num_tokens, d * old[1] + (1 - d) * seconds)
 
-    def seconds(self, num_tokens: int) -> float:
-        if self._sorted is None:
-            self._sorted = sorted(self.points.values())
-        pts = self._sorted
-        if len(pts) == 1 or num_tokens <= pts[0][0]:
-            return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if num_tokens <= x1:
-                return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1e-9)
-        (x0, y0), (x1, y1) = pts[-2], pts[-1]
-        slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
-        return y1 + slope * (num_tokens - x1)
+    def seconds(self, num_tokens: float | np.ndarray) -> float | np.ndarray:
+        """Seconds at ``num_tokens``, a count or an array of them."""
+        x = np.asarray(num_tokens, dtype=np.float64)
+        if not self.points:
+            y = np.ones_like(x)
+        else:
+            if self._xy is None:
+                xs, ys = (np.array(v) for v in zip(*sorted(self.points.values())))
+                slope = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9)) if len(xs) > 1 else 0.0
+                self._xy = xs, ys, slope
+            xs, ys, slope = self._xy
+            y = np.interp(x, xs, ys) + slope * np.maximum(x - xs[-1], 0.0)
+        return y if y.ndim else float(y)
 
 
 class StepTimeModel:
@@ -122,12 +129,13 @@ class StepTimeModel:
     def seconds(self, num_tokens: int, num_seqs: int | None = None) -> float:
         return self.curve(num_seqs)(num_tokens)
 
-    def curve(self, num_seqs: int | None = None) -> Callable[[int], float]:
-        """Seconds against token count for steps of ``num_seqs`` decoding sequences."""
+    def curve(self, num_seqs: int | None = None) -> Callable[[float | np.ndarray], float | np.ndarray]:
+        """Seconds against token count (a count or an array of them) for steps of ``num_seqs`` decoding
+        sequences."""
         curve = self.by_seqs.get(_bucket(num_seqs)) if num_seqs else None
         if curve is not None and len(curve.points) >= 2:
             return curve.seconds
-        return self.all.seconds if self.all.points else (lambda num_tokens: 1.0)
+        return self.all.seconds
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,7 @@ class StepProfile:
     def __post_init__(self):
         object.__setattr__(self, "_sizes", sorted({s for s, _ in self.seconds}))
         object.__setattr__(self, "_lengths", sorted({q for _, q in self.seconds}))
+        object.__setattr__(self, "_rows", {})
 
     def lookup(self, num_seqs: int, longest: int) -> float | None:
         """The seconds of the graph a step of ``num_seqs`` sequences, the longest ``longest`` tokens, pads
@@ -147,6 +156,19 @@ class StepProfile:
         if i == len(self._sizes) or j == len(self._lengths):
             return None
         return self.seconds.get((self._sizes[i], self._lengths[j]))
+
+    def by_length(self, num_seqs: int) -> np.ndarray:
+        """:meth:`lookup` of ``num_seqs`` sequences by longest span (the index), NaN where no graph holds
+        it; the last entry is longer than any graph's."""
+        row = self._rows.get(num_seqs)
+        if row is None:
+            longest = self._lengths[-1] if self._lengths else 0
+            row = np.array([np.nan if (s := self.lookup(num_seqs, q)) is None else s for q in range(longest + 2)])
+            self._rows[num_seqs] = row
+        return row
+
+
+_NO_GRAPH = np.array([np.nan])
 
 
 @dataclass
@@ -178,61 +200,41 @@ class ConfidenceScheduler:
         ``base_accepted``: the tokens it yields for sure (one per sampled sequence); ``num_seqs``: the
         step's sequences where it is all decodes (a graph's shape), else None; ``batch``: its decoding
         sequences (those of the candidates where not given), for the step-time curve of that size."""
-        pairs, deepest = [], -1  # (-survival, position, key): survival as in :meth:`survival`, inlined (hot)
-        table, top = self.calibrator.table(), self.calibrator.num_bins - 1
-        for cand in candidates:
-            s, key = 1.0, cand.key
-            for j, c in enumerate(cand.confidences[: cand.room]):
-                s *= table[max(0, min(top, int(c * (top + 1))))]
-                pairs.append((-s, j, key))
-            deepest = max(deepest, min(cand.room, len(cand.confidences)) - 1)
-        pairs.sort()
-        counts = {c.key: 0 for c in candidates}
-        tokens, expected, longest = max(1, base_tokens), max(base_accepted, 1e-9), 1
-        seconds, graph = self._pricer(num_seqs, len(candidates) if batch is None else batch)
-        # where every span length has its graph, a step costs what its longest span costs, whatever its tokens
-        by_graph = all(graph(j + 2) is not None for j in range(deepest + 1))
-        cap = len(pairs) if max_tokens is None else max(0, max_tokens - tokens)
-        step_seconds = seconds(tokens, longest)
-        best, chosen, best_len = expected / step_seconds, [], 0
-        for neg_s, j, key in pairs:
-            if len(chosen) == cap:
-                break
-            if counts[key] != j:  # a later position only after the one before it
-                continue
-            counts[key], tokens, expected = j + 1, tokens + 1, expected - neg_s
-            chosen.append(key)
-            if not by_graph or j + 2 > longest:
-                longest = max(longest, j + 2)
-                step_seconds = seconds(tokens, longest)
-            rate = expected / step_seconds
-            if rate > best:
-                best, best_len = rate, len(chosen)
-        admitted = {c.key: 0 for c in candidates}
-        for key in chosen[:best_len]:
-            admitted[key] += 1
-        return admitted
-
-    def _pricer(self, num_seqs: int | None, batch: int
-                ) -> tuple[Callable[[int, int], float], Callable[[int], float | None]]:
-        """Seconds of a step by (tokens, longest span): its graph's where one holds it (``num_seqs``: a
-        step of decodes only), else the learnt curve of its batch size; and the graph's seconds alone by
-        longest span (None: no graph holds it)."""
-        curve = self.step_time.curve(batch)
-        graphs: dict[int, float | None] = {}
-
-        def graph(longest: int) -> float | None:
-            if self.profile is None or not num_seqs:
-                return None
-            if longest not in graphs:
-                graphs[longest] = self.profile.lookup(num_seqs, longest)
-            return graphs[longest]
-
-        def seconds(num_tokens: int, longest: int) -> float:
-            g = graph(longest)
-            return curve(num_tokens) if g is None else g
-
-        return seconds, graph
+        offers = [c.confidences[: c.room] for c in candidates]
+        lengths = np.fromiter(map(len, offers), dtype=np.int64, count=len(offers))
+        total = int(lengths.sum())
+        tokens0, expected0 = max(1, base_tokens), max(base_accepted, 1e-9)
+        cap = total if max_tokens is None else min(total, max(0, max_tokens - tokens0))
+        if not cap:
+            return {c.key: 0 for c in candidates}
+        # every pair (candidate row, draft position) and its survival, as in :meth:`survival`
+        row = np.repeat(np.arange(len(offers)), lengths)
+        pos = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        top = self.calibrator.num_bins - 1
+        conf = np.fromiter(itertools.chain.from_iterable(offers), dtype=np.float64, count=total)
+        grid = np.ones((len(offers), int(lengths.max())))
+        bins = (conf * (top + 1)).astype(np.int64)
+        grid[row, pos] = self.calibrator.table()[np.minimum(np.maximum(bins, 0, out=bins), top, out=bins)]
+        survival = np.cumprod(grid, axis=1)[row, pos]
+        keys = np.fromiter((c.key for c in candidates), dtype=np.int64, count=len(candidates))
+        # by descending survival (a later position never before its own earlier one: survival only falls
+        # along a sequence's drafts, and ties go by position), the first ``cap`` pairs
+        order = np.lexsort((keys[row], pos, -survival))[:cap]
+        tokens = tokens0 + np.arange(1, cap + 1)
+        expected = expected0 + np.cumsum(survival[order])
+        longest = 2 + np.maximum.accumulate(pos[order])
+        # each prefix's step: its graph's seconds by longest span where one holds it, else the learnt curve
+        curve = self.step_time.curve(len(candidates) if batch is None else batch)
+        graphs = self.profile.by_length(num_seqs) if self.profile is not None and num_seqs else _NO_GRAPH
+        seconds = graphs[np.minimum(longest, len(graphs) - 1)]
+        eager = np.isnan(seconds)
+        if eager.any():
+            seconds[eager] = curve(tokens[eager])
+        rates = expected / seconds
+        best, first = int(np.argmax(rates)), graphs[min(1, len(graphs) - 1)]
+        best_len = best + 1 if rates[best] > expected0 / (curve(tokens0) if np.isnan(first) else first) else 0
+        counts = np.bincount(row[order[:best_len]], minlength=len(candidates))
+        return {c.key: int(n) for c, n in zip(candidates, counts)}
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> None:
         self.step_time.observe(num_tokens, seconds, num_seqs)
