@@ -102,6 +102,12 @@ class _Step:
     num_drafts: list[int] | None = None  # speculative decoding: drafts verified per sampled sequence
     speculate: bool = True  # speculative decoding: whether the step drafts (a plain step does not)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence decodes (its token and drafts): no prefill chunk, a graph's shape."""
+        return len(self.scheduled) == len(self.sampled) and (
+            self.num_tokens == len(self.sampled) + sum(self.num_drafts or []))
+
 
 class LLMEngine:
     def __new__(cls, args: EngineArgs | None = None, *rest: Any, **kwargs: Any):
@@ -325,7 +331,9 @@ class LLMEngine:
             except Exception as exc:
                 self._fail([seq for seq, _ in scheduled], exc, touched)
         if prev is not None:
-            self._finish_or_fail(prev, touched, pipelined=launched is not None)
+            # its output is read after the next step's launch, which is not a step of its own time where it runs
+            # prefill chunks eagerly: the gate and the step-time curve leave it out as a pipeline's last step
+            self._finish_or_fail(prev, touched, pipelined=launched is not None and launched.decode_only)
         if launched is not None:
             for seq, _ in launched.scheduled:
                 if not seq.is_finished:
@@ -443,7 +451,7 @@ class LLMEngine:
 
     def _finish(self, launched: _Step, touched: dict[str, Request], pipelined: bool = False) -> None:
         """Post-process a launched step: put its tokens in place of the placeholders, check stops;
-        ``pipelined``: a later step was launched before it."""
+        ``pipelined``: a later step of decodes only was launched before it finished (see ``step``)."""
         if launched.output is None:
             return
         out = launched.output.get_output()
@@ -482,8 +490,7 @@ class LLMEngine:
                 emitted += len(tokens)
                 going_on += 1
         if self.drafts is not None:
-            decode = len(launched.scheduled) == len(launched.sampled) and (
-                launched.num_tokens == len(launched.sampled) + sum(launched.num_drafts or []))
+            decode = launched.decode_only
             self.drafts.observe_output(launched.speculate, len(launched.sampled) if decode else None, emitted,
                                        launched.started, time.perf_counter(), launched.sampled, pipelined, going_on)
 
