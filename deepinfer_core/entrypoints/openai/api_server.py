@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hmac
 import logging
 import time
@@ -231,5 +232,9 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.warning("binding to %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and has no --api-key")
     print(f"deepinfer serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
+    # the engine's startup heap (weights, graphs, pools) lives as long as the server: keep the collector's full
+    # passes, which would walk it inside a step, to what requests allocate (as vLLM does)
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
