@@ -171,21 +171,24 @@ def _trace_gate(llm) -> list[str] | None:
     return trace
 
 
-def _log_steps(llm) -> list[list]:
-    """Every finished step of the engine: [finish time (ms, perf_counter), launch time (ms), sequences
-    sampled, tokens computed, speculative, output tokens]; the bench keeps the last measured run's."""
-    engine, log = llm.llm_engine, []
+def _log_steps(llm) -> list[list[list]]:
+    """Every finished step of the engine, into the last run's list: [finish time (ms, perf_counter), launch
+    time (ms), sequences sampled, tokens computed, speculative, output tokens]; the bench starts a list for
+    each measured run."""
+    engine, runs = llm.llm_engine, []
     finish = engine._finish
 
     def logged(launched, touched, pipelined=False):
         before = sum(len(s.output_token_ids) - s.num_inflight for s in launched.sampled)
         finish(launched, touched, pipelined)
         after = sum(len(s.output_token_ids) - s.num_inflight for s in launched.sampled)
-        log.append([round(time.perf_counter() * 1e3, 3), round(launched.started * 1e3, 3), len(launched.sampled),
+        if not runs:
+            return
+        runs[-1].append([round(time.perf_counter() * 1e3, 3), round(launched.started * 1e3, 3), len(launched.sampled),
                     launched.num_tokens, int(launched.speculate), after - before])
 
     engine._finish = logged
-    return log
+    return runs
 
 
 @dataclasses.dataclass
@@ -194,7 +197,7 @@ class _Mode:
     llm: LLM
     trace: list[str] | None
     clock: VirtualClock | None
-    steps: list[list] | None = None
+    steps: list[list[list]] | None = None  # per measured run, its steps (``_log_steps``)
 
 
 def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) -> list[dict]:
@@ -209,6 +212,8 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
     try:
         for m in modes:
             m.llm.llm_engine.scheduler.config.max_num_seqs = batch  # later waves join as earlier requests finish
+            if m.steps is not None:  # the warm-up's steps, left out of the row
+                m.steps.append([])
             if not args.no_warmup:  # the measured run's shapes, so that no kernel compiles inside it
                 _generate(m.llm, prompts, requests, m.clock)
             if m.trace is not None:
@@ -217,7 +222,7 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
         for r in range(args.repeats):
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:
                 if m.steps is not None:
-                    m.steps.clear()
+                    m.steps.append([])
                 runs[m.name].append(_generate(m.llm, prompts, requests, m.clock)[1])
     finally:
         for m, cap in caps:
@@ -246,7 +251,7 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
         if m.trace is not None:
             row["gate_trace"] = "".join(m.trace)
         if m.steps is not None:
-            row["step_log"] = list(m.steps)
+            row["step_log"] = m.steps[-args.repeats:]
         rows.append(row)
         print(f"# {m.name} batch {batch}: {total:.1f} tok/s total, {seconds:.3f} s,"  # a run cut short keeps these
               f" plain step share {row.get('plain_step_share', 0.0):.2f}", file=sys.stderr, flush=True)
@@ -368,8 +373,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gate-trace", action="store_true",
                     help="speed: keep the confidence scheduler's gate decisions of each measured run in the JSON")
     ap.add_argument("--step-log", action="store_true",
-                    help="speed: keep every step of each mode's last measured run in the JSON (finish and launch "
-                         "ms, sequences, tokens, speculative, output tokens)")
+                    help="speed: keep every step of each mode's measured runs in the JSON, a list per run "
+                         "(finish and launch ms, sequences, tokens, speculative, output tokens)")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
                     help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",

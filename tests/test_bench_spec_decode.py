@@ -131,6 +131,21 @@ def test_speed_mode_runs_the_modes_in_rotation(bsd, monkeypatch):
     assert n == 4 and order == list(range(n)) + list(range(n)) + list(range(1, n)) + [0]
 
 
+def test_step_log_keeps_every_measured_run_of_every_batch_size(bsd):
+    """A list per measured run (the warm-up left out) of each batch size: its steps in order, their output
+    tokens adding up to the run's."""
+    report = bsd.main(["--mode", "speed", "--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes",
+                       "1,2", "--max-tokens", "4", "--prompt-len", "12", "--threads", "1", "--repeats", "2",
+                       "--step-log"])
+    for row in report["rows"]:
+        runs = row["step_log"]
+        assert len(runs) == 2
+        for steps in runs:
+            assert sum(step[5] for step in steps) == 4 * row["requests"]
+            assert [step[0] for step in steps] == sorted(step[0] for step in steps)
+            assert all(step[1] <= step[0] and 1 <= step[2] <= row["batch"] for step in steps)
+
+
 def test_speed_mode_spreads_request_lengths_alike_in_every_mode(bsd, monkeypatch):
     lengths, generate = [], bsd._generate
 
