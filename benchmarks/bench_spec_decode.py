@@ -184,8 +184,8 @@ def _log_steps(llm) -> list[list[list]]:
         after = sum(len(s.output_token_ids) - s.num_inflight for s in launched.sampled)
         if not runs:
             return
-        runs[-1].append([round(time.perf_counter() * 1e3, 3), round(launched.started * 1e3, 3), len(launched.sampled),
-                    launched.num_tokens, int(launched.speculate), after - before])
+        runs[-1].append([round(time.perf_counter() * 1e3, 3), round(launched.started * 1e3, 3),
+                         len(launched.sampled), launched.num_tokens, int(launched.speculate), after - before])
 
     engine._finish = logged
     return runs

@@ -331,8 +331,8 @@ class LLMEngine:
             except Exception as exc:
                 self._fail([seq for seq, _ in scheduled], exc, touched)
         if prev is not None:
-            # its output is read after the next step's launch, which is not a step of its own time where it runs
-            # prefill chunks eagerly: the gate and the step-time curve leave it out as a pipeline's last step
+            # prev's output is read after the next step's launch; where that one has prefill chunks its eager
+            # launch would count as prev's time, so prev ends a pipeline for the gate and the step-time curve
             self._finish_or_fail(prev, touched, pipelined=launched is not None and launched.decode_only)
         if launched is not None:
             for seq, _ in launched.scheduled:
