@@ -8,6 +8,7 @@ and memory only ever cover accepted tokens) and keeps the drafts proposed for it
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from deepinfer_core.config import ModelConfig, ParallelConfig, SchedulerConfig
@@ -102,7 +103,7 @@ class DraftPlanner:
             return
         base = sum(seq.num_uncomputed for seq in scheduler.running)
         room = max(0, config.max_num_seqs - len(scheduler.running))  # requests queued behind a full batch wait
-        base += sum(seq.num_uncomputed for seq in list(scheduler.waiting)[:room])
+        base += sum(seq.num_uncomputed for seq in itertools.islice(scheduler.waiting, room))
         base = min(base, config.max_num_batched_tokens)
         decoding = [seq for seq in scheduler.running if seq.num_uncomputed == 1]
         candidates = [Candidate(seq.seq_id, seq.draft_confidences, rooms[seq.seq_id])
