@@ -12,7 +12,7 @@
 #   spec_sync     speculation off / k=3 / confidence k=3 on the trained model, batch 1 and 64, 256 tokens
 #   spec_async    the same with async scheduling
 #   spec_gate     off / k=3 / confidence k=3 with async scheduling at batch 1, 8, 32 and 64 in one engine,
-#                 the gate's decisions traced (issue 15's "never slower at batch 64")
+#                 the gate's decisions traced and every step logged (issue 15's "never slower at batch 64")
 #   spec_waves    spec_gate with four waves of requests, at most a batch at once, their lengths spread by 50%
 #                 (every mode's requests end and join at different steps): full batches as in serving, not one
 #                 closed batch whose rate ends with its slowest request
@@ -56,9 +56,9 @@ for step in $STEPS; do
         spec_sync) run "$step" "$PY" "${SPEC[@]}" --json-out "$OUT/spec_sync.json" ;;
         spec_async) run "$step" "$PY" "${SPEC[@]}" --async-scheduling --json-out "$OUT/spec_async.json" ;;
         spec_gate) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \
-                       --gate-trace --json-out "$OUT/spec_gate.json" ;;
+                       --gate-trace --step-log --json-out "$OUT/spec_gate.json" ;;
         spec_waves) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \
-                        --gate-trace --waves 4 --max-tokens-spread 0.5 --repeats 1 --json-out "$OUT/spec_waves.json" ;;
+                        --gate-trace --step-log --waves 4 --max-tokens-spread 0.5 --repeats 1 --json-out "$OUT/spec_waves.json" ;;
         spec_penalised) run "$step" "$PY" "${SPEC[@]}" --modes k=3 --async-scheduling --presence-penalty 0.5 \
                             --json-out "$OUT/spec_penalised.json" ;;
         profile_spec) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
