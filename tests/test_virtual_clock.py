@@ -9,7 +9,7 @@ import pytest
 from engine_fixtures import one_torch_thread  # noqa: F401 (fixture)
 
 from deepinfer_core.entrypoints import LLM, SamplingParams
-from deepinfer_core.testing.virtual_clock import H200_TRAINED, StepCosts, VirtualClock
+from deepinfer_core.testing.virtual_clock import H200_TRAINED, StepCosts, VirtualClock, is_decode
 
 HELDOUT = "data/heldout_slice.txt"
 
@@ -102,6 +102,27 @@ def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_
     from deepinfer_core.engine import llm_engine
 
     assert llm_engine.time.perf_counter is not clock.perf_counter
+
+
+def test_steps_with_prompt_chunks_pay_their_eager_launch_on_the_host(one_torch_thread):  # noqa: F811
+    """Where a step with prompt chunks launches kernel by kernel (``eager_host``) the host pays it at the
+    launch: every such step of a run adds it to the run's time, decode steps do not."""
+    llm = LLM(None, dtype="float32", async_scheduling=True, max_num_seqs=2)
+    prompts = prompts_of(llm, 4, length=16)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(4)]
+
+    def run(eager: float) -> tuple[float, int]:
+        """The run's virtual seconds and its launches of steps with prompt chunks."""
+        clock = VirtualClock(StepCosts(plain=2e-3, plain_per_seq=0.0, spec=5e-3, spec_per_seq=0.0, eager_host=eager))
+        launches, launch = [], clock._launch
+        clock._launch = lambda execute, so, drafts: launches.append(is_decode(so)) or launch(execute, so, drafts)
+        with clock.attach(llm):
+            llm.generate(prompts, params, use_tqdm=False)
+        return clock.now, launches.count(False)
+
+    (base, chunked), (slow, chunked_slow) = run(0.0), run(0.05)
+    assert chunked == chunked_slow >= 3  # the prompts join two at a time as requests end
+    assert slow - base == pytest.approx(0.05 * chunked, rel=0.2)
 
 
 def test_gate_keeps_the_faster_modes_speed_with_the_h200s_step_costs(one_torch_thread):  # noqa: F811

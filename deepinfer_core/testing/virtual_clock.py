@@ -37,8 +37,9 @@ class StepCosts:
     ``plain + plain_per_seq * (n - 1)``, a speculative decode's ``spec + spec_per_seq * (n - 1)`` (drafting
     and verification; what it verifies changes little in a graph); prefill chunks add ``prefill_per_token``
     a token (a step of prefill chunks only costs ``plain`` besides). Every step also costs ``host`` seconds
-    of host work at its launch. With ``graph_sizes`` an all-decode step of up to the largest runs as a
-    graph padded to the next of them, and costs what that many sequences cost."""
+    of host work at its launch, and a step with prefill chunks ``eager_host`` more (it launches kernel by
+    kernel, no graph). With ``graph_sizes`` an all-decode step of up to the largest runs as a graph padded
+    to the next of them, and costs what that many sequences cost."""
 
     plain: float
     plain_per_seq: float
@@ -47,6 +48,7 @@ class StepCosts:
     prefill_per_token: float = 2e-6
     host: float = 2e-4
     graph_sizes: tuple[int, ...] = ()
+    eager_host: float = 0.0
 
     def device(self, so: SchedulerOutput, speculative: bool) -> float:
         """``speculative``: the step drafts (an engine with speculative decoding, in a speculative step)."""
@@ -88,8 +90,9 @@ H200_TRAINED = StepCosts.fit({1: 1.266e-3, 64: 2.751e-3}, {1: 2.664e-3, 64: 9.94
                              graph_sizes=(1, 2, 4, 8, 16, 32, 64))
 #: The same on an H100 machine whose host paces the steps (benchmarks/results/h100/spec_cd9122d, end to
 #: end: plain decode 1.24 ms a step at batch 1 and 3.31 ms at 64; k=3 2.70 ms and 7.69 ms), where k=3
-#: wins at both ends.
-H100_TRAINED = StepCosts.fit({1: 1.238e-3, 64: 3.311e-3}, {1: 2.700e-3, 64: 7.690e-3})
+#: wins at both ends. Steps with prompt chunks took 16-34 ms there against 2.3-2.7 ms for a graph's
+#: decode step at 64 (benchmarks/results/h100/spec_4e8d741, the step log): about 14 ms of eager launches.
+H100_TRAINED = StepCosts.fit({1: 1.238e-3, 64: 3.311e-3}, {1: 2.700e-3, 64: 7.690e-3}, eager_host=14e-3)
 VIRTUAL_COSTS = {"h200-trained": H200_TRAINED, "h100-trained": H100_TRAINED}
 
 
@@ -123,7 +126,7 @@ class VirtualClock:
 
     def _launch(self, execute, so: SchedulerOutput, drafts: bool):
         output = execute(so)  # an unchained speculative step waits here for the step before (its clock too)
-        self.now += self.costs.host
+        self.now += self.costs.host + (0.0 if is_decode(so) else self.costs.eager_host)
         start = max(self.now, self.device_free)
         speculative = drafts and so.speculate
         scale = math.exp(self._rng.gauss(0.0, self.jitter) - self.jitter ** 2 / 2) if self.jitter else 1.0
