@@ -90,8 +90,9 @@ H200_TRAINED = StepCosts.fit({1: 1.266e-3, 64: 2.751e-3}, {1: 2.664e-3, 64: 9.94
                              graph_sizes=(1, 2, 4, 8, 16, 32, 64))
 #: The same on an H100 machine whose host paces the steps (benchmarks/results/h100/spec_cd9122d, end to
 #: end: plain decode 1.24 ms a step at batch 1 and 3.31 ms at 64; k=3 2.70 ms and 7.69 ms), where k=3
-#: wins at both ends. Steps with prompt chunks took 16-34 ms there against 2.3-2.7 ms for a graph's
-#: decode step at 64 (benchmarks/results/h100/spec_4e8d741, the step log): about 14 ms of eager launches.
+#: wins at both ends. On another H100 host, steps with prompt chunks took 16-34 ms against 2.3-2.7 ms for
+#: a graph's decode step at 64 (benchmarks/results/h100/spec_4e8d741, the step log): about 14 ms of eager
+#: launches.
 H100_TRAINED = StepCosts.fit({1: 1.238e-3, 64: 3.311e-3}, {1: 2.700e-3, 64: 7.690e-3}, eager_host=14e-3)
 VIRTUAL_COSTS = {"h200-trained": H200_TRAINED, "h100-trained": H100_TRAINED}
 
