@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deepinfer_core.entrypoints.llm import LLM
+from deepinfer_core.spec_decode.confidence import AcceptanceCalibrator, StepProfile
 
 SPEC = "speculative_config"
 
@@ -42,3 +43,24 @@ def oracle_drafts(llm: LLM, reference: dict[tuple[int, ...], list[int]],
         offer(seq, new, [0.9] * k)
 
     planner.offer = patched
+
+
+def price_by_graphs(llm: LLM, step_ms: tuple[float, ...], sizes=(1, 2, 4, 8)) -> list[list[int]]:
+    """Make ``llm``'s confidence scheduler speculate every step, trust the drafter's confidences and price
+    all-decode steps by graphs of every size in ``sizes`` whose 1 + j token spans cost ``step_ms[j]``.
+    Returns the list to which each all-decode step's drafts per sequence are appended."""
+    engine, spans = llm.llm_engine, []
+    engine.drafts.gate.decide = lambda num_decoding, decode_only=True: True
+    confidence = engine.drafts.confidence
+    confidence.calibrator = AcceptanceCalibrator(min_tests=0)
+    confidence.calibrator.observe = lambda confidences, num_accepted: None
+    confidence.profile = StepProfile({(n, 1 + j): 1e-3 * t for n in sizes for j, t in enumerate(step_ms)})
+    execute = engine.runner.execute_model
+
+    def record(so):
+        if all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in so.scheduled):
+            spans.append([s.num_drafts for s in so.scheduled])
+        return execute(so)
+
+    engine.runner.execute_model = record
+    return spans

@@ -7,7 +7,7 @@ import random
 import engine_fixtures
 import pytest
 from engine_fixtures import token_prompts
-from spec_fixtures import spec
+from spec_fixtures import price_by_graphs, spec
 
 from deepinfer_core.spec_decode.confidence import (
     AcceptanceCalibrator,
@@ -176,10 +176,58 @@ def test_with_a_graph_of_every_length_a_large_batch_verifies_fewer_drafts():
     cands = [Candidate(i, [0.9, 0.6, 0.3], 3) for i in range(64)]
     assert set(scheduler.plan(cands, 64, 64, num_seqs=64).values()) == {2}
     assert scheduler.plan(cands[:1], 1, 1, num_seqs=1) == {0: 3}
+    confs = [c.confidences for c in cands]
+    assert scheduler.best_span(confs, [3] * 64) == 2 and scheduler.best_span(confs[:1], [3]) == 3
     only_ends = trusting(profile=StepProfile({key: t for key, t in seconds.items() if key[1] in (1, 4)}))
     # graphs of 1 and 1 + 3 tokens only: all three drafts or none; all three give 88 tokens a ms (plain decode
     # 64), where two drafts in a graph of their own give 98
     assert set(only_ends.plan(cands, 64, 64, num_seqs=64).values()) == {3}
+
+
+def span_rate(sched: ConfidenceScheduler, candidates, span: int) -> float:
+    """Estimated accepted tokens per second of an all-decode graph step verifying every usable draft up to
+    ``span`` (sequences with no candidate still decode)."""
+    n = len(candidates)
+    expected = n + sum(sum(sched.survival(c.confidences[:min(c.room, span)])) for c in candidates)
+    return expected / sched.profile.lookup(n, 1 + span)
+
+
+def plan_rate(sched: ConfidenceScheduler, candidates, plan: dict[int, int]) -> float:
+    n, longest = len(candidates), 1 + max(plan.values(), default=0)
+    expected = n + sum(sum(sched.survival(c.confidences[:plan[c.key]])) for c in candidates)
+    return expected / sched.profile.lookup(n, longest)
+
+
+def test_best_span_is_the_best_rate_and_beats_every_prefix_by_survival():
+    """Random graph steps: the span ``best_span`` picks has the best estimated rate of the k + 1 spans (the
+    first on ties, none unless it beats plain decode), and no admission of algorithm 1 priced by the
+    same graphs does better."""
+    rng = random.Random(11)
+    for _ in range(300):
+        k, n = rng.randint(1, 4), rng.randint(1, 64)
+        sched = ConfidenceScheduler()
+        for _ in range(rng.randint(0, 120)):
+            sched.observe_verification([rng.random() for _ in range(k)], rng.randint(0, k))
+        sched.profile = StepProfile({(s, q): 1e-3 * (1 + 0.01 * s * q + 0.2 * rng.random())
+                                     for s in (1, 2, 4, 8, 16, 32, 64) for q in range(1, k + 2)})
+        cands = [Candidate(i, [rng.random() for _ in range(rng.randint(0, k))], rng.randint(0, k)) for i in range(n)]
+        span = sched.best_span([c.confidences for c in cands], [c.room for c in cands])
+        usable = max((min(c.room, len(c.confidences)) for c in cands), default=0)
+        rates = [span_rate(sched, cands, j) for j in range(k + 1)]
+        best = max(range(usable + 1), key=lambda j: (rates[j], -j))
+        assert span == best or (rates[span] == rates[best] and span <= usable), (span, best, rates)
+        prefix = sched.plan(cands, n, n, num_seqs=n, batch=n)
+        assert plan_rate(sched, cands, prefix) <= rates[span] * (1 + 1e-12)
+
+
+def test_best_span_leaves_steps_no_graph_holds_to_the_plan():
+    sched = trusting(profile=graph_profile({}, sizes=(1, 2, 4)))
+    confs, rooms = [[0.9, 0.8, 0.7]] * 8, [3] * 8
+    assert sched.best_span(confs[:4], rooms[:4]) == 3
+    assert sched.best_span(confs, rooms) is None  # more sequences than the largest graph
+    assert sched.best_span(confs[:4], rooms[:4], max_tokens=15) is None  # 16 tokens: over the step's cap
+    assert sched.best_span(confs[:4], [0] * 4) == 0
+    assert trusting().best_span(confs, rooms) is None  # no graphs at all
 
 
 def test_steps_no_graph_holds_are_priced_by_the_learnt_curve():
@@ -248,6 +296,18 @@ def test_confidence_scheduled_engine_is_greedy_equal_and_counts(make_llm):
         engine["num_drafts"], engine["num_draft_tokens"], engine["num_accepted_tokens"])
     cal = llm.llm_engine.drafts.confidence.calibrator
     assert sum(cal.tested) > 0  # calibrated online from the verifications
+
+
+def test_graph_priced_steps_verify_one_span_and_stay_greedy_equal(make_llm):
+    """With graphs priced so that a third draft never pays, every all-decode step verifies at most two drafts
+    a sequence, and each step the same number for all (one span: the graph pads to the longest anyway)."""
+    prompts, params, ref = heldout_greedy(make_llm, 6, 20)
+    llm = make_llm(None, dtype="float64", block_size=32, **spec(3, "confidence"))
+    spans = price_by_graphs(llm, (1.0, 1.1, 1.2, 100.0))
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert max(map(max, spans)) == 2 and sum(max(step) == 2 for step in spans) >= 2
+    assert sum(len(set(step)) == 1 for step in spans) >= len(spans) - 2  # the last steps hit max_tokens
 
 
 def test_requests_queued_behind_a_full_batch_leave_its_drafts_alone(make_llm):

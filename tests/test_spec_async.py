@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import engine_fixtures
 import pytest
 from engine_fixtures import greedy, make_prompt, run_tokens, token_prompts
-from spec_fixtures import other_token, spec
+from spec_fixtures import other_token, price_by_graphs, spec
 from test_spec_decode import (
     CONFIGS,
     MAX_TOKENS,
@@ -282,6 +282,21 @@ def test_async_verifies_what_the_sync_engine_verifies_from_the_first_step(make_l
     assert runs[True][1] == runs[False][1]
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert runs[True][2][key] == runs[False][2][key], key
+
+
+def test_graph_priced_confidence_steps_async_greedy_equal(make_llm, make_async):
+    """Steps priced by graphs where a third draft never pays, planned while the step before is in flight
+    (from its drafts' confidences): at most two drafts a sequence, one span a step, the plain outputs."""
+    ids = make_llm(None, dtype="float64", block_size=32).llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = token_prompts([ids[i * 120: i * 120 + 50] for i in range(6)])
+    ref = make_llm(None, dtype="float64", block_size=32).generate(prompts, greedy(20), use_tqdm=False)
+    llm = make_async(None, dtype="float64", block_size=32, **spec(3, "confidence"))
+    spans = price_by_graphs(llm, (1.0, 1.1, 1.2, 100.0))
+    outs = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert max(map(max, spans)) == 2
+    assert sum(len(set(step) - {0}) <= 1 for step in spans) >= len(spans) - 2
+    assert llm.llm_engine.counts["overlapped"] > llm.llm_engine.counts["drained"]
 
 
 @pytest.mark.parametrize("schedule", ["fixed", "confidence"])

@@ -10,7 +10,9 @@ per batch size bucket (:class:`StepTimeModel`). Pairs are taken by descending su
 with the most estimated accepted tokens per second is admitted, so a large batch verifies fewer drafts
 and a lone sequence verifies more. A graph's query length is fixed: there, a step costs what its longest
 span costs (every span is filled up to it). With confidence scheduling a graph is captured for every 1 + j tokens, so a
-step that verifies at most j drafts a sequence is priced, and run, as the 1 + j graph.
+step that verifies at most j drafts a sequence is priced, and run, as the 1 + j graph; and since drafts
+below the longest span cost nothing more, such a step verifies every usable draft up to the best span
+(:meth:`ConfidenceScheduler.best_span`: one pass over the drafts, no ranking of the pairs).
 """
 
 from __future__ import annotations
@@ -235,6 +237,39 @@ class ConfidenceScheduler:
         best_len = best + 1 if rates[best] > expected0 / (curve(tokens0) if np.isnan(first) else first) else 0
         counts = np.bincount(row[order[:best_len]], minlength=len(candidates))
         return {c.key: int(n) for c, n in zip(candidates, counts)}
+
+    def best_span(self, confidences: list[list[float]], rooms: list[int], max_tokens: int | None = None) -> int | None:
+        """The span of an all-decode step of these sequences that a graph runs: each sequence verifies its
+        first ``min(room, len(confidences), span)`` drafts. A graph pads every span to the step's longest,
+        so below it a draft adds its survival at no cost: of :meth:`plan`'s admissions with a given longest
+        span the best takes every usable draft up to it, and the k + 1 spans are all there is to compare.
+        None where no graph holds some span or a step of every draft would pass ``max_tokens``
+        (:meth:`plan` prices those)."""
+        num_seqs = len(rooms)
+        rooms = [min(room, len(conf)) for conf, room in zip(confidences, rooms)]
+        k = max(rooms, default=0)
+        if not k:
+            return 0
+        graphs = self.profile.by_length(num_seqs) if self.profile is not None else _NO_GRAPH
+        if len(graphs) < k + 2 or (max_tokens is not None and num_seqs * (1 + k) > max_tokens):
+            return None
+        seconds = graphs[1:k + 2].tolist()
+        if any(math.isnan(s) for s in seconds):
+            return None
+        table, bins = self.calibrator.table().tolist(), self.calibrator.num_bins
+        table.append(table[-1])  # a confidence of 1 falls in the last bin
+        gained = [0.0] * k  # expected accepted tokens of the drafts at each position
+        for conf, room in zip(confidences, rooms):
+            survival = 1.0
+            for j in range(room):
+                survival *= table[int(conf[j] * bins)]
+                gained[j] += survival
+        expected, best, best_rate = float(num_seqs), 0, num_seqs / seconds[0]
+        for j in range(k):
+            expected += gained[j]
+            if expected / seconds[j + 1] > best_rate:
+                best, best_rate = j + 1, expected / seconds[j + 1]
+        return best
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> None:
         self.step_time.observe(num_tokens, seconds, num_seqs)

@@ -96,22 +96,29 @@ class DraftPlanner:
                 if not seq.num_inflight:
                     seq.draft_token_ids, seq.draft_confidences = [], []
             return
-        rooms = {seq.seq_id: self.room(seq, config.max_model_len) for seq in scheduler.running}
+        running = scheduler.running
+        rooms = [self.room(seq, config.max_model_len) for seq in running]
         if self.confidence is None:
-            for seq in scheduler.running:
-                seq.draft_budget = rooms[seq.seq_id]
+            for seq, room in zip(running, rooms):
+                seq.draft_budget = room
             return
-        base = sum(seq.num_uncomputed for seq in scheduler.running)
-        room = max(0, config.max_num_seqs - len(scheduler.running))  # requests queued behind a full batch wait
-        base += sum(seq.num_uncomputed for seq in itertools.islice(scheduler.waiting, room))
+        uncomputed = [seq.num_uncomputed for seq in running]
+        room = max(0, config.max_num_seqs - len(running))  # requests queued behind a full batch wait
+        base = sum(uncomputed) + sum(seq.num_uncomputed for seq in itertools.islice(scheduler.waiting, room))
         base = min(base, config.max_num_batched_tokens)
-        decoding = [seq for seq in scheduler.running if seq.num_uncomputed == 1]
-        candidates = [Candidate(seq.seq_id, seq.draft_confidences, rooms[seq.seq_id])
-                      for seq in decoding if rooms[seq.seq_id]]
+        decoding = [(seq, room) for seq, room, n in zip(running, rooms, uncomputed) if n == 1]
         decode_only = base == len(decoding)  # no prefill chunk: a step of a graph's shape
+        if decode_only:
+            span = self.confidence.best_span([seq.draft_confidences for seq, _ in decoding],
+                                             [room for _, room in decoding], config.max_num_batched_tokens)
+            if span is not None:
+                for seq, room in zip(running, rooms):
+                    seq.draft_budget = min(room, len(seq.draft_confidences), span)
+                return
+        candidates = [Candidate(seq.seq_id, seq.draft_confidences, room) for seq, room in decoding if room]
         budget = self.confidence.plan(candidates, base, len(decoding), config.max_num_batched_tokens,
                                       num_seqs=len(decoding) if decode_only else None, batch=len(decoding))
-        for seq in scheduler.running:
+        for seq in running:
             seq.draft_budget = budget.get(seq.seq_id, 0)
 
     def use_profile(self, profile: StepProfile | None) -> None:
