@@ -173,9 +173,10 @@ def _trace_gate(llm) -> list[str] | None:
 
 def _log_steps(llm) -> list[list[list]]:
     """Every finished step of the engine, into the last run's list: [finish time (ms, perf_counter), launch
-    time (ms), sequences sampled, tokens computed, speculative, output tokens]; the bench starts a list for
-    each measured run."""
+    time (ms), sequences sampled, tokens computed, speculative (it drafted), output tokens, decode only (no
+    prompt chunk)]; the bench starts a list for each measured run. ``summarize_step_log.py`` reads them."""
     engine, runs = llm.llm_engine, []
+    drafts = engine.drafts is not None
     finish = engine._finish
 
     def logged(launched, touched, pipelined=False):
@@ -185,7 +186,8 @@ def _log_steps(llm) -> list[list[list]]:
         if not runs:
             return
         runs[-1].append([round(time.perf_counter() * 1e3, 3), round(launched.started * 1e3, 3),
-                         len(launched.sampled), launched.num_tokens, int(launched.speculate), after - before])
+                         len(launched.sampled), launched.num_tokens, int(drafts and launched.speculate),
+                         after - before, int(launched.decode_only)])
 
     engine._finish = logged
     return runs
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="speed: keep the confidence scheduler's gate decisions of each measured run in the JSON")
     ap.add_argument("--step-log", action="store_true",
                     help="speed: keep every step of each mode's measured runs in the JSON, a list per run "
-                         "(finish and launch ms, sequences, tokens, speculative, output tokens)")
+                         "(finish and launch ms, sequences, tokens, speculative, output tokens, decode only)")
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
                     help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",

@@ -144,6 +144,8 @@ def test_step_log_keeps_every_measured_run_of_every_batch_size(bsd):
             assert sum(step[5] for step in steps) == 4 * row["requests"]
             assert [step[0] for step in steps] == sorted(step[0] for step in steps)
             assert all(step[1] <= step[0] and 1 <= step[2] <= row["batch"] for step in steps)
+            assert steps[0][6] == 0 and steps[-1][6] == 1  # the prompts, then decode steps
+            assert row["mode"] != "off" or not any(step[4] for step in steps)  # no speculation, no drafts
 
 
 def test_speed_mode_spreads_request_lengths_alike_in_every_mode(bsd, monkeypatch):
