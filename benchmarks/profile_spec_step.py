@@ -8,6 +8,8 @@ does, so a wait shows up where the engine waits. The time of a function includes
 (V4-Flash widths, an MTP block, ``--force-acceptance``).
 
 GPU:  python benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda --ks 1,3 --batch-sizes 1,8
+      (each mode builds an engine and captures its graphs: ``--confidence --modes confidence`` profiles plain
+      decode and confidence scheduling only)
 CPU:  python benchmarks/profile_spec_step.py --batch-sizes 1 --ks 1 --max-tokens 8 --json-out OUT.json
 """
 
@@ -142,6 +144,10 @@ def _cprofile(llm, prompts, params, out: Path) -> None:
     out.write_text(text.getvalue())
 
 
+def _kind(mode: str) -> str:
+    return "always" if mode.endswith("always") else "confidence" if mode.startswith("confidence") else "fixed"
+
+
 def profile(args) -> dict:
     if args.force_acceptance is not None:
         spec_bench.force_acceptance(args.force_acceptance)
@@ -154,6 +160,11 @@ def profile(args) -> dict:
         k = max(args.ks)
         modes += [(f"confidence k={k}", spec_bench._spec(k, "confidence")),
                   (f"confidence k={k} always", spec_bench._spec(k, "confidence"))]
+    if args.modes is not None:  # plain decode stays: the bounds are against it
+        unknown = set(args.modes) - {"fixed", "confidence", "always"}
+        if unknown:
+            raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from fixed, confidence, always")
+        modes = [(name, spec) for name, spec in modes if name == "off" or _kind(name) in args.modes]
     timers, rows = Timers(), []
     for name, spec in modes:
         sched = {"async_scheduling": True} if args.async_scheduling else {}
@@ -250,6 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     ap.add_argument("--confidence", action="store_true",
                     help="also confidence-scheduled k = max(ks): as its gate decides, and always speculating")
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="KIND,...",
+                    help="profile only these besides plain decode: fixed (k=K), confidence, always "
+                         "(confidence speculating every step); default all")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cprofile", default=None, metavar="DIR", help="also write a cProfile of each run here")
     ap.add_argument("--json-out", default=None, metavar="FILE")

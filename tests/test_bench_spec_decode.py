@@ -73,6 +73,17 @@ def test_step_profile_times_the_speculative_step_and_puts_every_function_back(bs
     assert (tmp_path / "profile.json").read_text().startswith("{")
 
 
+def test_step_profile_runs_only_the_modes_asked_for(bsd):
+    import profile_spec_step
+
+    args = ["--random", "--small", "--layers", "2", "--ks", "1", "--batch-sizes", "1", "--max-tokens", "3",
+            "--prompt-len", "8", "--threads", "1", "--confidence"]
+    report = profile_spec_step.main(args + ["--modes", "always"])
+    assert [r["mode"] for r in report["rows"]] == ["off", "confidence k=1 always"]
+    with pytest.raises(SystemExit, match="unknown"):
+        profile_spec_step.main(args + ["--modes", "fast"])
+
+
 def test_speed_up_bound_is_tokens_per_device_millisecond_against_plain_decodes(bsd):
     import profile_spec_step
 
