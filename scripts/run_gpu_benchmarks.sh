@@ -20,6 +20,7 @@
 #                 (its tokens counted on the device, so steps still overlap and chain): against spec_async
 #   profile_spec  where a k=3 speculative step's host time goes at batch 1, and the GPU's busy time
 #   profile_spec_async  the same with async scheduling
+#   profile_spec_confidence  k=3 against confidence k=3 at batch 64, async: the host time confidence scheduling adds
 #   profile_fp8   the kernel breakdown of an FP8 decode step at batch 64
 #   profile_prefill  the kernel breakdown of a 4096-token prefill chunk, bf16 and FP8
 # Environment: PYTHON (default python3), GPU_BENCH_STEPS (the steps to run, in order; default all of the
@@ -32,7 +33,7 @@ set -u -o pipefail
 source "$(dirname "$0")/gpu_setup.sh" "$@"
 OUT="$OUT_DIR"
 LIMIT="${GPU_BENCH_LIMIT:-200}"
-STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async spec_gate spec_waves spec_penalised profile_spec profile_spec_async profile_fp8 profile_prefill}"
+STEPS="${GPU_BENCH_STEPS:-fp8_sweep bench_fp8 bench_hc spec_sync spec_async spec_gate spec_waves spec_penalised profile_spec profile_spec_async profile_spec_confidence profile_fp8 profile_prefill}"
 : > "$OUT/summary.txt"
 if "$PY" -c "import flash_mla, deep_gemm" 2>/dev/null; then LIBS=flash_mla+deep_gemm; else LIBS=none; fi
 SPEC=(benchmarks/bench_spec_decode.py --mode speed --backend nvidia_sm100 --device cuda --ks 3
@@ -65,6 +66,9 @@ for step in $STEPS; do
                           --ks 3 --batch-sizes 1 --json-out "$OUT/profile_spec.json" ;;
         profile_spec_async) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 --device cuda \
                           --ks 3 --batch-sizes 1,64 --async-scheduling --json-out "$OUT/profile_spec_async.json" ;;
+        profile_spec_confidence) run "$step" "$PY" benchmarks/profile_spec_step.py --backend nvidia_sm100 \
+                          --device cuda --ks 3 --batch-sizes 64 --max-tokens 96 --async-scheduling --confidence \
+                          --modes fixed,confidence --json-out "$OUT/profile_spec_confidence.json" ;;
         profile_fp8) run "$step" "$PY" benchmarks/profile_decode.py --fp8 --batch 64 --out "$OUT/profile_fp8" ;;
         profile_prefill) run "$step" bash -c "$PY benchmarks/profile_decode.py --prefill --batch 2 --prompt-len 4096 \
                              --out $OUT/profile_prefill && $PY benchmarks/profile_decode.py --prefill --batch 2 \
