@@ -320,6 +320,39 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
         assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
+def test_steps_with_prompt_chunks_draft_through_the_graphs(make_llm):
+    """Prompts joining decoding sequences in chunks: each such step catches the MTP block up eagerly once
+    without drafting (chunks that end no prompt, and every drafting span but its last k + 1 positions),
+    then drafts through the graphs (one eager forward instead of k); the drafts and outputs are the eager
+    proposer's."""
+    k = 3
+    plain = make_llm(None, dtype="float64", block_size=32)
+    prompts = heldout_prompts(plain, 5)
+    params = [greedy(12 + 2 * i) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    runs = {}
+    for padded in (False, True):
+        llm = make_llm(None, dtype="float64", block_size=32, max_num_seqs=3, max_num_batched_tokens=48, **spec(k))
+        events = []
+        if padded:
+            graphs = with_drafting_graphs(llm, k, [1, 2, 4])[1]
+            proposer = llm.llm_engine.runner.proposer
+            eager = proposer._propose
+            proposer._propose = lambda spans, streams, eager=eager, graphs=graphs, events=events: (
+                events.append(("eager", [s.draft for s in spans], len(graphs))) or eager(spans, streams))
+        seen = recorded_drafts(llm)
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        runs[padded] = seen
+    assert all(not any(drafts) for _, drafts, _ in events)  # the eager forwards only catch up
+    assert len(events) >= 6, events  # every step with a prompt chunk: 5 prompts of 40-76 tokens, 48 a step
+    assert all(n < len(graphs) for _, _, n in events)  # each followed by a graph's drafting
+    first = {run: min(s for s, _, _ in seen) for run, seen in runs.items()}
+    assert [(s - first[True], d) for s, d, _ in runs[True]] == [(s - first[False], d) for s, d, _ in runs[False]]
+    for (_, _, a), (_, _, b) in zip(runs[False], runs[True]):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
 def test_uniform_greedy_verification_equals_the_general_one(graphs, make_llm):
     """Steps of greedy verifications of one length take ``_verify_uniform`` (no host layout of the

@@ -74,6 +74,11 @@ class MtpProposer:
         if self.graphs is not None and spans and self._graphable(spans):
             return self._propose_padded(spans, streams)
         self._forwards = 0
+        split = self._split(spans) if self.graphs is not None and spans else None
+        if split is not None:  # a step with prompt chunks: one eager catch-up, then the graphs
+            head, tails = split
+            self._propose(head, streams)
+            return self._propose_padded(tails, streams)
         proposal = self._propose(spans, streams)
         if self.model.ep is not None:  # the expert-parallel peers run the block k times a step
             for _ in range(self.k - self._forwards):
@@ -122,6 +127,26 @@ class MtpProposer:
         draft_ids = torch.stack(tokens, dim=1).tolist()
         confidences = torch.stack(confs, dim=1).tolist()
         return Proposal(draft_ids, confidences)
+
+    def _split(self, spans: list[DraftSpan]) -> tuple[list[DraftSpan], list[DraftSpan]] | None:
+        """A step with longer spans (prompt chunks) as an eager catch-up without drafts (the spans that do not
+        draft, and every drafting span but its last k + 1 positions) and the drafting spans' last k + 1
+        positions at most, which the graphs take as a decode step's: the draft steps run in a graph
+        instead of k - 1 eager forwards. None where the graphs cannot take the drafting spans."""
+        drafting = sum(s.draft for s in spans)
+        if not drafting or self.model.ep is not None or self.graphs.size_for(drafting) is None:
+            return None
+        q, head, tails = self.k + 1, [], []
+        for s in spans:
+            cut = len(s.next_ids) - q if s.draft else len(s.next_ids)
+            if cut > 0:
+                head.append(DraftSpan(s.start, s.rows[:cut], s.next_ids[:cut], s.block_table,
+                                      s.window_block_table, False))
+            if s.draft:
+                cut = max(cut, 0)
+                tails.append(DraftSpan(s.start + cut, s.rows[cut:], s.next_ids[cut:], s.block_table,
+                                       s.window_block_table, True))
+        return head, tails
 
     def _graphable(self, spans: list[DraftSpan]) -> bool:
         return (self.graphs.size_for(len(spans)) is not None
