@@ -122,15 +122,21 @@ def best_prefix(sched: ConfidenceScheduler, candidates, base_tokens, base_accept
     return {c.key: taken[:best_len].count(c.key) for c in candidates}
 
 
+def randomly_calibrated(rng: random.Random, k: int) -> ConfidenceScheduler:
+    """A scheduler after up to 120 random verifications of ``k`` drafts."""
+    sched = ConfidenceScheduler()
+    for _ in range(rng.randint(0, 120)):
+        sched.observe_verification([rng.random() for _ in range(k)], rng.randint(0, k))
+    return sched
+
+
 def test_plan_admits_the_best_prefix_by_survival_on_random_steps():
     """Steps of 1 to 70 sequences, graphs of some span lengths or none, a token cap or not: the plan (which
     prices a graph step once per longest span) admits what pricing every prefix afresh admits."""
     rng = random.Random(5)
     for _ in range(400):
         k, n = rng.randint(1, 4), rng.randint(1, 70)
-        sched = ConfidenceScheduler()
-        for _ in range(rng.randint(0, 120)):
-            sched.observe_verification([rng.random() for _ in range(k)], rng.randint(0, k))
+        sched = randomly_calibrated(rng, k)
         for _ in range(rng.randint(0, 12)):
             sched.observe_step(rng.randint(1, 300), rng.random() * 1e-2, rng.choice([None, rng.randint(1, 64)]))
         if rng.random() < 0.6:
@@ -205,9 +211,7 @@ def test_best_span_is_the_best_rate_and_beats_every_prefix_by_survival():
     rng = random.Random(11)
     for _ in range(300):
         k, n = rng.randint(1, 4), rng.randint(1, 64)
-        sched = ConfidenceScheduler()
-        for _ in range(rng.randint(0, 120)):
-            sched.observe_verification([rng.random() for _ in range(k)], rng.randint(0, k))
+        sched = randomly_calibrated(rng, k)
         sched.profile = StepProfile({(s, q): 1e-3 * (1 + 0.01 * s * q + 0.2 * rng.random())
                                      for s in (1, 2, 4, 8, 16, 32, 64) for q in range(1, k + 2)})
         cands = [Candidate(i, [rng.random() for _ in range(rng.randint(0, k))], rng.randint(0, k)) for i in range(n)]

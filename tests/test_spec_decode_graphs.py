@@ -265,6 +265,15 @@ def recorded_drafts(llm) -> list[tuple[int, list[int], list[float]]]:
     return seen
 
 
+def assert_same_proposals(eager: list, padded: list) -> None:
+    """Two runs' ``recorded_drafts``: the same drafts for the same sequences (their ids count on per
+    process), confidences equal to float64 rounding."""
+    first = [min(s for s, _, _ in seen) for seen in (eager, padded)]
+    assert [(s - first[1], d) for s, d, _ in padded] == [(s - first[0], d) for s, d, _ in eager]
+    for (_, _, a), (_, _, b) in zip(eager, padded):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
 def with_drafting_graphs(llm, k: int, sizes: list[int], query_lens: tuple[int, ...] | None = None
                          ) -> tuple[list[tuple[int, int]], list[int]]:
     """Padded MTP drafting for the engine (and padded verification graphs); returns the records of
@@ -313,11 +322,7 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
         runs[padded] = seen
     assert len(sizes_run) >= 5 and {8, 4} <= set(sizes_run), sizes_run
     assert on_device[0] >= 5 and on_device[1] >= 1, on_device  # from verifications, some with plain samples
-    eager, padded = runs[False], runs[True]
-    first = {run: min(s for s, _, _ in seen) for run, seen in runs.items()}  # sequence ids count on per process
-    assert [(s - first[True], d) for s, d, _ in padded] == [(s - first[False], d) for s, d, _ in eager]
-    for (_, _, a), (_, _, b) in zip(eager, padded):
-        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+    assert_same_proposals(runs[False], runs[True])
 
 
 def test_steps_with_prompt_chunks_draft_through_the_graphs(make_llm):
@@ -347,10 +352,7 @@ def test_steps_with_prompt_chunks_draft_through_the_graphs(make_llm):
     assert all(not any(drafts) for _, drafts, _ in events)  # the eager forwards only catch up
     assert len(events) >= 6, events  # every step with a prompt chunk: 5 prompts of 40-76 tokens, 48 a step
     assert all(n < len(graphs) for _, _, n in events)  # each followed by a graph's drafting
-    first = {run: min(s for s, _, _ in seen) for run, seen in runs.items()}
-    assert [(s - first[True], d) for s, d, _ in runs[True]] == [(s - first[False], d) for s, d, _ in runs[False]]
-    for (_, _, a), (_, _, b) in zip(runs[False], runs[True]):
-        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+    assert_same_proposals(runs[False], runs[True])
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
