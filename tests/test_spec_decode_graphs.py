@@ -265,6 +265,16 @@ def recorded_drafts(llm) -> list[tuple[int, list[int], list[float]]]:
     return seen
 
 
+def heldout_reference(make_llm, lengths: list[int]) -> tuple[list[list[int]], list, list[list[int]]]:
+    """``heldout_prompts`` (one per length), greedy params of those lengths and the trained model's
+    outputs without speculation (float64)."""
+    plain = make_llm(None, dtype="float64", block_size=32)
+    prompts = heldout_prompts(plain, len(lengths))
+    params = [greedy(n) for n in lengths]
+    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    return prompts, params, ref
+
+
 def assert_same_proposals(eager: list, padded: list) -> None:
     """Two runs' ``recorded_drafts``: the same drafts for the same sequences (their ids count on per
     process), confidences equal to float64 rounding."""
@@ -307,10 +317,7 @@ def test_padded_drafting_equals_eager_drafting(k, make_llm):
     """The trained default model's MTP layer (real acceptance, so 1 to k + 1 kept positions per step):
     the padded catch-up and draft steps propose the eager proposer's drafts with its confidences, and
     the outputs are the ones without speculation."""
-    plain = make_llm(None, dtype="float64", block_size=32)
-    prompts = heldout_prompts(plain, 5)
-    params = [greedy(20 + 3 * i) for i in range(len(prompts))]
-    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    prompts, params, ref = heldout_reference(make_llm, [20 + 3 * i for i in range(5)])
     runs = {}
     for padded in (False, True):
         llm = make_llm(None, dtype="float64", block_size=32, **spec(k))
@@ -331,10 +338,7 @@ def test_steps_with_prompt_chunks_draft_through_the_graphs(make_llm):
     then drafts through the graphs (one eager forward instead of k); the drafts and outputs are the eager
     proposer's."""
     k = 3
-    plain = make_llm(None, dtype="float64", block_size=32)
-    prompts = heldout_prompts(plain, 5)
-    params = [greedy(12 + 2 * i) for i in range(len(prompts))]
-    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    prompts, params, ref = heldout_reference(make_llm, [12 + 2 * i for i in range(5)])
     runs = {}
     for padded in (False, True):
         llm = make_llm(None, dtype="float64", block_size=32, max_num_seqs=3, max_num_batched_tokens=48, **spec(k))
@@ -439,10 +443,7 @@ def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
     outputs are those without speculation, and every sequence gets the drafts, with their confidences,
     that the same engine proposes when each step waits for the one before (the worker shifting the spans
     on the host)."""
-    plain = make_llm(None, dtype="float64", block_size=32)
-    prompts = heldout_prompts(plain, 5)
-    params = [greedy(20 + 3 * i) for i in range(len(prompts))]
-    ref = [o.outputs[0].token_ids for o in plain.generate(token_prompts(prompts), params, use_tqdm=False)]
+    prompts, params, ref = heldout_reference(make_llm, [20 + 3 * i for i in range(5)])
     params[2] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[2][13]])
     ref[2] = ref[2][: ref[2].index(ref[2][13]) + 1]
     runs = {}
