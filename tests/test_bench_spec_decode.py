@@ -244,3 +244,24 @@ def test_confidence_plan_benchmark_times_both_pricings(bsd, tmp_path):
     assert all(r["plan_ms"] > 0 and 0 <= r["drafts_admitted"] <= 3 * r["batch"] for r in rows.values())
     assert rows["graphs", 1]["drafts_admitted"] == 3  # a lone sequence verifies every draft
     assert (tmp_path / "plan.json").read_text().startswith("{")
+
+
+def test_host_path_profile_times_the_host_apart_from_the_graphs_work(bsd):
+    """Each mode's host milliseconds per step outside what graphs run, the ops it launches outside them and
+    their estimated GPU host cost; the engine's functions are put back afterwards."""
+    import profile_host_path
+
+    from deepinfer_core.worker.graph_runner import GraphRunner
+
+    replay = GraphRunner.replay_step
+    report = profile_host_path.main(["--modes", "off,fixed,confidence", "--batch-size", "2", "--max-tokens", "6",
+                                     "--prompt-len", "8", "--k", "2", "--launch-us", "10"])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "fixed", "confidence"}
+    for r in rows.values():
+        assert r["steps"] >= 2 and r["host_python_ms"] > 0 and r["ops"] > 0 and r["device_cpu_ms"] > 0
+        assert r["gpu_host_ms"] == pytest.approx(r["host_python_ms"] + r["ops"] * 10 / 1e3)
+    assert rows["fixed"]["ops"] > rows["off"]["ops"]  # the verification and drafting's host side launch more
+    assert GraphRunner.replay_step is replay
+    with pytest.raises(SystemExit, match="unknown"):
+        profile_host_path.main(["--modes", "spec"])
