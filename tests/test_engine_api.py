@@ -10,7 +10,7 @@ from engine_fixtures import assert_drained, check_every_step, greedy, make_promp
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import PluginError
-from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
 
 # the shared fixtures, bound here so that pytest finds them in this module
 make_llm = engine_fixtures.make_llm
@@ -157,11 +157,34 @@ def test_bad_prompt_gets_an_error_output_and_the_others_run(llm, bad, message):
     assert err.outputs[0].finish_reason == "error" and err.outputs[0].token_ids == []
 
 
+def test_final_only_requests_are_reported_once_when_they_end(llm):
+    """``output_kind=FINAL_ONLY`` (what ``generate`` asks for: it returns final outputs only): the engine
+    builds no output for the request until it ends, then the cumulative one; a default request beside it
+    is reported after every step."""
+    engine = llm.llm_engine
+    ref = run_tokens(llm, PROMPTS[:2], greedy(6))
+    final = greedy(6, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("final", {"prompt_token_ids": PROMPTS[0]}, final)
+    engine.add_request("every", {"prompt_token_ids": PROMPTS[1]}, greedy(6))
+    seen: dict[str, list] = {"final": [], "every": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [o.finished for o in seen["final"]] == [True]
+    assert seen["final"][0].outputs[0].token_ids == ref[0]
+    assert len(seen["every"]) >= 6 and seen["every"][-1].outputs[0].token_ids == ref[1]
+    passed = greedy(3)
+    llm.generate(token_prompts(PROMPTS[:1]), passed, use_tqdm=False)
+    assert passed.output_kind is RequestOutputKind.CUMULATIVE  # the caller's params are left as they were
+
+
 def test_invalid_sampling_params_raise():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")
 
 
 def test_mismatched_sampling_params_list_raises(llm):

@@ -24,7 +24,7 @@ from deepinfer_core.engine.stop import FinishStatus, check_stop
 from deepinfer_core.model.cache import check_block_size
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
-from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
 from deepinfer_core.sampling.sampler import base_seed
 from deepinfer_core.sampling.structured import StructuredOutputManager
 from deepinfer_core.spec_decode.drafts import DraftPlanner
@@ -344,6 +344,9 @@ class LLMEngine:
                 self._finish_or_fail(launched, touched)
         outputs = []
         for req in touched.values():
+            if (req.seqs[0].params.output_kind is RequestOutputKind.FINAL_ONLY
+                    and any(s.status != SequenceStatus.FINISHED for s in req.seqs)):
+                continue
             out = self._output(req)
             outputs.append(out)
             if out.finished:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
-from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -65,6 +65,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # only the final outputs are returned: the engine builds no others
+        final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 if isinstance(p, SamplingParams) and p.output_kind is not RequestOutputKind.FINAL_ONLY else p
+                 for p in params}
+        params = [final[id(p)] for p in params]
         results: dict[str, RequestOutput] = {}
         order = []
         for prompt, p in zip(prompts, params):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,14 @@ class StructuredOutputsParams:
         return kind, spec, self.disable_any_whitespace
 
 
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request (vLLM's names): after every step it took part in, each output
+    holding everything so far, or only once, when it ends."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -84,6 +93,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _errors: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +128,8 @@ class SamplingParams:
              f"logprobs must be an integer >= 0, got {self.logprobs!r}"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"),
+            (isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
         ]
         errors = [msg for ok, msg in checks if not ok]
         if errors:
