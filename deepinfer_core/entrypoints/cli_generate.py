@@ -7,6 +7,7 @@ engine-running subcommand shares: :func:`add_engine_arguments` and :func:`engine
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from typing import Any
@@ -289,7 +290,8 @@ def run_generate(args: argparse.Namespace) -> int:
             "model": str(engine.model_config.path) if engine.model_config.path is not None else None,
             "backend": args.backend,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "sampling_params": {k: v for k, v in vars(params).items() if not k.startswith("_")},
+            "sampling_params": {k: v.name if isinstance(v, enum.Enum) else v for k, v in vars(params).items()
+                                if not k.startswith("_")},
             "results": [output_to_dict(out) for out in results],
         }
         print(json.dumps(doc, indent=2, ensure_ascii=False))
