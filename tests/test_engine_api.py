@@ -178,6 +178,25 @@ def test_final_only_requests_are_reported_once_when_they_end(llm):
     assert passed.output_kind is RequestOutputKind.CUMULATIVE  # the caller's params are left as they were
 
 
+@pytest.mark.parametrize("end", ["length", "stop-string", "stop-token"])
+def test_final_only_text_is_the_streamed_text(llm, end):
+    """A final-only request without stop strings decodes its text once, at the end; with them, as it goes.
+    Either way its text, tokens and finish are those of the request reported after every step."""
+    params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    if end == "stop-string":
+        params["stop"] = ["e"]
+    elif end == "stop-token":  # the fifth token of the first prompt's output
+        first = llm.generate(token_prompts(PROMPTS[:1]), SamplingParams(**params), use_tqdm=False)
+        params["stop_token_ids"] = [first[0].outputs[0].token_ids[4]]
+    every = llm.generate(token_prompts(PROMPTS), SamplingParams(**params), use_tqdm=False)
+    streamed = [list(llm.stream({"prompt_token_ids": p}, SamplingParams(**params)))[-1] for p in PROMPTS]
+    for a, b in zip(every, streamed):
+        assert (a.outputs[0].text, a.outputs[0].token_ids, a.outputs[0].finish_reason) == (
+            b.outputs[0].text, b.outputs[0].token_ids, b.outputs[0].finish_reason)
+    assert all(o.outputs[0].text for o in every)
+    assert any(o.outputs[0].finish_reason == "stop" for o in every) == (end != "length")
+
+
 def test_invalid_sampling_params_raise():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
@@ -254,6 +273,7 @@ def test_growing_past_the_pools_ends_with_error_keeping_tokens(make_llm, tiny_pa
     assert comp.finish_reason == "error" and out.error and len(comp.token_ids) == 32 - 28 + 1
     roomy = make_llm(tiny_path("tiny"), dtype="float64")
     assert run_tokens(roomy, [prompt], greedy(5))[0] == comp.token_ids
+    assert comp.text == llm.get_tokenizer().decode(comp.token_ids, skip_special_tokens=True)  # decoded at the end
 
 
 def test_prompt_longer_than_token_budget_without_chunked_prefill(make_llm, tiny_path):

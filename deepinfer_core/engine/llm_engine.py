@@ -522,6 +522,9 @@ class LLMEngine:
             seq.output_logprobs.append(logprobs)
         n_out = pos + 1
         status, reason = check_stop(seq, self.scheduler_config.max_model_len) or (None, None)
+        if status is None and not params.stop and params.output_kind is RequestOutputKind.FINAL_ONLY:
+            seq.text_pending = True  # no stop string to look for and no output before the end: decoded then
+            return
         stopped = status == FinishStatus.STOPPED
         # a stop string ending in this token still wins over the length limit; a stop token is not shown
         strings = params.stop if n_out >= params.min_tokens and not stopped else ()
@@ -554,20 +557,23 @@ class LLMEngine:
         """
         if self.tokenizer is None:
             return None
+        seq.text_pending = False
         return seq.detokenizer.advance(self.decoder, seq.output_token_ids, num_ids,
                                        seq.params.skip_special_tokens, last, stop)
 
     def _output(self, req: Request) -> RequestOutput:
         outs = []
+        finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)
         for seq in req.seqs:
             cum, ids = None, seq.completed_output_ids
+            if seq.text_pending and finished:  # ended without its last token's decode (an error, say)
+                self._detokenize(seq, len(ids), last=True)
             if seq.output_logprobs:
                 cum = sum(lp[t] for lp, t in zip(seq.output_logprobs, ids))
             outs.append(CompletionOutput(
                 seq.index, seq.text, ids, seq.finish_reason, seq.stop_reason,
                 list(seq.output_logprobs) if seq.params.logprobs is not None else None, cum,
             ))
-        finished = all(s.status == SequenceStatus.FINISHED for s in req.seqs)
         error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == FinishStatus.ERROR), None)
         cached = req.seqs[0].num_cached_tokens
         spec = self.drafts.request_stats(req.seqs) if self.drafts is not None else None

@@ -46,6 +46,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.pending_restore: int | None = None  # block whose boundary record seeds the compressor state
         self.detokenizer = IncrementalDetokenizer()  # the decoded output, grown a few tokens at a time
+        self.text_pending = False  # output tokens not decoded yet (a final-only request decodes once, at its end)
         self.num_preemptions = 0
         self.grammar = None  # structured output: this sequence's GrammarState (sampling/structured.py)
         # speculative decoding: drafts for the tokens after the last one, the drafter's confidence in
