@@ -40,7 +40,8 @@ from deepinfer_core.model.deepseek_v4 import DeepseekV4Model  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 from deepinfer_core.spec_decode.confidence import StepProfile  # noqa: E402
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs  # noqa: E402
-from deepinfer_core.spec_decode.rollback import CacheUndo, GraphUndo  # noqa: E402
+from deepinfer_core.spec_decode.rollback import CacheUndo  # noqa: E402
+from deepinfer_core.testing.uncaptured_graphs import use_uncaptured_graphs  # noqa: E402
 from deepinfer_core.worker.graph_runner import GraphRunner  # noqa: E402
 
 #: what a GPU runs inside captured graphs, or eagerly as a forward of its own (a verification graph's undo
@@ -94,13 +95,8 @@ def _engine(mode: str, args) -> LLM:
     llm = LLM(None, speculative_config=spec, async_scheduling=True, max_num_seqs=args.batch_size, dtype="float32")
     engine = llm.llm_engine
     query_lens = (1,) if spec is None else tuple(range(1, k + 2)) if mode == "confidence" else (1, 1 + k)
-    prologue = GraphUndo(engine.cache, engine.model.cfg.num_hidden_layers) if spec is not None else None
-    sizes = [s for s in SIZES if s <= args.batch_size] or [1]
-    engine.runner.graph_runner = GraphRunner(
-        engine.model, engine.cache, sizes, engine.scheduler_config.max_model_len, engine.args.block_size,
-        capture=False, query_lens=query_lens, keep_streams=spec is not None, min_context=16, prologue=prologue)
+    use_uncaptured_graphs(engine, [s for s in SIZES if s <= args.batch_size] or [1], query_lens, drafting=True)
     if spec is not None:
-        engine.runner.proposer.graphs = MtpGraphs(engine.model, engine.cache, sizes, k, capture=False)
         if engine.drafts.gate is not None:  # the gate's work, but every step speculates (its GPU choice at 64)
             decide = engine.drafts.gate.decide
             engine.drafts.gate.decide = lambda *a, **kw: decide(*a, **kw) or True

@@ -21,6 +21,7 @@ from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.rollback import CacheUndo, GraphUndo
+from deepinfer_core.testing.uncaptured_graphs import use_uncaptured_graphs
 from deepinfer_core.worker.graph_runner import GraphRunner
 
 make_llm = engine_fixtures.make_llm
@@ -40,12 +41,7 @@ def with_spec_graphs(llm, k: int, sizes: list[int], undo_in_graph: bool = True,
     """Give the engine's speculative runner padded graphs for ``query_lens`` (1 and 1 + k) new tokens
     (saving the undo log inside them, as the engine's own do, unless ``undo_in_graph`` is False); returns
     the list that records (batch size, query length) of every step run through them."""
-    engine = llm.llm_engine
-    prologue = GraphUndo(engine.cache, engine.model.cfg.num_hidden_layers) if undo_in_graph else None
-    runner = GraphRunner(engine.model, engine.cache, sizes, engine.scheduler_config.max_model_len,
-                         engine.args.block_size, capture=False, query_lens=query_lens or (1, 1 + k),
-                         keep_streams=True, min_context=16, prologue=prologue)
-    engine.runner.graph_runner = runner
+    runner = use_uncaptured_graphs(llm.llm_engine, sizes, query_lens or (1, 1 + k), undo_in_graph)
     steps = []
     original = runner.replay_step
 
@@ -289,9 +285,8 @@ def with_drafting_graphs(llm, k: int, sizes: list[int], query_lens: tuple[int, .
     """Padded MTP drafting for the engine (and padded verification graphs); returns the records of
     ``with_spec_graphs`` and the list of the batch sizes drafted through the padded path."""
     steps = with_spec_graphs(llm, k, sizes, query_lens=query_lens)
-    engine = llm.llm_engine
-    graphs = MtpGraphs(engine.model, engine.cache, sizes, k, capture=False)
-    engine.runner.proposer.graphs = graphs
+    graphs = llm.llm_engine.runner.proposer.graphs = MtpGraphs(llm.llm_engine.model, llm.llm_engine.cache, sizes, k,
+                                                               capture=False)
     sizes_run = []
     original = graphs._run
     graphs._run = lambda size: sizes_run.append(size) or original(size)
