@@ -174,10 +174,13 @@ def compressed_candidates(batch: ForwardBatch, rate: int, block_size: int) -> to
 
 
 def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For per-sequence counts: (sequence of each item, index of the item within its sequence)."""
-    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    first = torch.cumsum(counts, 0) - counts
-    return owner, torch.arange(int(counts.sum())) - first[owner]
+    """For per-sequence counts: (sequence of each item, index of the item within its sequence). In numpy:
+    torch's CPU ``repeat_interleave`` starts its thread pool for every call (milliseconds on a many-core
+    host)."""
+    n = counts.numpy()
+    owner = np.repeat(np.arange(len(n)), n)
+    first = np.cumsum(n) - n
+    return torch.from_numpy(owner), torch.from_numpy(np.arange(len(owner)) - first[owner])
 
 
 def _rows(tables: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor, block_size: int,
