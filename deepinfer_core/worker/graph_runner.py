@@ -169,7 +169,7 @@ class GraphRunner:
                            self.contexts[bisect.bisect_left(self.contexts, longest)], q)
 
     @staticmethod
-    def _key(batch: ForwardBatch) -> tuple[int, int, int]:
+    def key_of(batch: ForwardBatch) -> tuple[int, int, int]:
         return batch.padded_to, batch.padded_context, batch.num_tokens // batch.padded_to
 
     def load(self, host: ForwardBatch) -> ForwardBatch:
@@ -177,7 +177,7 @@ class GraphRunner:
 
         Its ``input_ids`` may still be changed in place on the device before :meth:`replay`.
         """
-        static = self.inputs[self._key(host)]
+        static = self.inputs[self.key_of(host)]
         self.staging.copy(host, static.packed)
         static.batch.query_start_loc = host.query_start_loc
         return static.batch
@@ -225,7 +225,7 @@ class GraphRunner:
 
     def replay_step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """:meth:`replay_with_streams` and the prologue's result (None without one)."""
-        key = self._key(batch)
+        key = self.key_of(batch)
         graph, rows = self.graphs.get(key), batch.query_start_loc[-1]
         if graph is not None:
             graph.replay()

@@ -57,6 +57,7 @@ from deepinfer_core.spec_decode.rejection_sampler import (
     verify_noise_at,
 )
 from deepinfer_core.spec_decode.rollback import CacheUndo
+from deepinfer_core.spec_decode.verify_graph import VerifyGraphs
 from deepinfer_core.worker.graph_runner import EXTRA_ROWS
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
 from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput
@@ -129,6 +130,7 @@ class SpecDecodeModelRunner(ModelRunner):
             drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
                                         capture=bool(self.graph_runner.graphs), platform=self.platform)
         self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
+        self._verify_graphs = VerifyGraphs(self.graph_runner) if self.graph_runner is not None else None
         self.num_layers = self.model.cfg.num_hidden_layers
         self._pending: _Pending | None = None  # the launched step whose second half has not run yet
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
@@ -308,7 +310,10 @@ class SpecDecodeModelRunner(ModelRunner):
         batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
         penalised = states if any(st.params.has_penalties for st in states) else None
-        out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled, penalised)
+        if sampled is None and penalised is None:
+            out = self._verify_graphs_of(graphs).verify(batch, logits, num_drafts, undo, q)
+        else:
+            out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled, penalised)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
                  for sp in spans]
         # the catch-up's k + 1 positions a sequence: its q rows, the last repeated past them (never kept)
@@ -332,6 +337,13 @@ class SpecDecodeModelRunner(ModelRunner):
 
         self._pending = self._chain.pending = _Pending(complete)
         return self._pending
+
+    def _verify_graphs_of(self, runner) -> VerifyGraphs:
+        """The greedy verification graphs of ``runner`` (captured with the runner's own graphs; made here
+        for a runner given after construction)."""
+        if self._verify_graphs is None or self._verify_graphs.runner is not runner:
+            self._verify_graphs = VerifyGraphs(runner)
+        return self._verify_graphs
 
     def _drafts_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step drafts right after verification, from its result on the device: every span a
