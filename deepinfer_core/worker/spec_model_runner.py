@@ -136,6 +136,7 @@ class SpecDecodeModelRunner(ModelRunner):
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
         self._drafts: dict[int, list[int]] = {}  # seq id -> the drafts its last step proposed
         self._layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _uniform_layout
+        self._stream_rows: dict[tuple[int, int], torch.Tensor] = {}  # see _catch_up_rows
         self._chain: _Chain | None = None  # the device results of ``_pending``, when it drafted on the device
 
     def execute_model(self, so: SchedulerOutput) -> _Pending:
@@ -316,9 +317,7 @@ class SpecDecodeModelRunner(ModelRunner):
             out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled, penalised)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
                  for sp in spans]
-        # the catch-up's k + 1 positions a sequence: its q rows, the last repeated past them (never kept)
-        positions = torch.arange(self.k + 1, device=logits.device).clamp(max=q - 1)
-        stream_rows = (torch.arange(n, device=logits.device).unsqueeze(1) * q + positions).view(-1)
+        stream_rows = self._catch_up_rows(n, q, logits.device)
         kept = out.output_token_ids
         if q < self.k + 1:
             kept = torch.cat([kept, kept.new_full((n, self.k + 1 - q), -1)], dim=1)
@@ -584,6 +583,15 @@ class SpecDecodeModelRunner(ModelRunner):
         accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
         undo.restore(offset > accepted[owner])
         return out
+
+    def _catch_up_rows(self, n: int, q: int, device: torch.device) -> torch.Tensor:
+        """The verification rows of ``n`` spans of ``q`` tokens that a chained catch-up reads, ``k + 1`` a
+        span: its ``q`` rows, the last repeated past them (never kept)."""
+        rows = self._stream_rows.get((n, q))
+        if rows is None:
+            positions = torch.arange(self.k + 1, device=device).clamp(max=q - 1)
+            rows = self._stream_rows[n, q] = (torch.arange(n, device=device).unsqueeze(1) * q + positions).view(-1)
+        return rows
 
     def _uniform_layout(self, num_tokens: int, span: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(offset of each token within its span, its span) for ``num_tokens`` tokens in spans of ``span``;
