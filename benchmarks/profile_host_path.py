@@ -39,6 +39,7 @@ from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
 from deepinfer_core.model.deepseek_v4 import DeepseekV4Model  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 from deepinfer_core.spec_decode import verify_graph  # noqa: E402
+from deepinfer_core.spec_decode.chain_graph import ChainGraphs  # noqa: E402
 from deepinfer_core.spec_decode.confidence import StepProfile  # noqa: E402
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs  # noqa: E402
 from deepinfer_core.spec_decode.rollback import CacheUndo  # noqa: E402
@@ -49,7 +50,7 @@ from deepinfer_core.worker.graph_runner import GraphRunner  # noqa: E402
 #: log is put back by a restore graph: ``GraphUndo.capture_restores``)
 DEVICE = [(GraphRunner, "replay_step"), (GraphRunner, "_derive"), (MtpGraphs, "_run"), (MtpGraphs, "_derive_static"),
           (CacheUndo, "restore_rows"), (DeepseekV4Model, "forward"), (DeepseekV4Model, "mtp_forward"),
-          (verify_graph, "verify_and_restore")]
+          (verify_graph, "verify_and_restore"), (ChainGraphs, "_apply")]
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 

@@ -402,9 +402,10 @@ class PaddedFacts:
         return cls(per_seq([s.context_len for s in spans], 0), ids, tables, wtables, per_seq(wfirst, 0),
                    per_seq([s.state_slot for s in spans], -1), per_seq([s.write_from for s in spans], 0))
 
-    def packed(self) -> torch.Tensor:
-        """Every array flattened into one int64 tensor (field order)."""
-        return torch.from_numpy(np.concatenate([getattr(self, f.name).reshape(-1) for f in fields(self)]))
+    def packed(self, *more: np.ndarray) -> torch.Tensor:
+        """Every array flattened into one int64 tensor (field order), then ``more``'s."""
+        arrays = [getattr(self, f.name) for f in fields(self)] + list(more)
+        return torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
 
     def views(self, flat: torch.Tensor) -> PaddedFacts:
         """These facts' shapes as views of ``flat`` (laid out as :meth:`packed` lays them out)."""

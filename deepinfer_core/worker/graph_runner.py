@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepinfer_core.model.cache import ModelCache
@@ -188,12 +189,12 @@ class GraphRunner:
         before may accept)."""
         return (self.model.cfg.sliding_window + max(self.query_lens) + query_len - 1) // self.block_size + 2
 
-    def load_facts(self, pad: GraphPadding, host: PaddedFacts, extra: torch.Tensor) -> tuple[PaddedFacts, torch.Tensor]:
+    def load_facts(self, pad: GraphPadding, host: PaddedFacts, extra: np.ndarray) -> tuple[PaddedFacts, torch.Tensor]:
         """Copy ``host`` (``pad``'s shapes, ``facts_window_blocks`` window columns) and ``extra``
         ([EXTRA_ROWS, size], the caller's) into the static facts of ``pad``'s graph, one copy; returns their
         device views, which may be changed in place before :meth:`derive`."""
         static = self.facts[pad.num_seqs, pad.context, pad.query_len]
-        self.staging.copy(torch.cat([host.packed(), extra.reshape(-1)]), static.flat)
+        self.staging.copy(host.packed(extra), static.flat)
         return static.facts, static.extra
 
     def derive(self, pad: GraphPadding, num_seqs: int) -> ForwardBatch:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.sampling.sampler import base_seed
+from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
@@ -94,15 +96,11 @@ class _Verify:
 
 @dataclass
 class _Chain:
-    """What a step that drafted on the device leaves there for the next step, launched before it ends:
-    per sequence (by row), the token the next span starts with, the drafts accepted (how far the next
-    span moves on) and the new drafts."""
+    """A step that drafted on the device, whose results the next step, launched before it ends, takes
+    from there (per row: :class:`~deepinfer_core.spec_decode.chain_graph.ChainGraphs`)."""
 
     pending: _Pending
     rows: dict[int, int]  # seq id -> row
-    last: torch.Tensor  # [n]
-    accepted: torch.Tensor  # [n]
-    drafts: torch.Tensor  # [n, k]
 
 
 class _HostCopy:
@@ -130,7 +128,9 @@ class SpecDecodeModelRunner(ModelRunner):
             drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
                                         capture=bool(self.graph_runner.graphs), platform=self.platform)
         self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
-        self._verify_graphs = VerifyGraphs(self.graph_runner) if self.graph_runner is not None else None
+        self._step_graphs: tuple[Any, VerifyGraphs, ChainGraphs] | None = None
+        if self.graph_runner is not None:
+            self._graphs_of(self.graph_runner)
         self.num_layers = self.model.cfg.num_hidden_layers
         self._pending: _Pending | None = None  # the launched step whose second half has not run yet
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
@@ -295,24 +295,20 @@ class SpecDecodeModelRunner(ModelRunner):
         facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, self.model.cfg.sliding_window,
                                        window_blocks=graphs.facts_window_blocks(q))
         states = [self.requests[s.seq_id] for s in scheduled]
-        extra = torch.zeros((EXTRA_ROWS, pad.num_seqs), dtype=torch.long)
-        extra[0, :n] = torch.tensor([chain.rows[s.seq_id] for s in scheduled])
-        extra[1, :n] = torch.tensor([s.num_drafts for s in scheduled])
-        extra[2, :n] = torch.tensor([self._room(st) for st in states])
-        device, extra = graphs.load_facts(pad, facts, extra)
-        index = extra[0, :n]
-        shift = chain.accepted[index]
-        # no draft past max_tokens: the room left once the step before's accepted drafts are in
-        num_drafts = torch.minimum(extra[1, :n], (extra[2, :n] - shift).clamp(min=0))
-        device.ctx[:n] += shift
+        verify_graphs, chain_graphs = self._graphs_of(graphs)
+        extra = np.zeros((EXTRA_ROWS, pad.num_seqs), dtype=np.int64)
+        extra[0] = chain_graphs.zero_row
+        extra[:, :n] = [[chain.rows[s.seq_id] for s in scheduled], [s.num_drafts for s in scheduled],
+                        [self._room(st) for st in states]]
+        device, _ = graphs.load_facts(pad, facts, extra)
+        shift, num_drafts = chain_graphs.apply((pad.num_seqs, pad.context, pad.query_len), n)
         ids = device.input_ids[: n * q].view(n, q)
-        ids[:, 0], ids[:, 1:] = chain.last[index], chain.drafts[index, : q - 1]
         sampled = None if all(st.params.greedy for st in states) else self._sampling(states, shift)
         batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
         penalised = states if any(st.params.has_penalties for st in states) else None
         if sampled is None and penalised is None:
-            out = self._verify_graphs_of(graphs).verify(batch, logits, num_drafts, undo, q)
+            out = verify_graphs.verify(batch, logits, num_drafts, undo, q)
         else:
             out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled, penalised)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
@@ -337,12 +333,12 @@ class SpecDecodeModelRunner(ModelRunner):
         self._pending = self._chain.pending = _Pending(complete)
         return self._pending
 
-    def _verify_graphs_of(self, runner) -> VerifyGraphs:
-        """The greedy verification graphs of ``runner`` (captured with the runner's own graphs; made here
-        for a runner given after construction)."""
-        if self._verify_graphs is None or self._verify_graphs.runner is not runner:
-            self._verify_graphs = VerifyGraphs(runner)
-        return self._verify_graphs
+    def _graphs_of(self, runner) -> tuple[VerifyGraphs, ChainGraphs]:
+        """The greedy verification and chain graphs of ``runner`` (captured with the runner's own graphs;
+        made here for a runner given after construction)."""
+        if self._step_graphs is None or self._step_graphs[0] is not runner:
+            self._step_graphs = (runner, VerifyGraphs(runner), ChainGraphs(runner, self.k))
+        return self._step_graphs[1:]
 
     def _drafts_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step drafts right after verification, from its result on the device: every span a
@@ -382,9 +378,10 @@ class SpecDecodeModelRunner(ModelRunner):
         """Draft through the graphs from the kept tokens ``ids`` [n, k + 1] (``accepted`` [n] past the first)
         and leave the next step what it needs to launch before this one ends (``self._chain``)."""
         tokens, confs = self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams, shift)
-        tokens, confs = tokens.clone(), confs.clone()  # the graph's buffers: the next step drafts into them
-        last = ids.gather(1, accepted.unsqueeze(1)).squeeze(1)
-        self._chain = _Chain(None, {s.seq_id: i for i, s in enumerate(scheduled)}, last, accepted, tokens)
+        if self.graph_runner is not None:  # a chained step may follow
+            self._graphs_of(self.graph_runner)[1].keep(ids.gather(1, accepted.unsqueeze(1)).squeeze(1), accepted,
+                                                       tokens)
+        self._chain = _Chain(None, {s.seq_id: i for i, s in enumerate(scheduled)})
         return tokens, confs
 
     def _graph_query_len(self, scheduled: list[ScheduledSeq]) -> int | None:
