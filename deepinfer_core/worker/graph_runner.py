@@ -288,8 +288,4 @@ class GraphRunner:
         self.derive_graphs = dict(self.platform.capture_graphs(list(self.facts), self._derive)) if self.facts else {}
         capture_restores = getattr(self.prologue, "capture_restores", None)
         if capture_restores is not None:  # what the prologue saved, put back by graphs of their own
-            # the rows and owners of its undo logs are the graphs' own tensors, undefined until they run: each
-            # runs once (padding sequences: their writes land in the trash) before anything reads them
-            for graph in self.graphs.values():
-                graph.replay()
             capture_restores(self.platform, {key: graph.output[2] for key, graph in self.graphs.items()})
