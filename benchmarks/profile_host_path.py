@@ -50,7 +50,7 @@ from deepinfer_core.worker.graph_runner import GraphRunner  # noqa: E402
 #: log is put back by a restore graph: ``GraphUndo.capture_restores``)
 DEVICE = [(GraphRunner, "replay_step"), (GraphRunner, "_derive"), (MtpGraphs, "_run"), (MtpGraphs, "_derive_static"),
           (CacheUndo, "restore_rows"), (DeepseekV4Model, "forward"), (DeepseekV4Model, "mtp_forward"),
-          (verify_graph, "verify_and_restore"), (ChainGraphs, "_apply")]
+          (verify_graph, "greedy_verify_spans"), (ChainGraphs, "_apply")]
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 
