@@ -14,7 +14,7 @@ Measured, each over the same inputs (GPU work timed with CUDA events, median of 
 * ``engine``: the op table's ``sparse_attention`` at V4-Flash widths when it is not that kernel (an
   adapter that passed its self-check, or on the CPU the core's torch body);
 * ``engine_fp8``: the op table's ``sparse_attention_fp8`` on DeepSeek's FP8 KV entries (584 bytes a row,
-  :mod:`deepinfer_core.model.kv_fp8`);
+  :mod:`deepinfer_core.quant.kv_fp8`);
 * ``flash_mla_decode``: FlashMLA's sparse decode, ``flash_mla_with_kvcache(q[b, s_q, 64, 512], the same
   FP8 entries as pages of one row, indices[b, s_q, topk] int32, attn_sink, extra_k_cache,
   extra_indices_in_kvcache, is_fp8_kvcache=True)`` with the scheduler metadata of ``get_mla_metadata()``
@@ -122,7 +122,7 @@ def make_case(layer: str, batch: int, q_per_request: int, context: int, rope_dim
               device: torch.device) -> Case:
     """Every request owns ``window + q_per_request - 1`` window rows and ``context / rate`` compressed rows,
     the requests' regions in shuffled order; query token j of a request reads its window ending at j."""
-    from deepinfer_core.model.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
+    from deepinfer_core.quant.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 
     gen = torch.Generator(device=device).manual_seed(1000 * batch + 10 * q_per_request + LAYERS.index(layer))
     tokens = batch * q_per_request

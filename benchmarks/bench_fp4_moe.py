@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_long_context as blc  # noqa: E402
 from bench_attention import timer  # noqa: E402
 
-from deepinfer_core.model.fp4 import quantize_fp4_block  # noqa: E402
+from deepinfer_core.quant.fp4 import quantize_fp4_block  # noqa: E402
 from deepinfer_core.model.weights import Linear  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.quant.fp8 import quantize_fp8_block
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.model_runner import SimpleRunner
 

@@ -91,7 +91,7 @@ def main(argv=None) -> dict | None:
     params = bench.convert_params(hf, cfg, dtype)
     del hf
     if a.fp8:
-        from deepinfer_core.model.fp8 import quantize_params_fp8
+        from deepinfer_core.quant.fp8 import quantize_params_fp8
 
         quantize_params_fp8(params, cfg)
     model = bench.build_deepinfer_model(cfg, params, a.backend, dtype, device)

@@ -31,7 +31,7 @@ def main(argv=None) -> list[dict]:
     from bench_fp8 import cuda_time_ms
     from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
 
-    from deepinfer_core.model.fp8 import quantize_fp8_block
+    from deepinfer_core.quant.fp8 import quantize_fp8_block
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="512,4096")

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer_core.model.fp4 import quantize_fp4_block
-from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.quant.fp4 import quantize_fp4_block
+from deepinfer_core.quant.fp8 import quantize_fp8_block
 
 #: tiny widths (I = 40: not a multiple of 16), for the interpreter
 SMALL = dict(D=64, H=4, hd=32, rope=16, n=2, E=6, k=2, I=40, pool=48, window=8, iheads=8, idim=16, L=4)

@@ -14,7 +14,7 @@ import sys
 import torch
 from nvidia_interpreter import op_table_record
 
-from deepinfer_core.model.fp4 import e8m0_from_float, pack_fp4
+from deepinfer_core.quant.fp4 import e8m0_from_float, pack_fp4
 
 SWIGLU_LIMIT = 10.0
 

@@ -15,7 +15,7 @@ import sys
 import torch
 from nvidia_interpreter import op_table_record
 
-from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes, num_scales, pack_kv_fp8, unpack_kv_fp8
+from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes, num_scales, pack_kv_fp8, unpack_kv_fp8
 
 _NAN_BYTE = 0xFF  # what a NaN-filled cache holds in its unused rows (E4M3 NaN, scale NaN)
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.model import load_model
-from deepinfer_core.model.fp8 import (
+from deepinfer_core.quant.fp8 import (
     AMAX_EPS,
     FP8_BLOCK,
     FP8_DTYPE,

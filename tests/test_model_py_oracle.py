@@ -32,8 +32,8 @@ from test_deepseek_numerics import ORACLE_CONFIG
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model import load_model
-from deepinfer_core.model.fp4 import hadamard, unpack_fp4
-from deepinfer_core.model.fp8 import dequantize_fp8_block
+from deepinfer_core.quant.fp4 import hadamard, unpack_fp4
+from deepinfer_core.quant.fp8 import dequantize_fp8_block
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint
 

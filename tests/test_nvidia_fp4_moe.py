@@ -16,7 +16,7 @@ element's output column (the cases' down projections spread their columns over f
   :data:`QUANT_MAX_DIFFERING` of the elements (a sum of another order rounding the other way, which can
   move an E4M3 step of h), those within the W4A16 tolerance; the ``exact`` case (every sum exact in
   float32) bit for bit. Measured: float32 1.9e-7, bfloat16 and float16 bit for bit in every case.
-* the activation quantisation: bit for bit :func:`~deepinfer_core.model.fp4.fake_quant_act_ue8m0`.
+* the activation quantisation: bit for bit :func:`~deepinfer_core.quant.fp4.fake_quant_act_ue8m0`.
 * the op table built with the switch: ``moe_experts_fp4`` served by the kernel, not flagged as syncing
   the host, and the conformance suite's cases (its own tolerances) at the tiny preset.
 
@@ -32,7 +32,7 @@ import torch
 from nvidia_fp4_moe_worker import CASES, act_rows, case_id, moe_case
 from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
-from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
 from deepinfer_core.ops import native
 
 BACKEND = "nvidia_sm100"

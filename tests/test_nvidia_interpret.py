@@ -158,7 +158,7 @@ _WORKER = textwrap.dedent(
 
     def fp8_rounding():
         # every E4M3 binade (subnormals included) and exact ties: the kernel's rounding must be torch's
-        from deepinfer_core.model.fp8 import dequantize_act_fp8, quantize_act_fp8, quantize_fp8_block
+        from deepinfer_core.quant.fp8 import dequantize_act_fp8, quantize_act_fp8, quantize_fp8_block
         x = torch.randn(48, 384) * torch.logspace(-9, 3, 48).unsqueeze(1)
         x[5] = 0
         x[6, :8] = torch.tensor([448.0, 1.0625, 1.1875, -3 * 2.0**-10, 5 * 2.0**-10, 0.5, 2.0**-7, 17.0])
@@ -171,7 +171,7 @@ _WORKER = textwrap.dedent(
     def swiglu_quantize():
         # SwiGLU in float32 then quantised, one launch: the reference's E4M3 values, but for the odd one a
         # float32 rounding of the sigmoid moves across a rounding tie (one E4M3 step at most)
-        from deepinfer_core.model.fp8 import dequantize_act_fp8, quantize_act_fp8
+        from deepinfer_core.quant.fp8 import dequantize_act_fp8, quantize_act_fp8
         from deepinfer_core.ops import native
         from deepinfer_nvidia_sm100 import fp8_ops
         gu = (torch.randn(37, 2 * 320) * torch.logspace(-3, 1, 37).unsqueeze(1)).bfloat16()
@@ -203,7 +203,7 @@ _WORKER = textwrap.dedent(
 
     def quantize_into_slabs():
         # rows quantised straight into slab rows with MN-major scales per slab, bit for bit the reference's
-        from deepinfer_core.model.fp8 import quantize_act_fp8
+        from deepinfer_core.quant.fp8 import quantize_act_fp8
         from deepinfer_nvidia_sm100 import fp8_ops
         x = torch.randn(10, 300) * 3
         src = torch.arange(30) // 3
@@ -590,7 +590,7 @@ class _FakeFlashMLA:
     def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits,
                                softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None,
                                extra_k_cache=None, extra_indices_in_kvcache=None):
-        from deepinfer_core.model.kv_fp8 import unpack_kv_fp8
+        from deepinfer_core.quant.kv_fp8 import unpack_kv_fp8
 
         self.calls += 1
         b, s_q, h, d = q.shape
@@ -666,7 +666,7 @@ def test_deep_gemm_adapter_matches_the_reference():
 def _fake_fp8_gemm(a, b, d, m_indices=None):
     """DeepGEMM's block-FP8 GEMMs: d[r] = (a[r] dequantised) @ (b or b[m_indices[r]] dequantised).T; rows
     with m_index -1 are padding."""
-    from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block
+    from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block
 
     x = dequantize_act_fp8(*a, dtype=torch.float64)
     for r in range(x.shape[0]):
@@ -720,7 +720,7 @@ def test_deep_gemm_fp8_adapters_quantise_with_the_triton_kernel_on_a_gpu(monkeyp
     results, the kernels stood in for by torch ops that honour the layouts they are given."""
     from deepinfer_nvidia_sm100 import external, fp8_ops
 
-    from deepinfer_core.model.fp8 import quantize_act_fp8
+    from deepinfer_core.quant.fp8 import quantize_act_fp8
 
     case = conf.make_cases("linear_fp8", "tiny", torch.bfloat16)[0]
     moe = conf.make_cases("moe_experts_fp8", "tiny", torch.bfloat16)[0]
@@ -797,7 +797,7 @@ def test_deep_gemm_fp8_adapters_match_the_reference(reference):
 def _fake_masked_fp8_gemm(a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
     """DeepGEMM's masked grouped FP8 GEMM: d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T (dequantised);
     the rows past ``masked_m[g]`` are not computed (NaN here, so that nothing may read them)."""
-    from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block
+    from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block
 
     assert masked_m.dtype == torch.int32 and expected_m >= 1 and a[0].dim() == 3 and a[1].dim() == 3
     assert a[0].shape[1] % 128 == 0 and d.shape[1] == a[0].shape[1]  # whole tiles of up to 128 rows per slab

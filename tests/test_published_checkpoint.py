@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model import DeepseekV4Model, default_numerics, load_model
-from deepinfer_core.model.fp4 import (
+from deepinfer_core.quant.fp4 import (
     E2M1_VALUES,
     dequantize_fp4_block,
     fake_quant_act_ue8m0,

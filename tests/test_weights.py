@@ -12,7 +12,7 @@ from deepinfer_core import plugins
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.model import load_model
-from deepinfer_core.model.fp8 import FP8_DTYPE, quantize_params_fp8
+from deepinfer_core.quant.fp8 import FP8_DTYPE, quantize_params_fp8
 from deepinfer_core.model.loader import CheckpointError, build_weights, load_weights, read_checkpoint
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.model.weights import Compressor, Indexer, Linear, ModelWeights

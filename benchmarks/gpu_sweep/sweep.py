@@ -37,7 +37,7 @@ class SweepOptions:
     out: Path
     modes: tuple[str, ...] = MODES
     configs: tuple[str, ...] = DEFAULT_CONFIGS
-    fp8: bool = False  # add a +fp8 variant of every config (when deepinfer_core.model.fp8 exists)
+    fp8: bool = False  # add a +fp8 variant of every config (when deepinfer_core.quant.fp8 exists)
     batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
     prompt_len: int = 256
     gen_len: int = 64
@@ -51,7 +51,7 @@ class SweepOptions:
 
 
 def fp8_available() -> bool:
-    return importlib.util.find_spec("deepinfer_core.model.fp8") is not None
+    return importlib.util.find_spec("deepinfer_core.quant.fp8") is not None
 
 
 def engine_configs(opts: SweepOptions, log: Callable[[str], None]) -> list[EngineConfig]:
@@ -61,7 +61,7 @@ def engine_configs(opts: SweepOptions, log: Callable[[str], None]) -> list[Engin
         if fp8_available():
             configs += [EngineConfig(c.name + "+fp8") for c in configs if not c.fp8]
         else:
-            log("--fp8: deepinfer_core.model.fp8 is not importable; FP8 configs skipped")
+            log("--fp8: deepinfer_core.quant.fp8 is not importable; FP8 configs skipped")
     unique = list(dict.fromkeys(configs))
     return sorted(unique, key=lambda c: c.fp8)
 
@@ -260,7 +260,7 @@ class Sweep:
         if not fp8:
             model = self.rm.deepinfer_model()
         else:
-            from deepinfer_core.model.fp8 import quantize_params_fp8
+            from deepinfer_core.quant.fp8 import quantize_params_fp8
 
             model = self.rm.deepinfer_model(quantize_params_fp8)
         self.report["ops"]["fp8" if fp8 else "default"] = op_labels(model.ops)

@@ -19,7 +19,7 @@ data-dependent mask; reads treat -1 as "no row".
 Entry dtypes, widths and the block size come from a :class:`~deepinfer_core.model.kv_cache_spec.KVCacheSpec`
 (by default the model's dtype: :meth:`KVCacheSpec.default`). In its ``fp8_ds`` layout the window and
 compressed pools are uint8 ``[rows, entry_bytes]``, one DeepSeek FP8 entry a row
-(:mod:`deepinfer_core.model.kv_fp8`); a NaN ``fill`` then fills them with 0xFF bytes, which read as NaN.
+(:mod:`deepinfer_core.quant.kv_fp8`); a NaN ``fill`` then fills them with 0xFF bytes, which read as NaN.
 """
 
 from __future__ import annotations

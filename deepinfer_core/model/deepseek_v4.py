@@ -252,7 +252,7 @@ class DeepseekV4Model:
 
     def kv_entries(self, kv: torch.Tensor, cache: ModelCache, pool: torch.Tensor) -> torch.Tensor:
         """The rows a window or compressed pool stores for ``kv`` [N, head_dim]: DeepSeek's FP8 entries
-        where the cache has that layout (:mod:`~deepinfer_core.model.kv_fp8`), else the values
+        where the cache has that layout (:mod:`~deepinfer_core.quant.kv_fp8`), else the values
         (:meth:`kv_sim`'d) in the pool's dtype."""
         if pool.dtype == torch.uint8:
             return self.ops.kv_fp8_pack(kv.to(cache.kv_spec.dtype), self.cfg.rope_dim)

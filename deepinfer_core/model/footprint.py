@@ -13,7 +13,7 @@ import torch
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import bytes_per_state_slot, layer_bytes_per_block, layer_cache_specs
-from deepinfer_core.model.fp8 import fp8_weight_names
+from deepinfer_core.quant.fp8 import fp8_weight_names
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.loader import expected_file_names, expected_shapes, parameter_dtype, quant_config
 from deepinfer_core.model.published_layout import stored_bytes

@@ -7,7 +7,7 @@ records are kept in ``state_dtype``. Layouts :class:`~deepinfer_core.model.cache
 
 * ``"dense"``: each value one ``dtype`` element.
 * ``"fp8_ds"`` (vLLM's ``fp8_ds_mla`` for V4): window and compressed entries as DeepSeek's FP8 entry,
-  uint8 rows of :func:`~deepinfer_core.model.kv_fp8.kv_fp8_entry_bytes` (E4M3 values with ue8m0 scales
+  uint8 rows of :func:`~deepinfer_core.quant.kv_fp8.kv_fp8_entry_bytes` (E4M3 values with ue8m0 scales
   per 64, the RoPE values in ``dtype``: 584 bytes for DeepSeek-V4-Flash in bf16); indexer keys dense.
   The default under ``numerics="deepseek"``, whose model.py stores exactly these values.
 """
@@ -61,7 +61,7 @@ class KVCacheSpec:
     def entry_bytes(self) -> int:
         """Bytes of one window or compressed entry."""
         if self.is_fp8:
-            from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes
+            from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes
 
             return kv_fp8_entry_bytes(self.head_dim, self.rope_dim, self.dtype)
         return self.head_dim * self.dtype.itemsize

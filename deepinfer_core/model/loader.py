@@ -19,11 +19,11 @@ tensor is read; so is an unreadable (truncated, corrupted) file.
 Routed experts are stacked on load into ``experts.w13`` [E, 2I, D] (gate rows then up rows) and
 ``experts.w2`` [E, D, I], only those of ``experts`` (a range) where given. Quantised tensors are
 dequantised on the device, unless ``keep_fp8``: then the parameters FP8 mode keeps in E4M3
-(:func:`~deepinfer_core.model.fp8.fp8_weight_names`) stay E4M3 with their scales as ``name + "_scale"``,
+(:func:`~deepinfer_core.quant.fp8.fp8_weight_names`) stay E4M3 with their scales as ``name + "_scale"``,
 FP4 experts stay packed (uint8 [E, 2I, D/2] with e8m0 scales [E, 2I, D/32]), FP8 experts are stacked in
 E4M3 with stacked scales (an unquantised expert is quantised as it is stacked). Where 128-row tiles would
 straddle the gate and up halves (``moe_intermediate_size`` not a multiple of 128) the experts are stacked
-dequantised and left for :func:`~deepinfer_core.model.fp8.quantize_params_fp8` to quantise whole.
+dequantised and left for :func:`~deepinfer_core.quant.fp8.quantize_params_fp8` to quantise whole.
 
 Host memory: safetensors maps each file and one tensor at a time is copied to the device, so the peak
 host copy is one tensor (its file's pages are the kernel's page cache, not the process's own memory).
@@ -49,8 +49,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model.fp4 import E8M0_DTYPE, FP4_BLOCK, dequantize_fp4_block, e8m0_from_float, is_power_of_two
-from deepinfer_core.model.fp8 import (
+from deepinfer_core.quant.fp4 import E8M0_DTYPE, FP4_BLOCK, dequantize_fp4_block, e8m0_from_float, is_power_of_two
+from deepinfer_core.quant.fp8 import (
     FP8_BLOCK,
     FP8_DTYPE,
     fp8_weight_names,
@@ -58,7 +58,7 @@ from deepinfer_core.model.fp8 import (
     quantize_params_fp8,
     scale_shape,
 )
-from deepinfer_core.model.fp8 import dequantize_fp8_block as dequantize_fp8
+from deepinfer_core.quant.fp8 import dequantize_fp8_block as dequantize_fp8
 from deepinfer_core.model.weights import (
     Attention,
     Block,
@@ -544,7 +544,7 @@ def load_weights(
     whatever ``keep_fp8`` says. ``experts``: the routed experts to load (a contiguous range of ids, all by
     default); the stacks then hold only those, in order. ``hook`` (a plugin manager's hook relay): its
     ``deepinfer_process_weights`` is called once on the records. ``numerics``: which weights FP8 mode
-    keeps in E4M3 (:func:`~deepinfer_core.model.fp8.fp8_weight_names`)."""
+    keeps in E4M3 (:func:`~deepinfer_core.quant.fp8.fp8_weight_names`)."""
     params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts, keep_fp4, numerics)
     if keep_fp8:
         quantize_params_fp8(params, cfg, numerics)

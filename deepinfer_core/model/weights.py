@@ -22,7 +22,7 @@ class Linear:
     * ``"fp8"``: ``weight`` E4M3 [N, K], ``scale`` one float32 per 128x128 tile ``[ceil(N/128), ceil(K/128)]``;
     * ``"fp4"``: ``weight`` uint8 [N, K/2], two e2m1 values a byte along K (the even one in the low
       nibble), ``scale`` ``float8_e8m0fnu`` [N, K/32], one power of two per 32 inputs
-      (:mod:`deepinfer_core.model.fp4`)."""
+      (:mod:`deepinfer_core.quant.fp4`)."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None

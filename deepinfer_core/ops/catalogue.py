@@ -205,7 +205,7 @@ CATALOGUE["act_quant_sim"] = OpSpec(
     "signed); out = q * s. Computed in at least float32, returned in x.dtype.",
 )
 
-# --- DeepSeek's FP8 KV entry (:mod:`deepinfer_core.model.kv_fp8`) -------------------------------------
+# --- DeepSeek's FP8 KV entry (:mod:`deepinfer_core.quant.kv_fp8`) -------------------------------------
 
 CATALOGUE["kv_fp8_pack"] = OpSpec(
     "kv_fp8_pack",

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.model.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
+from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -462,7 +462,7 @@ def moe_experts_fp4(
     swiglu: Callable = swiglu,
 ) -> torch.Tensor:
     """Experts in ascending id order, each one's packed weights dequantised on the fly (never the stack)."""
-    from deepinfer_core.model.fp4 import dequantize_fp4_block
+    from deepinfer_core.quant.fp4 import dequantize_fp4_block
 
     k = topk_ids.shape[-1]
     if not quant_act:  # moe_experts on the dequantised weights
@@ -484,7 +484,7 @@ def _experts_quant_act(x: torch.Tensor, w13_of: Callable, w2_of: Callable, num_e
                        linear: Callable, swiglu: Callable) -> torch.Tensor:
     """DeepSeek's Expert.forward behind its quantised linears, per expert in ascending id order;
     ``w13_of(e, dtype)`` / ``w2_of(e, dtype)``: expert e's weights in ``dtype``."""
-    from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+    from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
 
     k = topk_ids.shape[-1]
     acc = acc_dtype(x.dtype)
@@ -525,7 +525,7 @@ SYNCS_HOST = SYNCS_HOST | {"moe_experts_fp4"}
 
 
 def act_quant_sim(x: torch.Tensor, block: int, fmt: str, rotate: bool) -> torch.Tensor:
-    from deepinfer_core.model.fp4 import fake_quant_act_fp4, fake_quant_act_ue8m0, hadamard
+    from deepinfer_core.quant.fp4 import fake_quant_act_fp4, fake_quant_act_ue8m0, hadamard
 
     if fmt not in ("e4m3", "e2m1"):
         raise ValueError(f"unknown fmt {fmt!r}; expected 'e4m3' or 'e2m1'")
@@ -540,7 +540,7 @@ NATIVE_OPS["act_quant_sim"] = act_quant_sim
 
 
 def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    from deepinfer_core.model.kv_fp8 import pack_kv_fp8
+    from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 
     return pack_kv_fp8(kv, rope_dim)
 
@@ -549,7 +549,7 @@ def _decoded_rows(pool: torch.Tensor, indices: torch.Tensor, head_dim: int, rope
                   rope_dtype: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(a dense pool, indices into it) holding the values of every row ``indices`` reads: the whole pool
     decoded when that is less work, else the read rows gathered and decoded one per slot."""
-    from deepinfer_core.model.kv_fp8 import unpack_kv_fp8
+    from deepinfer_core.quant.kv_fp8 import unpack_kv_fp8
 
     if indices.numel() >= pool.shape[0]:
         return unpack_kv_fp8(pool, head_dim, rope_dim, rope_dtype, dtype), indices
@@ -590,7 +590,7 @@ def linear_fp8_ue8m0(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, linear: Callable = F.linear
 ) -> torch.Tensor:
     """Power-of-two quantised activations times the dequantised weight (both exact in float32)."""
-    from deepinfer_core.model.fp4 import fake_quant_act_ue8m0
+    from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
 
     acc = acc_dtype(x.dtype)
     w = dequantize_fp8_block(weight, weight_scale, dtype=acc)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.quant.fp8 import quantize_fp8_block
 from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import BuildContext, OpRegistry, OpTable, resolve_ops
 from deepinfer_core.plugins import (
@@ -976,7 +976,7 @@ __all__ = [
 @_gen("moe_experts_fp4")
 def _moe_experts_fp4(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
     """Packed e2m1 experts with e8m0 scales, without and with DeepSeek's activation quantisation."""
-    from deepinfer_core.model.fp4 import quantize_fp4_block
+    from deepinfer_core.quant.fp4 import quantize_fp4_block
 
     E, k, T, D, inter = p.local_experts, p.top_k, 2 * p.tokens, p.hidden, p.moe_inter
     x = _randn(g, T, D).to(dtype)
@@ -1089,7 +1089,7 @@ def _check_kv_fp8_pack(case: Case, actual: Any, expected: Any, ref_args: tuple, 
 
 def _fp8_pool(g: torch.Generator, rows: int, used: torch.Tensor, p: Preset, dtype: torch.dtype) -> torch.Tensor:
     """Packed entries: the ``used`` rows real KV, every other row 0xFF bytes (NaN values and scales)."""
-    from deepinfer_core.model.kv_fp8 import pack_kv_fp8
+    from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 
     packed = pack_kv_fp8(_randn(g, used.numel(), p.head_dim).to(dtype), p.rope_dim)
     pool = torch.full((rows, packed.shape[-1]), 0xFF, dtype=torch.uint8)
@@ -1099,7 +1099,7 @@ def _fp8_pool(g: torch.Generator, rows: int, used: torch.Tensor, p: Preset, dtyp
 
 @_gen("sparse_attention_fp8")
 def _sparse_attention_fp8(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
-    from deepinfer_core.model.kv_fp8 import unpack_kv_fp8
+    from deepinfer_core.quant.kv_fp8 import unpack_kv_fp8
 
     T, H, D = p.tokens, p.heads, p.head_dim
     empty = (1,)

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.model.fp4 import E2M1_VALUES, quantize_fp4_block
-from deepinfer_core.model.fp8 import quantize_fp8_block
+from deepinfer_core.quant.fp4 import E2M1_VALUES, quantize_fp4_block
+from deepinfer_core.quant.fp8 import quantize_fp8_block
 from deepinfer_core.model.published_layout import BF16_NAMES, FP4_NAMES, FP8_NAMES
 
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",

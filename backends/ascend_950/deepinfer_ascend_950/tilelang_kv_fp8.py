@@ -1,4 +1,4 @@
-"""DeepSeek's FP8 KV entry (``deepinfer_core.model.kv_fp8``) served by :mod:`.kernels.kv_fp8`.
+"""DeepSeek's FP8 KV entry (``deepinfer_core.quant.kv_fp8``) served by :mod:`.kernels.kv_fp8`.
 
 - ``kv_fp8_pack``: the quantisation (E4M3 codes, the scale bytes and the pad) in ``kv_fp8_quant``; torch
   places the RoPE values' bytes between codes and scales.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.model.kv_fp8 import KV_FP8_BLOCK, kv_fp8_entry_bytes
+from deepinfer_core.quant.kv_fp8 import KV_FP8_BLOCK, kv_fp8_entry_bytes
 from deepinfer_core.ops import native
 
 # tilelang_ops (compiled(), the dtype tables) is imported inside the wrappers: it imports this module

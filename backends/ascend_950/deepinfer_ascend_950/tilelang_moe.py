@@ -30,7 +30,7 @@ def _e8m0_bits(scale: torch.Tensor) -> torch.Tensor | None:
     """e8m0 scales as their bytes (uint8); float scales must be powers of two (else ``None``)."""
     if scale.dtype == torch.float8_e8m0fnu:
         return scale.view(torch.uint8)
-    from deepinfer_core.model.fp4 import e8m0_from_float, is_power_of_two
+    from deepinfer_core.quant.fp4 import e8m0_from_float, is_power_of_two
 
     if not scale.dtype.is_floating_point or not is_power_of_two(scale):
         return None

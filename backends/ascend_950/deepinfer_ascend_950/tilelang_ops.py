@@ -234,7 +234,7 @@ def act_quant_sim(x, block: int, fmt: str, rotate: bool):
     :mod:`.kernels.act_quant_sim`; a partial last group padded with zeros (they do not change its amax)."""
     if x.dtype not in VECTOR_DTYPES or fmt not in ("e4m3", "e2m1") or block % 16 or x.numel() == 0:
         return native.act_quant_sim(x, block, fmt, rotate)
-    from deepinfer_core.model.fp4 import hadamard
+    from deepinfer_core.quant.fp4 import hadamard
 
     k = x.shape[-1]
     flat = (hadamard(x) if rotate else x).reshape(-1, k)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.model.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_act_fp8, quantize_fp8_block
+from deepinfer_core.quant.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_act_fp8, quantize_fp8_block
 from deepinfer_core.ops import native
 from deepinfer_nvidia_sm100 import capability
 
@@ -228,7 +228,7 @@ def _flash_mla_fp8_usable(device, dtype, model_config, self_check) -> tuple[bool
 
 
 def _attention_fp8_check_inputs(device: torch.device):
-    from deepinfer_core.model.kv_fp8 import pack_kv_fp8
+    from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 
     q, kv, idx, sinks, scale, ekv, eidx = _attention_check_inputs(torch.device("cpu"))
     rope_dim, rope_dtype = FLASH_MLA_ROPE

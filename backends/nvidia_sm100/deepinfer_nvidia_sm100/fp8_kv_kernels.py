@@ -1,6 +1,6 @@
 """Triton kernel of ``sparse_attention_fp8`` (imported lazily, like :mod:`.triton_kernels`): the Triton
 ``sparse_attention`` (shared-KV MQA over rows gathered by index, the per-head sink starting the online
-softmax, a window list then an extra list) reading DeepSeek's FP8 KV entries (:mod:`deepinfer_core.model.kv_fp8`,
+softmax, a window list then an extra list) reading DeepSeek's FP8 KV entries (:mod:`deepinfer_core.quant.kv_fp8`,
 FlashMLA's V4 layout) as they lie in the cache, with no dequantised copy.
 
 An entry of ``D`` values is ``NOPE = D - R`` E4M3 codes, the ``R`` RoPE values in the rope dtype (``ROPE_FMT``

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.model.fp8 import FP8_DTYPE
+from deepinfer_core.quant.fp8 import FP8_DTYPE
 from deepinfer_nvidia_sm100.triton_ops import moe_layout
 
 GROUP = 128
@@ -82,7 +82,7 @@ def _scale_strides(s: torch.Tensor, rows: int) -> tuple[int, int, int, int]:
 
 def quantize_act(x2: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [M, K] (stride 1 along K) -> (E4M3 [M, K], float32 scales [M, ceil(K/128)]), bit for bit
-    :func:`deepinfer_core.model.fp8.quantize_act_fp8`; ``mn_major``: the scales in
+    :func:`deepinfer_core.quant.fp8.quantize_act_fp8`; ``mn_major``: the scales in
     :func:`mn_major_scales`' layout."""
     m, k = x2.shape
     groups = _cdiv(k, GROUP)

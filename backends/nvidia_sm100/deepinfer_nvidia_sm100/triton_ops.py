@@ -441,7 +441,7 @@ def _fp4_scales(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def quantize_act_ue8m0(x2: torch.Tensor) -> torch.Tensor:
     """Rows [M, K] (stride 1 along K) -> DeepSeek's act_quant with ue8m0 scales, simulated (E4M3 per 128
     channels, power-of-two scales, dequantised), in bfloat16, where those values are exact: bit for bit
-    :func:`deepinfer_core.model.fp4.fake_quant_act_ue8m0`."""
+    :func:`deepinfer_core.quant.fp4.fake_quant_act_ue8m0`."""
     m, k = x2.shape
     q = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
     if m:
@@ -547,7 +547,7 @@ def sparse_attention_fp8(
     gathered uint8 rows decoded in registers), with its tiles and its column splits for a small batch.
     RoPE values in a dtype the kernels do not take (float64) go to the core's native body. No host
     read-back: every size comes from shapes."""
-    from deepinfer_core.model.kv_fp8 import kv_fp8_entry_bytes
+    from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes
     from deepinfer_core.ops import native
 
     if rope_dtype not in _ROUND:

@@ -1,6 +1,6 @@
 """DeepSeek's FP8 KV entry for Ascend 950 (vector cores): quantise rows into entries, decode them back.
 
-An entry (``deepinfer_core.model.kv_fp8``): ``nope = head_dim - rope_dim`` E4M3 codes, the ``rope_dim``
+An entry (``deepinfer_core.quant.kv_fp8``): ``nope = head_dim - rope_dim`` E4M3 codes, the ``rope_dim``
 RoPE values in ``rope_dtype``, one ue8m0 scale byte per 64 codes, zeros to a multiple of 8 bytes.
 
 - :func:`kv_fp8_quant`: per row and group of 64, ``s = 2**ceil(log2(max(amax, 1e-4) / 448))`` from the
