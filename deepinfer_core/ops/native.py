@@ -1,25 +1,80 @@
-"""One plain-torch body per catalogued op: the native implementation every backend can fall back on.
+"""Every op the DeepSeek-V4 model and the sampler call, declared once, on its plain-torch body.
 
-These are the catalogue's reference semantics written out literally (vLLM's ``forward_native``): cpu_ref
-serves them as the golden reference, other backends register them below their own kernels with
-:func:`register`, so an op a backend does not accelerate is served by the same body everywhere.
+``@op(signature, semantics, batch_invariant=..., syncs_host=...)`` on a body declares the op of the
+body's name: its :class:`OpSpec` (the catalogue entry) carries the signature, the reference semantics,
+the batch-invariance promise, the body itself and whether the body waits for the host. The body is the
+semantics written out literally (vLLM's ``forward_native``): cpu_ref serves it as the golden reference,
+other backends register it below their own kernels with :func:`register`, so an op a backend does not
+accelerate is served by the same body everywhere. :data:`CATALOGUE`, :data:`NATIVE_OPS` and
+:data:`SYNCS_HOST` are read off the declarations; adding an op is one decorated function here.
+
 Reductions run in at least float32 (float64 stays float64); results come back in the input dtype.
-
-Some bodies take keyword-only hooks (``mm``, ``sigmoid``, ``linear``, ``swiglu``, ``scoring``) so that a
-variant can swap the GEMM or an elementwise function and keep the rest of the body
-(``deepinfer_cpu_ref.batch_invariant``). Nothing here waits for the device except the MoE bodies, which
-loop over the experts that have tokens (:data:`SYNCS_HOST`).
+Some bodies take keyword-only hooks (``mm``, ``sigmoid``, ``linear``, ``swiglu``, ``scoring``,
+``attention``) so that a variant can swap the GEMM or an elementwise function and keep the rest of the
+body (``deepinfer_cpu_ref.batch_invariant``). Nothing here waits for the device except the MoE bodies,
+which loop over the experts that have tokens (``syncs_host=True``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.quant.fp4 import dequantize_fp4_block, fake_quant_act_fp4, fake_quant_act_ue8m0, hadamard
 from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
+from deepinfer_core.quant.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
+
+# --- the catalogue ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One catalogued op.
+
+    ``batch_invariant`` is a promise every implementation of the op must keep: the result for one row
+    (token, window, sampled sequence) is bit-identical whatever the other rows of the call are, how many
+    there are, where the row sits among them, and how far shared index lists are padded with ``-1``.
+    Ops marked ``False`` may break that in the default mode (blocked GEMMs pick their kernel by the
+    number of rows; reductions change order with the padded width); an engine built with
+    ``batch_invariant=True`` resolves each of them only to an implementation registered with
+    ``batch_invariant=True`` (cpu_ref: ``deepinfer_cpu_ref.batch_invariant``), so a request's tokens and
+    logprobs do not depend on what it was batched with.
+
+    ``native`` is the op's plain-torch body; ``syncs_host``: that body reads values back to the host
+    (the per-expert loops), so a step that calls it cannot be captured in a graph.
+    """
+
+    name: str
+    signature: str
+    semantics: str
+    batch_invariant: bool = True
+    syncs_host: bool = False
+    native: Callable | None = field(default=None, compare=False, repr=False)
+
+
+#: every declared op by name, in declaration order (the order listings show)
+CATALOGUE: dict[str, OpSpec] = {}
+
+_Body = TypeVar("_Body", bound=Callable)
+
+
+def op(
+    signature: str, semantics: str, *, batch_invariant: bool = True, syncs_host: bool = False
+) -> Callable[[_Body], _Body]:
+    """Declare the decorated function as the native body of the op of its name (returned unchanged)."""
+
+    def declare(body: _Body) -> _Body:
+        name = body.__name__
+        if name in CATALOGUE:
+            raise ValueError(f"op {name!r} declared twice")
+        CATALOGUE[name] = OpSpec(name, signature, semantics, batch_invariant, syncs_host, body)
+        return body
+
+    return declare
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,10 +85,15 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # --- dense layers ----------------------------------------------------------------------------------
 
 
+@op("(ids: Long[T], weight: [V, D]) -> [T, D]", "Row lookup weight[ids].")
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight[ids]
 
 
+@op(
+    "(x: [..., D], weight: [D] | None, eps: float) -> [..., D]",
+    "x * rsqrt(mean(x^2) + eps) (* weight when given), computed in at least float32, returned in x.dtype.",
+)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.to(acc_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -42,6 +102,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+@op(
+    "(x: [T, H, D], cos: [T, R/2], sin: [T, R/2], inverse: bool) -> [T, H, D]",
+    "Interleaved-pair RoPE on the trailing R channels of each head (pairs (2i, 2i+1) rotated by "
+    "angle i); inverse=True rotates by the negative angle. Leading D-R channels unchanged.",
+)
 def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     rope_dim = 2 * cos.shape[-1]
     acc = acc_dtype(x.dtype)
@@ -56,16 +121,27 @@ def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
+@op("(x: [..., K], weight: [N, K], bias: [N] | None) -> [..., N]", "x @ weight.T + bias.", batch_invariant=False)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
+@op(
+    "(x: [T, G, K], weight: [G*N, K]) -> [T, G, N]",
+    "Block-diagonal projection: group g uses weight rows g*N:(g+1)*N.",
+    batch_invariant=False,
+)
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     groups = x.shape[-2]
     w = weight.view(groups, -1, x.shape[-1])  # [G, N, K]
     return torch.einsum("tgk,gnk->tgn", x, w)
 
 
+@op(
+    "(gate_up: [T, 2I], limit: float) -> [T, I]",
+    "silu(min(gate, limit)) * clamp(up, -limit, limit), gate = first half, up = second half.",
+    batch_invariant=False,
+)
 def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
@@ -85,6 +161,14 @@ def gather_rows(pool: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor
     return rows, valid
 
 
+@op(
+    "(q: [T, H, D], kv: [N, D], indices: Long[T, K], sinks: [H], scale: float, "
+    "extra_kv: [M, D] | None, extra_indices: Long[T, K2] | None) -> [T, H, D]",
+    "Shared-KV MQA: for each query t the keys (= values) are kv[indices[t]] and "
+    "extra_kv[extra_indices[t]] (index -1 = unused slot, never read). softmax over the logits "
+    "q.k*scale plus a per-head sink logit that only enters the denominator; output = sum p*v.",
+    batch_invariant=False,
+)
 def sparse_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -108,6 +192,10 @@ def sparse_attention(
     return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
 
 
+@op(
+    "(kv: [W, L, D], gate: [W, L, D]) -> [W, D]",
+    "Per window: sum over L of softmax_L(gate) * kv, softmax in float32 (gate -inf = empty slot).",
+)
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     weights = torch.softmax(gate.to(acc_dtype(gate.dtype)), dim=1)
     return (kv.to(weights.dtype) * weights).sum(dim=1).to(kv.dtype)
@@ -154,6 +242,13 @@ def _stable_topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return picks.gather(1, order)
 
 
+@op(
+    "(q: [T, H, d], weights: [T, H], keys: [N, d], candidates: Long[T, C], topk: int, "
+    "scale: float) -> Long[T, topk]",
+    "Lightning indexer: score(t, c) = sum_h weights[t,h] * relu(q[t,h] . keys[candidates[t,c]]) * "
+    "scale over the valid candidates (-1 = none); return the candidate key ids of the topk best "
+    "scores, best first, ties broken towards the earlier candidate, padded with -1.",
+)
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -181,6 +276,14 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+@op(
+    "(streams: [T, n, D], fn: [(2+n)n, nD], base: [(2+n)n], scale: [3], sinkhorn_iters: int, "
+    "hc_eps: float, norm_eps: float) -> (post: [T, n], comb: [T, n, n], collapsed: [T, D])",
+    "mHC: mixes = fn . unweighted_rmsnorm(flatten(streams)); pre = sigmoid(m*s0+b)+eps, "
+    "post = 2 sigmoid(m*s1+b), comb = softmax(m*s2+b)+eps then column, (row, column)*(iters-1) "
+    "Sinkhorn normalisation; collapsed = sum_i pre_i streams_i. Computed in at least float32.",
+    batch_invariant=False,
+)
 def hc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -211,6 +314,10 @@ def hc_pre(
     return post, comb, collapsed
 
 
+@op(
+    "(block_out: [T, D], streams: [T, n, D], post: [T, n], comb: [T, n, n]) -> [T, n, D]",
+    "new_streams[k] = post[k] * block_out + sum_j comb[j, k] * streams[j].",
+)
 def hc_post(
     block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
@@ -219,6 +326,13 @@ def hc_post(
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
 
 
+@op(
+    "(streams: [T, n, D], fn: [n, nD], base: [n], scale: [1], hc_eps: float, norm_eps: float) "
+    "-> [T, D]",
+    "Final collapse: pre = sigmoid(fn . unweighted_rmsnorm(flatten(streams)) * scale + base) + eps; "
+    "sum_i pre_i streams_i.",
+    batch_invariant=False,
+)
 def hc_head(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -245,6 +359,14 @@ SCORING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+@op(
+    "(logits: [T, E], scoring_func: str, top_k: int, correction_bias: [E] | None, "
+    "fixed_ids: Long[T, k] | None, routed_scaling_factor: float) -> (weights: [T, k], ids: Long[T, k])",
+    "scores = sqrtsoftplus|sigmoid|softmax(logits); ids = fixed_ids (hash routing) or the top_k of "
+    "scores + correction_bias (ties towards the lower expert id); weights = scores[ids] / sum * "
+    "routed_scaling_factor.",
+    batch_invariant=False,
+)
 def moe_route(
     logits: torch.Tensor,
     scoring_func: str,
@@ -285,6 +407,13 @@ def expert_pairs(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int
             start += count
 
 
+@op(
+    "(x: [T, D], w13: [E, 2I, D], w2: [E, D, I], topk_ids: Long[T, k], topk_weights: [T, k], "
+    "swiglu_limit: float) -> [T, D]",
+    "sum_k topk_weights[t,k] * w2[e] . swiglu(w13[e] . x[t]) with e = topk_ids[t,k] (ids < 0 skipped).",
+    batch_invariant=False,
+    syncs_host=True,
+)
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -312,6 +441,15 @@ def _fake_quant_act(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_act_fp8(*quantize_act_fp8(x), dtype=dtype)
 
 
+@op(
+    "(x: [..., K], weight: E4M3 [N, K], weight_scale: f32 [ceil(N/128), ceil(K/128)]) -> [..., N]",
+    "DeepSeek's block FP8 (as DeepGEMM): each row of x is quantised per 128-channel group g (the last "
+    "may be partial) from its float32 values: s_x = max(amax_g |x|, 1e-4) / 448, q_x = e4m3(x / s_x) "
+    "(round to nearest even); weight_scale[i, j] scales the 128x128 weight tile (i, j). "
+    "out = sum_g (q_x . q_w) * s_x * s_w over the K groups, accumulated in at least float32, "
+    "returned in x.dtype.",
+    batch_invariant=False,
+)
 def linear_fp8(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, linear: Callable = F.linear
 ) -> torch.Tensor:
@@ -321,6 +459,17 @@ def linear_fp8(
     return linear(_fake_quant_act(x, acc), w).to(x.dtype)
 
 
+@op(
+    "(x: [T, D], w13: E4M3 [E, 2I, D], w13_scale: f32 [E, ceil(2I/128), ceil(D/128)], "
+    "w2: E4M3 [E, D, I], w2_scale: f32 [E, ceil(D/128), ceil(I/128)], topk_ids: Long[T, k], "
+    "topk_weights: [T, k], swiglu_limit: float) -> [T, D]",
+    "moe_experts with both projections as linear_fp8: gate_up = linear_fp8(x[t], w13[e], w13_scale[e]) "
+    "and h = swiglu(gate_up) kept in float32 (not rounded to x.dtype), h quantised per 128 channels "
+    "like x, out[t] = sum_k topk_weights[t,k] * linear_fp8(h, w2[e], w2_scale[e]) summed in at least float32 "
+    "(ids < 0 skipped), returned in x.dtype.",
+    batch_invariant=False,
+    syncs_host=True,
+)
 def moe_experts_fp8(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -351,6 +500,12 @@ def moe_experts_fp8(
 # --- sampling --------------------------------------------------------------------------------------
 
 
+@op(
+    "(logits: [B, V], prompt_mask: Bool[B, V], output_counts: [B, V], repetition: [B], "
+    "presence: [B], frequency: [B]) -> [B, V]",
+    "Repetition penalty on tokens seen in prompt or output (divide positive, multiply negative "
+    "logits), then logits -= frequency*count + presence*(count>0).",
+)
 def apply_penalties(
     logits: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -368,6 +523,11 @@ def apply_penalties(
     return logits - presence.to(logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
+@op(
+    "(logits: [B, V], top_k: Long[B], top_p: [B], min_p: [B]) -> [B, V]",
+    "Set to -inf every logit outside the top_k (k<=0: off), outside the smallest set with "
+    "probability mass >= top_p (ties at the boundary kept), or with probability < min_p * max prob.",
+)
 def top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -391,10 +551,19 @@ def top_k_top_p_min_p(
     return torch.where(probs < min_p.to(probs.dtype).unsqueeze(1) * max_prob, neg_inf, logits)
 
 
+@op(
+    "(probs: [B, V], noise: [B, V]) -> Long[B]",
+    "Exponential race: argmax(probs / noise) with noise ~ Exp(1) supplied by the caller "
+    "(per-request generators keep seeded requests reproducible in any batch).",
+)
 def random_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+@op(
+    "(logits: [B, V], bitmask: Int32[B, ceil(V/32)]) -> [B, V]",
+    "xgrammar layout: bit (v % 32) of word v // 32 set = token v allowed; disallowed -> -inf.",
+)
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
@@ -405,48 +574,25 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-# --- the table and its registration ----------------------------------------------------------------
-
-NATIVE_OPS: dict[str, Callable] = {
-    "embedding": embedding,
-    "rms_norm": rms_norm,
-    "rotary_emb": rotary_emb,
-    "linear": linear,
-    "grouped_linear": grouped_linear,
-    "swiglu": swiglu,
-    "sparse_attention": sparse_attention,
-    "compress_windows": compress_windows,
-    "indexer_topk": indexer_topk,
-    "hc_pre": hc_pre,
-    "hc_post": hc_post,
-    "hc_head": hc_head,
-    "moe_route": moe_route,
-    "moe_experts": moe_experts,
-    "linear_fp8": linear_fp8,
-    "moe_experts_fp8": moe_experts_fp8,
-    "apply_penalties": apply_penalties,
-    "top_k_top_p_min_p": top_k_top_p_min_p,
-    "random_sample": random_sample,
-    "apply_token_bitmask": apply_token_bitmask,
-}
-
-#: the native bodies that read values back to the host (the per-expert loops): no CUDA graph around them
-SYNCS_HOST = frozenset({"moe_experts", "moe_experts_fp8"})
+# --- DeepSeek's FP4 routed experts and simulated activation quantisation (quant.fp4) ----------------
 
 
-def register(registry: Any, priority: int, skip: Iterable[str] = ()) -> None:
-    """Register every native body (but those in ``skip``) on ``registry`` at ``priority``, under the
-    registering plugin's name, flagged ``syncs_host`` where it waits for the host. A backend calls this
-    from its ``deepinfer_register_ops`` below the priorities of its own kernels."""
-    skipped = set(skip)
-    for op, fn in NATIVE_OPS.items():
-        if op not in skipped:
-            registry.register(op, fn, priority=priority, syncs_host=op in SYNCS_HOST)
-
-
-# --- FP4 routed experts ------------------------------------------------------------------------------
-
-
+@op(
+    "(x: [T, D], w13: U8 [E, 2I, D/2], w13_scale: E8M0|f32 [E, 2I, D/32], w2: U8 [E, D, I/2], "
+    "w2_scale: E8M0|f32 [E, D, I/32], topk_ids: Long[T, k], topk_weights: [T, k], swiglu_limit: float, "
+    "quant_act: bool) -> [T, D]",
+    "Routed experts in FP4 e2m1, packed two a byte along the input dim (even element in the low nibble; "
+    "codes 0-7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6, 8-15 their negatives), each row's 32 consecutive inputs "
+    "scaled by one power of two (w = value * scale). quant_act=False: exactly moe_experts on the weights "
+    "dequantised to x.dtype. quant_act=True (DeepSeek's inference/model.py): per expert e and its tokens, "
+    "x quantised per 128 channels to E4M3 with power-of-two scales s = 2^ceil(log2(max(amax, 1e-4) / 448)) "
+    "(quantise then dequantise), gate_up = xq . w13[e] accumulated in at least float32 and rounded to "
+    "x.dtype, h = swiglu(gate_up) * topk_weights[t,k] in at least float32, rounded to x.dtype and quantised "
+    "like x, y = hq . w2[e] rounded to x.dtype; out[t] = sum_k y summed in at least float32 (ids < 0 "
+    "skipped), returned in x.dtype.",
+    batch_invariant=False,
+    syncs_host=True,
+)
 def moe_experts_fp4(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -462,8 +608,6 @@ def moe_experts_fp4(
     swiglu: Callable = swiglu,
 ) -> torch.Tensor:
     """Experts in ascending id order, each one's packed weights dequantised on the fly (never the stack)."""
-    from deepinfer_core.quant.fp4 import dequantize_fp4_block
-
     k = topk_ids.shape[-1]
     if not quant_act:  # moe_experts on the dequantised weights
         out = torch.zeros_like(x)
@@ -484,8 +628,6 @@ def _experts_quant_act(x: torch.Tensor, w13_of: Callable, w2_of: Callable, num_e
                        linear: Callable, swiglu: Callable) -> torch.Tensor:
     """DeepSeek's Expert.forward behind its quantised linears, per expert in ascending id order;
     ``w13_of(e, dtype)`` / ``w2_of(e, dtype)``: expert e's weights in ``dtype``."""
-    from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
-
     k = topk_ids.shape[-1]
     acc = acc_dtype(x.dtype)
     xq = fake_quant_act_ue8m0(x).to(acc)
@@ -500,48 +642,36 @@ def _experts_quant_act(x: torch.Tensor, w13_of: Callable, w2_of: Callable, num_e
     return out.to(x.dtype)
 
 
-def moe_experts_act_quant(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    swiglu_limit: float,
-    *,
-    linear: Callable = F.linear,
-    swiglu: Callable = swiglu,
-) -> torch.Tensor:
-    """moe_experts_fp4's quant_act arithmetic on experts held in a float dtype."""
-    return _experts_quant_act(x, lambda e, dt: w13[e].to(dt), lambda e, dt: w2[e].to(dt), w13.shape[0],
-                              topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu)
-
-
-NATIVE_OPS["moe_experts_act_quant"] = moe_experts_act_quant
-SYNCS_HOST = SYNCS_HOST | {"moe_experts_act_quant"}
-
-
-NATIVE_OPS["moe_experts_fp4"] = moe_experts_fp4
-SYNCS_HOST = SYNCS_HOST | {"moe_experts_fp4"}
-
-
+@op(
+    "(x: [..., K], block: int, fmt: str, rotate: bool) -> [..., K]",
+    "DeepSeek's simulated activation quantisation (quantise, then dequantise; inference/model.py's "
+    "act_quant and fp4_act_quant with inplace=True). rotate=True first applies the Walsh-Hadamard "
+    "transform x @ H * K^-0.5 (Sylvester order, H[i,j] = (-1)^popcount(i&j), K a power of two), rounded "
+    "to x.dtype as DeepSeek's kernel returns it. Then per "
+    "block consecutive values along K (the last group may be partial): s = 2^ceil(log2(max(amax, eps) / "
+    "qmax)); fmt 'e4m3': qmax 448, eps 1e-4, x/s rounded to E4M3 (nearest even, saturating); 'e2m1': "
+    "qmax 6, eps 6 * 2^-126, x/s rounded to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (ties to even, "
+    "signed); out = q * s. Computed in at least float32, returned in x.dtype.",
+)
 def act_quant_sim(x: torch.Tensor, block: int, fmt: str, rotate: bool) -> torch.Tensor:
-    from deepinfer_core.quant.fp4 import fake_quant_act_fp4, fake_quant_act_ue8m0, hadamard
-
     if fmt not in ("e4m3", "e2m1"):
         raise ValueError(f"unknown fmt {fmt!r}; expected 'e4m3' or 'e2m1'")
     y = hadamard(x) if rotate else x
     return fake_quant_act_ue8m0(y, block) if fmt == "e4m3" else fake_quant_act_fp4(y, block)
 
 
-NATIVE_OPS["act_quant_sim"] = act_quant_sim
+# --- DeepSeek's FP8 KV entry (quant.kv_fp8) -------------------------------------------------------
 
 
-# --- DeepSeek's FP8 KV entry ---------------------------------------------------------------------------
-
-
+@op(
+    "(kv: [N, D], rope_dim: int) -> U8 [N, B]",
+    "DeepSeek's FP8 KV entry of each row: the first D - rope_dim values quantised per 64 (the last group "
+    "may be partial) with s = 2^ceil(log2(max(amax, 1e-4) / 448)) (from float32; float64 stays float64), "
+    "e4m3(x / s) round to nearest even; bytes [0, D-R) the E4M3 codes, then the rope_dim RoPE values in "
+    "kv.dtype, then one byte per group, log2(s) + 127, then zeros to a multiple of 8 "
+    "(D 512, R 64, bf16: 448 + 128 + 7 + 1 = 584 bytes).",
+)
 def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
-
     return pack_kv_fp8(kv, rope_dim)
 
 
@@ -549,8 +679,6 @@ def _decoded_rows(pool: torch.Tensor, indices: torch.Tensor, head_dim: int, rope
                   rope_dtype: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(a dense pool, indices into it) holding the values of every row ``indices`` reads: the whole pool
     decoded when that is less work, else the read rows gathered and decoded one per slot."""
-    from deepinfer_core.quant.kv_fp8 import unpack_kv_fp8
-
     if indices.numel() >= pool.shape[0]:
         return unpack_kv_fp8(pool, head_dim, rope_dim, rope_dtype, dtype), indices
     flat = indices.reshape(-1)
@@ -559,6 +687,14 @@ def _decoded_rows(pool: torch.Tensor, indices: torch.Tensor, head_dim: int, rope
     return rows, torch.where(flat >= 0, slots, torch.full_like(slots, -1)).view_as(indices)
 
 
+@op(
+    "(q: [T, H, D], kv: U8 [N, B], indices: Long[T, K], sinks: [H], scale: float, rope_dim: int, "
+    "rope_dtype: dtype, extra_kv: U8 [M, B] | None, extra_indices: Long[T, K2] | None) -> [T, H, D]",
+    "sparse_attention over FP8 KV entries (kv_fp8_pack's layout, RoPE values in rope_dtype): each read "
+    "row is first decoded to its values, E4M3 code * 2^(byte - 127) and the RoPE values, exactly, in "
+    "q.dtype; -1 slots are never read.",
+    batch_invariant=False,
+)
 def sparse_attention_fp8(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -582,19 +718,65 @@ def sparse_attention_fp8(
     return attention(q, rows, idx, sinks, scale, extra_rows, extra_idx)
 
 
-NATIVE_OPS["kv_fp8_pack"] = kv_fp8_pack
-NATIVE_OPS["sparse_attention_fp8"] = sparse_attention_fp8
+# --- DeepSeek's quantised linears: power-of-two activation scales ----------------------------------
 
 
+@op(
+    "(x: [..., K], weight: E4M3 [N, K], weight_scale: f32 [ceil(N/128), ceil(K/128)]) -> [..., N]",
+    "DeepSeek's fp8_gemm after act_quant(x, 128, 'ue8m0'): linear_fp8 with power-of-two activation scales, "
+    "s_x = 2^ceil(log2(max(amax_g |x|, 1e-4) / 448)) per 128-channel group of a row (from its float32 "
+    "values; float64 stays float64), q_x = e4m3(x / s_x) (round to nearest even, saturating); "
+    "out = sum_g (q_x . q_w) * s_x * s_w accumulated in at least float32, returned in x.dtype.",
+    batch_invariant=False,
+)
 def linear_fp8_ue8m0(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, linear: Callable = F.linear
 ) -> torch.Tensor:
     """Power-of-two quantised activations times the dequantised weight (both exact in float32)."""
-    from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
-
     acc = acc_dtype(x.dtype)
     w = dequantize_fp8_block(weight, weight_scale, dtype=acc)
     return linear(fake_quant_act_ue8m0(x.to(acc)), w).to(x.dtype)
 
 
-NATIVE_OPS["linear_fp8_ue8m0"] = linear_fp8_ue8m0
+@op(
+    "(x: [T, D], w13: [E, 2I, D], w2: [E, D, I], topk_ids: Long[T, k], topk_weights: [T, k], "
+    "swiglu_limit: float) -> [T, D]",
+    "Routed experts held in a float dtype under DeepSeek's numerics, where every expert is a quantised "
+    "linear: moe_experts_fp4 with quant_act=True on these weights (x and the weighted SwiGLU output "
+    "quantised per 128 channels to E4M3 with power-of-two scales before each projection).",
+    batch_invariant=False,
+    syncs_host=True,
+)
+def moe_experts_act_quant(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    """moe_experts_fp4's quant_act arithmetic on experts held in a float dtype."""
+    return _experts_quant_act(x, lambda e, dt: w13[e].to(dt), lambda e, dt: w2[e].to(dt), w13.shape[0],
+                              topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu)
+
+
+# --- the tables read off the declarations, and their registration ----------------------------------
+
+#: op -> its native body
+NATIVE_OPS: dict[str, Callable] = {name: spec.native for name, spec in CATALOGUE.items()}
+
+#: the native bodies that read values back to the host (the per-expert loops): no CUDA graph around them
+SYNCS_HOST: frozenset[str] = frozenset(name for name, spec in CATALOGUE.items() if spec.syncs_host)
+
+
+def register(registry: Any, priority: int, skip: Iterable[str] = ()) -> None:
+    """Register every native body (but those in ``skip``) on ``registry`` at ``priority``, under the
+    registering plugin's name, flagged ``syncs_host`` where it waits for the host. A backend calls this
+    from its ``deepinfer_register_ops`` below the priorities of its own kernels."""
+    skipped = set(skip)
+    for name, spec in CATALOGUE.items():
+        if name not in skipped:
+            registry.register(name, spec.native, priority=priority, syncs_host=spec.syncs_host)
