@@ -30,8 +30,8 @@ DEFAULT_JSON = "bench_results/batch_invariance.json"
 
 def build_model(rm: decode.RandomModel, batch_invariant: bool):
     """The deepinfer model on ``rm``'s tensors, its ops resolved in the given mode."""
-    from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-    from deepinfer_core.model.loader import build_weights
+    from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer_core.models.deepseek_v4.weights import build_weights
     from deepinfer_core.plugins import build_op_table, load_backend
 
     a = rm.a

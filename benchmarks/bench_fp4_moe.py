@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_long_context as blc  # noqa: E402
 from bench_attention import timer  # noqa: E402
 
+from deepinfer_core.models.deepseek_v4.weights import Linear  # noqa: E402
 from deepinfer_core.quant.fp4 import quantize_fp4_block  # noqa: E402
-from deepinfer_core.model.weights import Linear  # noqa: E402
 
 
 def to_fp4(linear: Linear, chunk: int = 16) -> Linear:

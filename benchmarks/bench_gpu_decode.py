@@ -125,12 +125,14 @@ def randomize(model, config, std: float, seed: int) -> None:
 
 def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
     """HF state_dict -> deepinfer params (same storage wherever the dtype already matches)."""
-    from deepinfer_core.model.loader import _stack_shared_experts, canonical_name, expected_shapes, parameter_dtype
+    from deepinfer_core.model.loader import expected_shapes, parameter_dtype
+    from deepinfer_core.models.deepseek_v4.manifest import canonical_name
+    from deepinfer_core.models.deepseek_v4.weights import stack_shared_experts
 
     shapes = expected_shapes(cfg, with_mtp=False)
 
     def param_dtype(name: str) -> torch.dtype:
-        return parameter_dtype(name, dtype)
+        return parameter_dtype(cfg, name, dtype)
 
     params = {}
     for name, t in hf_model.state_dict().items():
@@ -144,13 +146,13 @@ def convert_params(hf_model, cfg, dtype) -> dict[str, torch.Tensor]:
     bad = [n for n in shapes if n in params and tuple(params[n].shape) != tuple(shapes[n])]
     if missing or bad:
         raise RuntimeError(f"conversion incomplete: missing {missing[:5]}, wrong shape {bad[:5]}")
-    _stack_shared_experts(params, cfg.moe_intermediate_size, param_dtype)
+    stack_shared_experts(cfg, params, param_dtype)
     return params
 
 
 def build_deepinfer_model(cfg, params, backend, dtype, device):
-    from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
-    from deepinfer_core.model.loader import build_weights
+    from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer_core.models.deepseek_v4.weights import build_weights
     from deepinfer_core.plugins import build_op_table, load_backend
 
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg)
@@ -159,7 +161,7 @@ def build_deepinfer_model(cfg, params, backend, dtype, device):
 
 def check_conversion(hf_model, cfg_dir, cfg, a, dtype, device):
     """In-memory conversion vs save_pretrained + load_model: identical params and logits."""
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
     from deepinfer_core.testing.model_runner import SimpleRunner
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,19 +222,23 @@ class RandomModel:
         self.a, self.device, self.dtype = a, device, dtype
 
     def deepinfer_model(self, quantize=None):
-        """A deepinfer model on the same tensors; ``quantize(params, cfg)`` converts its params first."""
+        """A deepinfer model on the same tensors; ``quantize(params, names)`` converts its params first."""
         params = convert_params(self.hf_model, self.cfg, self.dtype)
         if self.mtp_block is not None:
             params.update(self._mtp_params())
         if quantize is not None:
-            quantize(params, self.cfg)
+            from deepinfer_core.model.loader import fp8_weight_names
+
+            quantize(params, fp8_weight_names(self.cfg))
         return build_deepinfer_model(self.cfg, params, self.a.backend, self.dtype, self.device)
 
     @torch.no_grad()
     def _mtp_params(self) -> dict[str, torch.Tensor]:
         """The MTP block's params in the engine's names: its transformers layer, hc head, e/h projections
         and norms (DeepSeek's ``mtp.0.*`` layout, as the tiny checkpoints write it)."""
-        from deepinfer_core.model.loader import _stack_shared_experts, canonical_name, expected_shapes, parameter_dtype
+        from deepinfer_core.model.loader import expected_shapes, parameter_dtype
+        from deepinfer_core.models.deepseek_v4.manifest import canonical_name
+        from deepinfer_core.models.deepseek_v4.weights import stack_shared_experts
 
         raw = {}
         for key, value in self.mtp_block.state_dict().items():
@@ -251,11 +257,11 @@ class RandomModel:
         for key, value in raw.items():
             name = canonical_name(key)
             if name in shapes or name.endswith(("shared_experts.w1.weight", "shared_experts.w3.weight")):
-                params[name] = value.to(parameter_dtype(name, self.dtype))
+                params[name] = value.to(parameter_dtype(self.cfg, name, self.dtype))
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise RuntimeError(f"random MTP block incomplete: missing {missing[:5]}")
-        _stack_shared_experts(params, self.cfg.moe_intermediate_size, lambda n: parameter_dtype(n, self.dtype))
+        stack_shared_experts(self.cfg, params, lambda n: parameter_dtype(self.cfg, n, self.dtype))
         return params
 
     def cleanup(self) -> None:

@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_model(a, dtype: torch.dtype, tmp: str):
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
     from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
 
     longest = max(a.max_model_len, max(a.contexts) + max(a.chunk, 1) + 1)

@@ -91,9 +91,10 @@ def main(argv=None) -> dict | None:
     params = bench.convert_params(hf, cfg, dtype)
     del hf
     if a.fp8:
+        from deepinfer_core.model.loader import fp8_weight_names
         from deepinfer_core.quant.fp8 import quantize_params_fp8
 
-        quantize_params_fp8(params, cfg)
+        quantize_params_fp8(params, fp8_weight_names(cfg))
     model = bench.build_deepinfer_model(cfg, params, a.backend, dtype, device)
     engine = bench.make_engine(
         model, tmp.name, backend=a.backend, dtype=dtype, device=a.device, max_model_len=a.prompt_len + 64,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_spec_decode as spec_bench  # noqa: E402
 
 from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
-from deepinfer_core.model.deepseek_v4 import DeepseekV4Model  # noqa: E402
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 from deepinfer_core.spec_decode import verify_graph  # noqa: E402
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs  # noqa: E402

@@ -1,4 +1,5 @@
-"""Configuration objects: the model (read from a Hugging Face ``config.json``) and the engine."""
+"""Configuration objects: the engine's, and the base of every model config (a model's own config lives
+with its package under :mod:`deepinfer_core.models`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+from deepinfer_core.model.errors import UnsupportedModelError
+
+__all__ = ["CacheConfig", "EPLBConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "UnsupportedModelError",
+           "resolve_dtype"]
+
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not a DeepSeek-V4 model (or its config is malformed)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
@@ -36,13 +37,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.
 
 @dataclass
 class ModelConfig:
-    """DeepSeek-V4 hyper-parameters, read through transformers' ``DeepseekV4Config``."""
+    """A model's hyper-parameters: its Hugging Face config object (attributes read through) and the
+    architecture that serves it. :meth:`from_pretrained` asks the model registry which architecture a
+    config.json names and returns that architecture's subclass."""
 
     hf_config: Any
     path: Path | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        from deepinfer_core.models.registry import resolve_architecture
+
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -51,40 +56,33 @@ class ModelConfig:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
             raise UnsupportedModelError(f"{config_file} is not valid JSON: {exc}") from exc
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r} in {config_file}; deepinfer serves {SUPPORTED_MODEL_TYPES}"
-            )
-        from transformers import DeepseekV4Config
+        if not isinstance(raw, dict):
+            raise UnsupportedModelError(f"{config_file} is not a JSON object")
+        arch = resolve_architecture(raw, str(config_file))
+        return arch.config_class.parse(path, raw)
 
-        try:
-            hf_config = DeepseekV4Config.from_pretrained(str(path))
-        except Exception as exc:
-            raise UnsupportedModelError(f"invalid DeepSeek-V4 config in {config_file}: {exc}") from exc
-        return cls(hf_config, path)
+    @classmethod
+    def parse(cls, path: Path, raw: dict[str, Any]) -> ModelConfig:
+        """The config of the folder ``path`` whose config.json is ``raw`` (an architecture overrides this)."""
+        raise NotImplementedError(f"{cls.__name__} does not parse config.json")
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
-        if getattr(hf_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(f"unsupported model_type {getattr(hf_config, 'model_type', None)!r}")
-        return cls(hf_config)
+        from deepinfer_core.models.registry import resolve_architecture
+
+        raw = {"model_type": getattr(hf_config, "model_type", None),
+               "architectures": getattr(hf_config, "architectures", None)}
+        return resolve_architecture(raw, "the given config").config_class(hf_config)
+
+    @property
+    def architecture(self) -> Any:
+        """The :class:`~deepinfer_core.models.registry.Architecture` serving this config."""
+        raise NotImplementedError
 
     def __getattr__(self, name: str) -> Any:
         if name == "hf_config":
             raise AttributeError(name)
         return getattr(self.hf_config, name)
-
-    @property
-    def rope_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def compress_rate(self, layer: int) -> int:
-        layer_type = self.layer_types[layer]
-        return 0 if layer_type == "sliding_attention" else int(self.compress_rates[layer_type])
-
-    def is_csa(self, layer: int) -> bool:
-        return self.layer_types[layer] == "compressed_sparse_attention"
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from deepinfer_core.comm import Communicator, EPDispatcher
     from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig
     from deepinfer_core.model.kv_cache_spec import KVCacheSpec
-    from deepinfer_core.model.weights import ModelWeights
+    from deepinfer_core.models.deepseek_v4.weights import ModelWeights
     from deepinfer_core.ops.registry import OpRegistry
     from deepinfer_core.platform import Platform
     from deepinfer_core.plugins import BackendInfo
@@ -105,7 +105,7 @@ def deepinfer_process_weights(weights: ModelWeights, model_config: ModelConfig) 
 
     Called once by the loader on every plugin, after the checkpoint is read (in FP8 mode: after the rest
     is quantised). ``weights`` are the typed records the forward reads
-    (:class:`~deepinfer_core.model.weights.ModelWeights`): what a plugin assigns to a field (a new
+    (:class:`~deepinfer_core.models.deepseek_v4.weights.ModelWeights`): what a plugin assigns to a field (a new
     ``Linear``, a re-laid tensor) is what the engine runs with.
     """
 

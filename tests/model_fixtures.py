@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from deepinfer_core.model import DeepseekV4Model, load_model
+from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.plugins import ALLOWLIST_ENV
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint, load_hf_model

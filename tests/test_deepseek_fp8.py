@@ -16,7 +16,8 @@ import torch
 from model_fixtures import engine_logits, no_kernel_packs, prompt
 from test_weights import run_forward_and_mtp
 
-from deepinfer_core.model import DeepseekV4Model, load_model
+from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.quant.fp4 import is_power_of_two
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint, write_dequantised_copy
 

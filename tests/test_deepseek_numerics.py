@@ -24,8 +24,8 @@ from model_fixtures import engine_logits, no_kernel_packs, prompt
 from safetensors.torch import load_file
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import load_model
-from deepinfer_core.model.deepseek_v4 import RotaryTables
+from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4.model import RotaryTables
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint, dequantised
 

@@ -19,7 +19,7 @@ from model_fixtures import engine_logits, no_kernel_packs
 from deepinfer_core.comm import TorchDistributedCommunicator
 from deepinfer_core.config import EPLBConfig
 from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.model import load_model
+from deepinfer_core.models import load_model
 from deepinfer_core.parallel.ep import AllToAllDispatcher, attach_expert_map, place_experts
 from deepinfer_core.parallel.eplb import EplbRecorder
 from deepinfer_core.parallel.eplb_state import EplbState, eplb_config_of

@@ -18,7 +18,7 @@ from model_fixtures import engine_logits, no_kernel_packs
 
 from deepinfer_core.comm import TorchDistributedCommunicator
 from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.model import load_model
+from deepinfer_core.models import load_model
 from deepinfer_core.parallel.ep import AllToAllDispatcher, dummy_moe_step, shard_experts
 
 one_torch_thread = engine_fixtures.one_torch_thread

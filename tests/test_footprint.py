@@ -17,7 +17,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import bytes_per_block
 from deepinfer_core.model.footprint import footprint, weight_bytes
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
-from deepinfer_core.model.loader import load_weights, named_parameters
+from deepinfer_core.model.loader import load_weights
 from deepinfer_core.parallel import memory_plan
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint
 
@@ -50,7 +50,7 @@ def test_loaded_bytes_are_the_parameters_the_loader_keeps(checkpoint, dtype):
     plain = load_weights(cfg, checkpoint, dtype)
 
     def size(weights, experts_only=False):
-        return sum(t.numel() * t.element_size() for n, t in named_parameters(weights)
+        return sum(t.numel() * t.element_size() for n, t in weights.named_parameters()
                    if not experts_only or ".ffn.experts." in n)
 
     assert (w["loaded"], w["loaded_experts"]) == (size(kept), size(kept, True))

@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.model import load_model
+from deepinfer_core.model.loader import CheckpointError, fp8_weight_names, load_weights
+from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4.manifest import canonical_name, is_fp8_weight
 from deepinfer_core.quant.fp8 import (
     AMAX_EPS,
     FP8_BLOCK,
@@ -21,12 +23,9 @@ from deepinfer_core.quant.fp8 import (
     FP8_MAX,
     dequantize_act_fp8,
     dequantize_fp8_block,
-    fp8_weight_names,
-    is_fp8_weight,
     quantize_act_fp8,
     quantize_fp8_block,
 )
-from deepinfer_core.model.loader import CheckpointError, canonical_name, load_weights
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint

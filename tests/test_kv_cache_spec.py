@@ -12,9 +12,9 @@ import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.config import CacheConfig, ModelConfig
-from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, resolve_kv_cache_spec
+from deepinfer_core.models import load_model
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
 

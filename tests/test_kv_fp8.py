@@ -17,12 +17,12 @@ from engine_fixtures import greedy, make_prompt, run_tokens
 from model_fixtures import engine_logits, no_kernel_packs
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import load_model
 from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
-from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
-from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes, pack_kv_fp8, unpack_kv_fp8
+from deepinfer_core.models import load_model
 from deepinfer_core.ops.registry import OpImpl, OpTable
+from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
+from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes, pack_kv_fp8, unpack_kv_fp8
 from deepinfer_core.testing import conformance as conf
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint

@@ -27,7 +27,7 @@ SLACK = 4 << 20  # interpreter noise
 
 MEASURE = r"""
 import gc, json, sys
-from deepinfer_core.model import load_model
+from deepinfer_core.models import load_model
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -18,14 +18,14 @@ from model_fixtures import engine_logits, hf_logits, max_rel_diff, no_kernel_pac
 from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig, UnsupportedModelError
-from deepinfer_core.model import load_model
 from deepinfer_core.model.loader import (
     FP8_BLOCK,
     CheckpointError,
-    canonical_name,
     dequantize_fp8,
     load_weights,
 )
+from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4.manifest import canonical_name
 
 # the shared fixtures, bound here so that pytest finds them in this module
 tiny_checkpoints = model_fixtures.tiny_checkpoints

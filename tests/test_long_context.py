@@ -255,7 +255,7 @@ def test_thousands_of_tokens_match_transformers(make_llm, tiny_path):
 
 def test_padded_equals_unpadded_at_a_long_context(tiny_path):
     """One decode step at context 1500 laid out for a graph bucket of 2048 gives the unpadded logits."""
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
     from deepinfer_core.testing.model_runner import SimpleRunner
 
     model = load_model(tiny_path("tiny"), "cpu_ref", torch.float64)
@@ -289,7 +289,7 @@ def test_activation_profile_runs_at_the_longest_context(tiny_path):
     """The profile runs a full token budget ending at max_model_len and a decode step of max_num_seqs
     sequences at max_model_len (of 1 + k tokens each when speculating), from a cache of one chunk's
     blocks."""
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
 
     model = load_model(tiny_path("tiny"), "cpu_ref", torch.float32)
     seen = []

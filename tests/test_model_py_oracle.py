@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from test_deepseek_numerics import ORACLE_CONFIG
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import load_model
+from deepinfer_core.models import load_model
 from deepinfer_core.quant.fp4 import hadamard, unpack_fp4
 from deepinfer_core.quant.fp8 import dequantize_fp8_block
 from deepinfer_core.testing.model_runner import SimpleRunner

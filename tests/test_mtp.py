@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from deepinfer_core.model import load_model
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.models import load_model
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint, load_hf_model, load_hf_mtp_reference
 

@@ -22,7 +22,12 @@ from model_fixtures import engine_logits, no_kernel_packs, prompt
 from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model import DeepseekV4Model, default_numerics, load_model
+from deepinfer_core.model.loader import CheckpointError, expected_file_names, load_weights
+from deepinfer_core.models import default_numerics, load_model
+from deepinfer_core.models.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.weights import Experts, Linear, records
+from deepinfer_core.ops import native
+from deepinfer_core.plugins import build_op_table
 from deepinfer_core.quant.fp4 import (
     E2M1_VALUES,
     dequantize_fp4_block,
@@ -31,10 +36,6 @@ from deepinfer_core.quant.fp4 import (
     quantize_fp4_block,
     unpack_fp4,
 )
-from deepinfer_core.model.loader import CheckpointError, expected_file_names, load_weights
-from deepinfer_core.model.weights import Experts, Linear, records
-from deepinfer_core.ops import native
-from deepinfer_core.plugins import build_op_table
 from deepinfer_core.testing.published_checkpoint import (
     FP4_NAMES,
     FP8_NAMES,

@@ -51,7 +51,7 @@ def pairs(ev):
 
 @pytest.fixture(scope="module")
 def engine_result(ev, pairs):
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
 
     model = load_model(MODEL, backend="cpu_ref", dtype=torch.float64)
     return ev.engine_scores(model, pairs)

@@ -11,11 +11,11 @@ import torch
 from deepinfer_core import plugins
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.model import load_model
-from deepinfer_core.quant.fp8 import FP8_DTYPE, quantize_params_fp8
-from deepinfer_core.model.loader import CheckpointError, build_weights, load_weights, read_checkpoint
+from deepinfer_core.model.loader import CheckpointError, fp8_weight_names, load_weights, read_checkpoint
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
-from deepinfer_core.model.weights import Compressor, Indexer, Linear, ModelWeights
+from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4.weights import Compressor, Indexer, Linear, ModelWeights, build_weights
+from deepinfer_core.quant.fp8 import FP8_DTYPE, quantize_params_fp8
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
@@ -83,7 +83,7 @@ def test_named_parameters_are_the_checkpoint_tensors_under_their_names(aligned, 
     cfg = ModelConfig.from_pretrained(aligned)
     flat = read_checkpoint(cfg, aligned, torch.float32, keep_fp8=fp8)
     if fp8:
-        quantize_params_fp8(flat, cfg)
+        quantize_params_fp8(flat, fp8_weight_names(cfg))
     named = dict(build_weights(cfg, dict(flat)).named_parameters())
     assert set(named) == set(flat)
     assert all(named[k] is flat[k] for k in flat)
@@ -165,7 +165,7 @@ def test_ops_in_use_are_the_ops_the_forward_calls(case, aligned, tmp_path):
 
 RELAYING_PACK = """
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.model.weights import Linear, ModelWeights
+from deepinfer_core.models.deepseek_v4.weights import Linear, ModelWeights
 
 CALLS = []
 

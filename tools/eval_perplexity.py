@@ -263,7 +263,7 @@ def heldout_pairs(model_dir: Path, limit: int, length: int) -> tuple[list, dict]
 
 def evaluate_set(name, model_dir, pairs, length, dtype, args, counts, log, hf_device="cpu",
                  stable_ties=True) -> dict:
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
 
     res: dict = {"predicted": sum(len(t) for _, t in pairs), "chunk_len": length,
                  "dtype": str(dtype).replace("torch.", "")}

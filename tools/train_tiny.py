@@ -731,7 +731,7 @@ def verify_engine(out: Path, main, mtp, sample: torch.Tensor, log) -> dict:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deepinfer_core.model import load_model
+    from deepinfer_core.models import load_model
 
     ref_main = copy.deepcopy(main).cpu()
     ref_mtp = copy.deepcopy(mtp).cpu()

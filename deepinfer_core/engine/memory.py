@@ -9,7 +9,7 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
 from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
-from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.platform import Platform

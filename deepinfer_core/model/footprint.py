@@ -13,10 +13,16 @@ import torch
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import bytes_per_state_slot, layer_bytes_per_block, layer_cache_specs
-from deepinfer_core.quant.fp8 import fp8_weight_names
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
-from deepinfer_core.model.loader import expected_file_names, expected_shapes, parameter_dtype, quant_config
-from deepinfer_core.model.published_layout import stored_bytes
+from deepinfer_core.model.loader import (
+    expected_file_names,
+    expected_shapes,
+    fp8_weight_names,
+    manifest_of,
+    parameter_dtype,
+    quant_config,
+)
+from deepinfer_core.model.manifest import stored_bytes
 
 
 @dataclass
@@ -75,15 +81,16 @@ def _loaded_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str) -> dict[str, int]:
     """Stored, loaded (quantised formats kept) and dequantised bytes, all and routed experts only."""
     out = dict.fromkeys(("stored", "stored_experts", "loaded", "loaded_experts", "dequantised"), 0)
+    manifest = manifest_of(cfg)
     for name, shape in expected_file_names(cfg, with_mtp=True).items():
-        b = stored_bytes(name, shape)
+        b = stored_bytes(manifest.stored_format(name), shape)
         out["stored"] += b
         out["stored_experts"] += b if ".ffn.experts." in name else 0
     fp4 = quant_config(cfg).expert_dtype == "fp4"
     fp8 = fp8_weight_names(cfg, numerics) if quant_config(cfg).declared else set()
     for name, shape in _loaded_shapes(cfg).items():
         n, expert = math.prod(shape), ".ffn.experts." in name
-        plain = n * parameter_dtype(name, dtype).itemsize
+        plain = n * parameter_dtype(cfg, name, dtype).itemsize
         if expert and fp4:
             kept = n // 2 + n // 32  # packed e2m1 + one e8m0 scale per 32
         elif name in fp8:  # E4M3 + a float32 scale per 128x128 tile

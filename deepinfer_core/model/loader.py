@@ -1,12 +1,8 @@
-"""Safetensors loading: every tensor checked against the config first, then read file by file straight
-onto the target device.
-
-Accepted layouts (one canonical name each, :func:`canonical_name`): DeepSeek's published one (flat names
-as its ``inference/model.py`` declares them: ``layers.N.attn.kv_norm.weight``,
-``layers.N.ffn.experts.E.w1.weight``, ``hc_head_fn``, ``mtp.0.*``), with or without a leading ``model.``;
-what transformers' ``save_pretrained`` writes (``embed_tokens``, ``hc_head.hc_fn``, ``attn.norm`` for the
-kv norm); and transformers' in-memory names (``model.layers.N.self_attn.q_a_proj.weight``, the merged
-``mlp.experts.gate_up_proj`` [E, 2I, D] and ``down_proj``).
+"""Safetensors loading driven by an architecture's checkpoint manifest
+(:mod:`deepinfer_core.model.manifest`): every tensor checked against the manifest first, then read file
+by file straight onto the target device. Nothing here knows a parameter name; file names are mapped to
+canonical ones by the manifest's renames (for DeepSeek-V4: its published names, what transformers'
+``save_pretrained`` writes, and transformers' in-memory names with merged experts [E, 2I, D]).
 
 Formats in a file: float tensors; FP8 E4M3 weights with one scale per 128x128 tile (``.scale`` or
 ``.weight_scale_inv``; ``float8_e8m0fnu``, float32 or bf16); routed experts in packed FP4 e2m1 (int8 or
@@ -19,27 +15,24 @@ tensor is read; so is an unreadable (truncated, corrupted) file.
 Routed experts are stacked on load into ``experts.w13`` [E, 2I, D] (gate rows then up rows) and
 ``experts.w2`` [E, D, I], only those of ``experts`` (a range) where given. Quantised tensors are
 dequantised on the device, unless ``keep_fp8``: then the parameters FP8 mode keeps in E4M3
-(:func:`~deepinfer_core.quant.fp8.fp8_weight_names`) stay E4M3 with their scales as ``name + "_scale"``,
+(the manifest's ``fp8_names``) stay E4M3 with their scales as ``name + "_scale"``,
 FP4 experts stay packed (uint8 [E, 2I, D/2] with e8m0 scales [E, 2I, D/32]), FP8 experts are stacked in
 E4M3 with stacked scales (an unquantised expert is quantised as it is stacked). Where 128-row tiles would
 straddle the gate and up halves (``moe_intermediate_size`` not a multiple of 128) the experts are stacked
 dequantised and left for :func:`~deepinfer_core.quant.fp8.quantize_params_fp8` to quantise whole.
+An architecture may re-lay the parameters once read (``Architecture.prepare_params``: V4 stacks each
+shared expert's w1 and w3).
 
 Host memory: safetensors maps each file and one tensor at a time is copied to the device, so the peak
 host copy is one tensor (its file's pages are the kernel's page cache, not the process's own memory).
 
-The tensors, by canonical name, then become the typed records of :mod:`deepinfer_core.model.weights`
-(:func:`build_weights`); :data:`_LAYOUT` is the one place that says which name fills which field.
+The tensors, by canonical name, then become the architecture's typed records
+(``Architecture.build_weights``, :mod:`deepinfer_core.model.records`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import re
-import types
-import typing
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,188 +42,49 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.errors import CheckpointError
+from deepinfer_core.model.manifest import EXPERT_FILE_NAME, CheckpointManifest
 from deepinfer_core.quant.fp4 import E8M0_DTYPE, FP4_BLOCK, dequantize_fp4_block, e8m0_from_float, is_power_of_two
-from deepinfer_core.quant.fp8 import (
-    FP8_BLOCK,
-    FP8_DTYPE,
-    fp8_weight_names,
-    quantize_fp8_block,
-    quantize_params_fp8,
-    scale_shape,
-)
+from deepinfer_core.quant.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_fp8_block, quantize_params_fp8, scale_shape
 from deepinfer_core.quant.fp8 import dequantize_fp8_block as dequantize_fp8
-from deepinfer_core.model.weights import (
-    Attention,
-    Block,
-    Compressor,
-    Experts,
-    Gate,
-    HyperConnection,
-    Indexer,
-    Linear,
-    ModelWeights,
-    MoE,
-    MTPBlock,
-    OutputNorm,
-    SharedExpert,
-)
 
+__all__ = ["CheckpointError", "QuantConfig", "check_scale", "checkpoint_files", "expected_file_names",
+           "expected_shapes", "fp8_weight_names", "has_drafter_weights", "load_weights", "manifest_of",
+           "parameter_dtype", "quant_config", "read_checkpoint", "read_headers"]
 
-class CheckpointError(ValueError):
-    """The checkpoint is malformed: an unreadable file, a missing, unexpected, mis-shaped or mis-typed
-    tensor, or a quantisation its config.json does not declare. The message names the tensor and file."""
-
-
-# --- names ---------------------------------------------------------------------------------------------
-
-#: transformers' in-memory names (``model.layers.N.self_attn.q_a_proj.weight``, the merged
-#: ``mlp.experts.gate_up_proj``) -> DeepSeek's, applied in order; DeepSeek's own names pass unchanged
-_TRANSFORMERS_RENAMES = [(re.compile(p), r) for p, r in [
-    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
-    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
-    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
-    (r"\.self_attn\.", ".attn."),
-    (r"\.mlp\.", ".ffn."),
-    (r"\.input_layernorm\.", ".attn_norm."),
-    (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
-    (r"\.attn\.sinks$", ".attn.attn_sink"),
-    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
-    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
-    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"\.experts\.gate_up_proj$", ".experts.w13"),
-    (r"\.experts\.down_proj$", ".experts.w2"),
-    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
-    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
-    (r"\.compressor\.position_bias$", ".compressor.ape"),
-    (r"\.q_a_proj\.", ".wq_a."),
-    (r"\.q_b_proj\.", ".wq_b."),
-    (r"\.q_a_norm\.", ".q_norm."),
-    (r"\.kv_proj\.", ".wkv."),
-    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
-    (r"\.o_a_proj\.", ".wo_a."),
-    (r"\.o_b_proj\.", ".wo_b."),
-]]
-_LEAF_RENAMES = [
-    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
-    (re.compile(r"^lm_head\.weight$"), "head.weight"),
-    (re.compile(r"(^|\.)hc_head\.hc_(fn|base|scale)$"), r"\1hc_head_\2"),
-    # what transformers' save_pretrained writes for the attention's kv_norm
-    (re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.weight$"), r"\1kv_norm.weight"),
-    (re.compile(r"\.weight_scale_inv$"), ".scale"),
-]
-#: file entries that are not weights of the engine's model and are dropped: rotary buffers some exports
-#: write, and the MTP layer's own copies of the embedding and head (it shares the main model's)
-_IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$|^mtp\.\d+\.(embed|embed_tokens|emb)\.weight$"
-                      r"|^mtp\.\d+\.(head|lm_head)\.weight$)")
-_FP32_PARAM = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias|norm\.weight$)")
-_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
-_MERGED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w13|w2)$")
-
-
-def canonical_name(name: str) -> str:
-    """The engine's name of a checkpoint tensor: DeepSeek's published one (``layers.3.attn.kv_norm.weight``,
-    block scales as ``.scale``), from DeepSeek's names with or without ``model.``, from what transformers'
-    ``save_pretrained`` writes, or from transformers' in-memory module names."""
-    name = name.removeprefix("model.")
-    for pattern, repl in _TRANSFORMERS_RENAMES:
-        name = pattern.sub(repl, name)
-    for pattern, repl in _LEAF_RENAMES:
-        name = pattern.sub(repl, name)
-    return name
+_EXPERT = EXPERT_FILE_NAME
 
 
 # --- what the config expects ---------------------------------------------------------------------------
 
 
-def block_prefixes(cfg: ModelConfig) -> list[tuple[str, int]]:
-    """(prefix, attention-layer index) of every decoder block, MTP blocks included."""
-    blocks = [(f"layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
-    blocks += [(f"mtp.{j}.", -1) for j in range(cfg.num_nextn_predict_layers or 0)]
-    return blocks
+def manifest_of(cfg: ModelConfig) -> CheckpointManifest:
+    """The checkpoint manifest of ``cfg``'s architecture."""
+    return cfg.architecture.manifest(cfg)
 
 
 def expected_shapes(cfg: ModelConfig, with_mtp: bool, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Every parameter the engine needs, with its shape (routed experts stacked: ``num_experts`` of them,
-    all by default)."""
-    d, h, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
-    qr, g, olr = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
-    e, inter = cfg.n_routed_experts if num_experts is None else num_experts, cfg.moe_intermediate_size
-    mix = (2 + n) * n
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed.weight": (cfg.vocab_size, d),
-        "head.weight": (cfg.vocab_size, d),
-        "norm.weight": (d,),
-        "hc_head_fn": (n, n * d),
-        "hc_head_base": (n,),
-        "hc_head_scale": (1,),
-    }
-    for prefix, layer in block_prefixes(cfg):
-        if layer < 0 and not with_mtp:
-            continue
-        p = prefix
-        shapes.update({
-            p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-            p + "hc_attn_fn": (mix, n * d), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
-            p + "hc_ffn_fn": (mix, n * d), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
-            p + "attn.wq_a.weight": (qr, d), p + "attn.q_norm.weight": (qr,),
-            p + "attn.wq_b.weight": (h * hd, qr), p + "attn.wkv.weight": (hd, d),
-            p + "attn.kv_norm.weight": (hd,), p + "attn.attn_sink": (h,),
-            p + "attn.wo_a.weight": (g * olr, h * hd // g), p + "attn.wo_b.weight": (d, g * olr),
-            p + "ffn.gate.weight": (cfg.n_routed_experts, d),
-            p + "ffn.experts.w13": (e, 2 * inter, d), p + "ffn.experts.w2": (e, d, inter),
-            p + "ffn.shared_experts.w1.weight": (inter, d), p + "ffn.shared_experts.w3.weight": (inter, d),
-            p + "ffn.shared_experts.w2.weight": (d, inter),
-        })
-        rate = cfg.compress_rate(layer) if layer >= 0 else mtp_compress_rate(cfg)
-        is_csa = layer >= 0 and cfg.is_csa(layer)
-        if rate:
-            c = 2 if is_csa else 1
-            shapes.update({
-                p + "attn.compressor.wkv.weight": (c * hd, d), p + "attn.compressor.wgate.weight": (c * hd, d),
-                p + "attn.compressor.ape": (rate, c * hd), p + "attn.compressor.norm.weight": (hd,),
-            })
-        if is_csa:
-            ih, idim = cfg.index_n_heads, cfg.index_head_dim
-            shapes.update({
-                p + "attn.indexer.wq_b.weight": (ih * idim, qr), p + "attn.indexer.weights_proj.weight": (ih, d),
-                p + "attn.indexer.compressor.wkv.weight": (2 * idim, d),
-                p + "attn.indexer.compressor.wgate.weight": (2 * idim, d),
-                p + "attn.indexer.compressor.ape": (rate, 2 * idim),
-                p + "attn.indexer.compressor.norm.weight": (idim,),
-            })
-        if layer >= 0 and cfg.mlp_layer_types[layer] == "hash_moe":
-            shapes[p + "ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
-        else:
-            shapes[p + "ffn.gate.bias"] = (cfg.n_routed_experts,)
-        if layer < 0:
-            shapes.update({
-                p + "e_proj.weight": (d, d), p + "h_proj.weight": (d, d), p + "enorm.weight": (d,),
-                p + "hnorm.weight": (d,), p + "norm.weight": (d,),
-                p + "hc_head_fn": (n, n * d), p + "hc_head_base": (n,), p + "hc_head_scale": (1,),
-            })
-    return shapes
-
-
-def mtp_compress_rate(cfg: ModelConfig) -> int:
-    """MTP blocks use plain sliding-window attention (no compressor weights are published for them)."""
-    return 0
+    """Every parameter a checkpoint of ``cfg`` holds, with its shape (routed experts stacked: ``num_experts``
+    of them, all by default); the drafter's with ``with_mtp``."""
+    return manifest_of(cfg).shapes(with_mtp, num_experts)
 
 
 def expected_file_names(cfg: ModelConfig, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
-    """The tensors a checkpoint in DeepSeek's layout holds for ``cfg`` (routed experts one by one as
+    """The tensors a checkpoint in the published layout holds for ``cfg`` (routed experts one by one as
     ``...experts.E.w{1,2,3}.weight``), with their logical (unpacked) shapes; block scales not included."""
-    inter, d = cfg.moe_intermediate_size, cfg.hidden_size
-    out = {}
-    for name, shape in expected_shapes(cfg, with_mtp).items():
-        m = _MERGED_EXPERTS.match(name)
-        if not m:
-            out[name] = shape
-            continue
-        parts = {"w1": (inter, d), "w3": (inter, d)} if m.group(2) == "w13" else {"w2": (d, inter)}
-        for e in range(cfg.n_routed_experts):
-            out.update({f"{m.group(1)}.{e}.{w}.weight": s for w, s in parts.items()})
-    return out
+    return manifest_of(cfg).file_names(with_mtp)
+
+
+def fp8_weight_names(cfg: ModelConfig, numerics: str = "transformers") -> set[str]:
+    """Every parameter name (after the architecture's re-layout, drafter included) that FP8 mode keeps in
+    E4M3 under ``numerics``."""
+    return manifest_of(cfg).fp8_names(numerics)
+
+
+def parameter_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter ``name`` is kept in when the model runs in ``dtype`` (index tables are
+    integers; the parameters the manifest marks float32 stay float32 under bf16/fp16)."""
+    return manifest_of(cfg).parameter_dtype(name, dtype)
 
 
 @dataclass(frozen=True)
@@ -333,9 +187,9 @@ def _open(f: Path, device: str = "cpu"):
         raise CheckpointError(f"cannot read {f}: {exc} (truncated or not a safetensors file?)") from exc
 
 
-def read_headers(path: Path) -> dict[str, _Entry]:
-    """Canonical name -> file entry of every tensor in the checkpoint in ``path``; two entries of one
-    canonical name, or an index that puts a tensor in a file that lacks it, are errors."""
+def read_headers(path: Path, manifest: CheckpointManifest) -> dict[str, _Entry]:
+    """Canonical name (``manifest``'s) -> file entry of every tensor in the checkpoint in ``path``; two
+    entries of one canonical name, or an index that puts a tensor in a file that lacks it, are errors."""
     files = checkpoint_files(path)
     entries: dict[str, _Entry] = {}
     for f in files:
@@ -344,7 +198,7 @@ def read_headers(path: Path) -> dict[str, _Entry]:
                 sl = handle.get_slice(key)
                 code = sl.get_dtype()
                 entry = _Entry(key, f, _FILE_DTYPES.get(code, code), tuple(sl.get_shape()))
-                name = canonical_name(key)
+                name = manifest.canonical_name(key)
                 if name in entries:
                     raise CheckpointError(f"{entry.where()} and {entries[name].where()} are both the tensor {name}")
                 entries[name] = entry
@@ -356,6 +210,13 @@ def read_headers(path: Path) -> dict[str, _Entry]:
                 found = f"it is in {by_key[key].file.name}" if key in by_key else "no shard holds it"
                 raise CheckpointError(f"{index.name} puts tensor {key!r} in {file}, but {found}")
     return entries
+
+
+def has_drafter_weights(cfg: ModelConfig, path: Path) -> bool:
+    """Does the checkpoint in ``path`` carry the drafter's (MTP) tensors?"""
+    manifest = manifest_of(cfg)
+    drafter = set(manifest.drafter_file_names())
+    return any(n in drafter for n in read_headers(Path(path), manifest))
 
 
 # --- the plan: every file tensor checked and assigned before anything is read --------------------------
@@ -443,11 +304,12 @@ def _check_shape(name: str, entry: _Entry, fmt: str, want: tuple[int, ...], scal
             raise CheckpointError(f"{exc} ({scale.where()})") from None
 
 
-def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[int, ...]],
-          experts: range, quant: QuantConfig) -> tuple[list[_Item], dict[str, set[str]]]:
+def _plan(cfg: ModelConfig, manifest: CheckpointManifest, entries: dict[str, _Entry],
+          shapes: dict[str, tuple[int, ...]], experts: range, quant: QuantConfig
+          ) -> tuple[list[_Item], dict[str, set[str]]]:
     """(items, stack name -> the formats of its experts in the file); raises on any tensor
     that is unknown, mis-shaped or mis-typed, and on any that is missing."""
-    inter = cfg.moe_intermediate_size
+    num_experts = manifest.num_experts
     scales = {n.removesuffix(".scale") + ".weight": e for n, e in entries.items() if n.endswith(".scale")}
     items: list[_Item] = []
     unknown: list[str] = []
@@ -456,21 +318,23 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
     for name, entry in entries.items():
         if name.endswith(".scale"):
             weight = name.removesuffix(".scale") + ".weight"
-            expected = weight in shapes or (_EXPERT.match(weight) and not _IGNORED.search(weight))
+            expected = weight in shapes or (_EXPERT.match(weight) and not manifest.is_ignored(weight))
             if weight not in entries and not expected:  # (an expected weight is reported missing below)
                 unknown.append(f"{name} ({entry.where()}: a block scale without its weight)")
             continue
-        if _IGNORED.search(name):
+        if manifest.is_ignored(name):
             continue
         scale = scales.get(name)
-        m, merged = _EXPERT.match(name), _MERGED_EXPERTS.match(name)
+        m = _EXPERT.match(name)
+        merged = name in shapes and manifest.rows[name].experts
         if m:
             prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
             key = prefix + (".w13" if which in ("w1", "w3") else ".w2")
-            if key not in shapes or e >= cfg.n_routed_experts:
-                unknown.append(f"{name} ({entry.where()}; the config has {cfg.n_routed_experts} experts)")
+            if key not in shapes or e >= num_experts:
+                unknown.append(f"{name} ({entry.where()}; the config has {num_experts} experts)")
                 continue
             fmt = _fmt_of(name, entry, scale, True, quant)
+            inter = shapes[key][1] // 2  # w13 stacks the gate (w1) rows, then the up (w3) rows
             want = shapes[key][1:] if which == "w2" else (inter, shapes[key][2])
             _check_shape(name, entry, fmt, want, scale, quant)
             if e not in experts:
@@ -482,12 +346,12 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
                 rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
             items.append(_Item(name, entry, fmt, scale, key, e - experts.start, rows))
             filled.add(f"{key}:{e}:{which}")
-        elif merged and name in shapes:
+        elif merged:
             fmt = _fmt_of(name, entry, scale, True, quant)
             if fmt != "float":
                 raise CheckpointError(f"merged experts {name} ({entry.where()}) are {entry.dtype}: quantised "
                                       "merged experts are not read; use DeepSeek's per-expert layout")
-            _check_shape(name, entry, fmt, (cfg.n_routed_experts, *shapes[name][1:]), None, quant)
+            _check_shape(name, entry, fmt, (num_experts, *shapes[name][1:]), None, quant)
             stack_fmt[name] = {fmt}
             items.append(_Item(name, entry, fmt, None, name))
             parts = ("w1", "w3") if name.endswith("w13") else ("w2",)
@@ -502,9 +366,10 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
     if unknown:
         raise CheckpointError(f"{len(unknown)} tensor(s) the config does not have: {', '.join(unknown[:8])}"
                               + (" ..." if len(unknown) > 8 else ""))
-    missing = [n for n in shapes if not _MERGED_EXPERTS.match(n) and n not in filled]
-    missing = [n for n in missing if not (n == "head.weight" and cfg.tie_word_embeddings and "embed.weight" in filled)]
-    for key in [k for k in shapes if _MERGED_EXPERTS.match(k)]:
+    stacks = [n for n in shapes if manifest.rows[n].experts]
+    missing = [n for n in shapes if n not in stacks and n not in filled]
+    missing = [n for n in missing if not (n in manifest.tied and manifest.tied[n] in filled)]
+    for key in stacks:
         prefix, which = key.rsplit(".", 1)
         parts = ("w1", "w3") if which == "w13" else ("w2",)
         missing += [f"{prefix}.{e}.{w}.weight" for e in experts for w in parts if f"{key}:{e}:{w}" not in filled]
@@ -514,16 +379,6 @@ def _plan(cfg: ModelConfig, entries: dict[str, _Entry], shapes: dict[str, tuple[
 
 
 # --- reading -------------------------------------------------------------------------------------------
-
-
-def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype parameter ``name`` is kept in when the model runs in ``dtype`` (hash-routing tables are
-    integers; the parameters transformers keeps in float32 stay float32 under bf16/fp16)."""
-    if name.endswith("tid2eid"):
-        return torch.long
-    if dtype in (torch.bfloat16, torch.float16) and _FP32_PARAM.search(name):
-        return torch.float32
-    return dtype
 
 
 def load_weights(
@@ -537,18 +392,18 @@ def load_weights(
     experts: range | None = None,
     keep_fp4: bool | None = None,
     numerics: str = "transformers",
-) -> ModelWeights:
-    """The checkpoint in ``path`` as typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3,
+) -> Any:
+    """The checkpoint in ``path`` as the architecture's typed records. ``keep_fp8`` (FP8 mode): E4M3 weights stay E4M3,
     packed FP4 routed experts stay packed FP4, and the FP8-eligible weights the checkpoint did not ship
     quantised are quantised. ``keep_fp4`` (default: ``keep_fp8``): packed FP4 experts stay packed
     whatever ``keep_fp8`` says. ``experts``: the routed experts to load (a contiguous range of ids, all by
     default); the stacks then hold only those, in order. ``hook`` (a plugin manager's hook relay): its
     ``deepinfer_process_weights`` is called once on the records. ``numerics``: which weights FP8 mode
-    keeps in E4M3 (:func:`~deepinfer_core.quant.fp8.fp8_weight_names`)."""
+    keeps in E4M3 (the manifest's :meth:`~deepinfer_core.model.manifest.CheckpointManifest.fp8_names`)."""
     params = read_checkpoint(cfg, path, dtype, device, keep_fp8, show_progress, experts, keep_fp4, numerics)
     if keep_fp8:
-        quantize_params_fp8(params, cfg, numerics)
-    return build_weights(cfg, params, hook, num_experts=None if experts is None else len(experts))
+        quantize_params_fp8(params, fp8_weight_names(cfg, numerics), ue8m0=numerics == "deepseek")
+    return cfg.architecture.build_weights(cfg, params, hook, num_experts=None if experts is None else len(experts))
 
 
 def _scale_values(name: str, scale: torch.Tensor, entry: _Entry, quant: QuantConfig, fmt: str) -> torch.Tensor:
@@ -578,25 +433,27 @@ def read_checkpoint(
     file by file straight onto ``device``, dequantising there (or keeping them quantised with
     ``keep_fp8``), stacking the routed experts; block scales come back as ``name + "_scale"``."""
     path = Path(path)
-    entries = read_headers(path)
+    manifest = manifest_of(cfg)
+    entries = read_headers(path, manifest)
     quant = quant_config(cfg)
-    experts = range(cfg.n_routed_experts) if experts is None else experts
-    if experts.step != 1 or experts.start < 0 or experts.stop > cfg.n_routed_experts or not len(experts):
-        raise ValueError(f"experts must be a non-empty contiguous range within 0..{cfg.n_routed_experts}, "
+    num_experts = manifest.num_experts
+    experts = range(num_experts) if experts is None else experts
+    if experts.step != 1 or experts.start < 0 or experts.stop > num_experts or not len(experts):
+        raise ValueError(f"experts must be a non-empty contiguous range within 0..{num_experts}, "
                          f"got {experts}")
-    with_mtp = any(n.startswith("mtp.") and not _IGNORED.search(n) for n in entries)
-    shapes = expected_shapes(cfg, with_mtp, len(experts))
-    items, stack_fmt = _plan(cfg, entries, shapes, experts, quant)
+    drafter = set(manifest.drafter_file_names())
+    with_drafter = any(n in drafter for n in entries)
+    shapes = manifest.shapes(with_drafter, len(experts))
+    items, stack_fmt = _plan(cfg, manifest, entries, shapes, experts, quant)
 
     device = torch.device(device)
     dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
-    kept_fp8 = fp8_weight_names(cfg, numerics) if keep_fp8 else set()
-    inter = cfg.moe_intermediate_size
+    kept_fp8 = manifest.fp8_names(numerics) if keep_fp8 else set()
     acc = torch.float32  # dequantised in float32 (as a float32 checkpoint of the same values), then cast
     params: dict[str, torch.Tensor] = {}
 
     def param_dtype(name: str) -> torch.dtype:
-        return parameter_dtype(name, dtype)
+        return manifest.parameter_dtype(name, dtype)
 
     def stack_layout(key: str) -> str:
         """How stack ``key`` is kept: "fp4" (packed), "fp8" (E4M3 + tile scales) or "float"."""
@@ -605,7 +462,7 @@ def read_checkpoint(
             return "fp4"  # then all are: packed FP4 needs expert_dtype "fp4", which admits nothing else
         if not keep_fp8:
             return "float"
-        whole_tiles = key.endswith(".w2") or inter % FP8_BLOCK == 0
+        whole_tiles = key.endswith(".w2") or shapes[key][1] // 2 % FP8_BLOCK == 0
         return "fp8" if key in kept_fp8 and whole_tiles else "float"
 
     def stack(key: str, layout: str) -> torch.Tensor:
@@ -690,134 +547,10 @@ def read_checkpoint(
     finally:
         progress.close()
         close_files()
-    if "head.weight" not in params and cfg.tie_word_embeddings and "embed.weight" in params:
-        params["head.weight"] = params["embed.weight"]
-    _stack_shared_experts(params, inter, param_dtype)
+    for name, source in manifest.tied.items():
+        if name not in params and source in params:
+            params[name] = params[source]
+    prepare = cfg.architecture.prepare_params
+    if prepare is not None:
+        prepare(cfg, params, param_dtype)
     return params
-
-
-def _stack_shared_experts(params: dict[str, torch.Tensor], inter: int, param_dtype) -> None:
-    """w1 and w3 -> w13 [2I, D]; E4M3 halves with their scales stay E4M3 when their tiles stack whole,
-    otherwise they are dequantised first (FP8 mode quantises the stacked projection afterwards)."""
-    for w1_name in [n for n in params if n.endswith("shared_experts.w1.weight")]:
-        prefix = w1_name[: -len("w1.weight")]
-        halves = [prefix + "w1.weight", prefix + "w3.weight"]
-        if halves[1] not in params:
-            continue
-        scales = [params.pop(h + "_scale", None) for h in halves]
-        if all(s is not None for s in scales) and inter % FP8_BLOCK == 0:
-            params[prefix + "w13_scale"] = torch.cat(scales, dim=0)
-        elif any(s is not None for s in scales):
-            for h, s in zip(halves, scales):
-                if s is not None:
-                    params[h] = dequantize_fp8(params[h], s).to(param_dtype(prefix + "w13"))
-        params[prefix + "w13"] = torch.cat([params.pop(h) for h in halves], dim=0)
-
-
-# --- typed records -------------------------------------------------------------------------------------
-
-#: where each field of a record lives, relative to the record's prefix: a tensor's name (a
-#: :class:`Linear` adds ``"_scale"`` for its block scales) or the prefix of a nested record; a list of
-#: records numbers them (``layers.0.``, ``layers.1.``, ...)
-_LAYOUT: dict[type, dict[str, str]] = {
-    ModelWeights: {"embed": "embed.weight", "head": "head.weight", "output": "", "layers": "layers.",
-                   "mtp": "mtp."},
-    OutputNorm: {"hc": "hc_head_", "norm": "norm.weight"},
-    HyperConnection: {"fn": "fn", "base": "base", "scale": "scale"},
-    MTPBlock: {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "e_proj": "e_proj.weight",
-               "h_proj": "h_proj.weight", "block": "", "output": ""},
-    Block: {"attn_hc": "hc_attn_", "attn_norm": "attn_norm.weight", "attn": "attn.", "ffn_hc": "hc_ffn_",
-            "ffn_norm": "ffn_norm.weight", "moe": "ffn."},
-    Attention: {"wq_a": "wq_a.weight", "q_norm": "q_norm.weight", "wq_b": "wq_b.weight", "wkv": "wkv.weight",
-                "kv_norm": "kv_norm.weight", "sinks": "attn_sink", "wo_a": "wo_a.weight", "wo_b": "wo_b.weight",
-                "compressor": "compressor.", "indexer": "indexer."},
-    Compressor: {"wkv": "wkv.weight", "wgate": "wgate.weight", "ape": "ape", "norm": "norm.weight"},
-    Indexer: {"wq_b": "wq_b.weight", "weights_proj": "weights_proj.weight", "compressor": "compressor."},
-    MoE: {"gate": "gate.", "experts": "experts.", "shared": "shared_experts."},
-    Gate: {"weight": "weight", "bias": "bias", "tid2eid": "tid2eid"},
-    Experts: {"w13": "w13", "w2": "w2"},
-    SharedExpert: {"w13": "w13", "w2": "w2.weight"},
-}
-
-
-@functools.cache
-def _fields(cls: type) -> list[tuple[str, str, Any, bool]]:
-    """(field, relative name, type, optional) of each field of record type ``cls``."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for name, rel in _LAYOUT[cls].items():
-        hint, args = hints[name], typing.get_args(hints[name])
-        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-        if optional:
-            hint = next(a for a in args if a is not type(None))
-        out.append((name, rel, hint, optional))
-    return out
-
-
-def _build(cls: type, params: dict[str, torch.Tensor], prefix: str) -> Any:
-    values = {}
-    for name, rel, kind, optional in _fields(cls):
-        full = prefix + rel
-        if typing.get_origin(kind) is list:
-            item = typing.get_args(kind)[0]
-            found = {int(m.group(1)) for k in params if (m := re.match(re.escape(full) + r"(\d+)\.", k))}
-            values[name] = [_build(item, params, f"{full}{i}.") for i in range(max(found, default=-1) + 1)]
-        elif kind is torch.Tensor:
-            if full not in params and not optional:
-                raise CheckpointError(f"no tensor {full}")
-            values[name] = params.get(full)
-        elif kind is Linear:
-            if full not in params:
-                raise CheckpointError(f"no tensor {full}")
-            values[name] = Linear(params[full], params.get(full + "_scale"))
-        elif optional and not any(k.startswith(full) for k in params):
-            values[name] = None
-        else:
-            values[name] = _build(kind, params, full)
-    return cls(**values)
-
-
-def build_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], hook: Any = None,
-                  num_experts: int | None = None) -> ModelWeights:
-    """The records of ``params`` (canonical names, experts stacked, FP8/FP4 scales as ``name + "_scale"``),
-    handed once to every plugin's ``deepinfer_process_weights`` when ``hook`` is given. ``num_experts``:
-    how many routed experts each stack holds (all by default; fewer where only a range was loaded)."""
-    params = {canonical_name(k): v for k, v in params.items()}
-    weights = _build(ModelWeights, params, "")
-    if len(weights.layers) != cfg.num_hidden_layers:
-        raise CheckpointError(f"found {len(weights.layers)} decoder layers, the config has {cfg.num_hidden_layers}")
-    want = cfg.n_routed_experts if num_experts is None else num_experts
-    for i, layer in enumerate([*weights.layers, *(m.block for m in weights.mtp)]):
-        ex = layer.moe.experts
-        if ex.w13.format != ex.w2.format:
-            raise CheckpointError(f"block {i}: routed experts' w13 is {ex.w13.format} and w2 {ex.w2.format}; "
-                                  "both must have one format")
-        if ex.w13.weight.shape[0] != want or ex.w2.weight.shape[0] != want:
-            raise CheckpointError(f"block {i}: the expert stacks hold {ex.w13.weight.shape[0]} experts, "
-                                  f"expected {want}")
-    if hook is not None:
-        hook.deepinfer_process_weights(weights=weights, model_config=cfg)
-    return weights
-
-
-def _named(record: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, rel, *_ in _fields(type(record)):
-        value, full = getattr(record, name), prefix + rel
-        if value is None:
-            continue
-        if isinstance(value, list):
-            for i, item in enumerate(value):
-                yield from _named(item, f"{full}{i}.")
-        elif isinstance(value, torch.Tensor):
-            yield full, value
-        elif isinstance(value, Linear):
-            yield full, value.weight
-            if value.scale is not None:
-                yield full + "_scale", value.scale
-        else:
-            yield from _named(value, full)
-
-
-def named_parameters(weights: ModelWeights) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical checkpoint name, tensor) of every weight in ``weights``, FP8 scales as ``name + "_scale"``."""
-    return _named(weights, "")

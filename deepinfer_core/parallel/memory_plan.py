@@ -13,10 +13,10 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.memory import plan_pools
-from deepinfer_core.model import default_numerics
+from deepinfer_core.models import default_numerics
 from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, resolve_kv_cache_spec
-from deepinfer_core.model.loader import _IGNORED, expected_shapes, parameter_dtype, read_headers
+from deepinfer_core.model.loader import expected_shapes, has_drafter_weights, parameter_dtype
 
 
 @dataclass
@@ -48,7 +48,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool, num_exper
     """(all weight bytes, routed-expert bytes) of a model holding ``num_experts`` routed slots per layer."""
     total = experts = 0
     for name, shape in expected_shapes(cfg, with_mtp, num_experts).items():
-        size = parameter_dtype(name, dtype).itemsize
+        size = parameter_dtype(cfg, name, dtype).itemsize
         for dim in shape:
             size *= dim
         total += size
@@ -89,7 +89,7 @@ def plan_memory(args: Any) -> list[RankMemory]:
                          "the plan covers budget-sized pools (CPU)")
     numerics = args.numerics or default_numerics(cfg)
     spec = resolve_kv_cache_spec(hook, cfg, cache, dtype, numerics)
-    with_mtp = any(n.startswith("mtp.") and not _IGNORED.search(n) for n in read_headers(path))
+    with_mtp = has_drafter_weights(cfg, path)
     world = pc.data_parallel_size
     slots = pc.num_physical_experts(cfg.n_routed_experts) // pc.expert_parallel_size
     weights, experts = weight_bytes(cfg, dtype, with_mtp, slots)

@@ -1,5 +1,5 @@
 """DeepSeek's block FP8: E4M3 weights with one float32 scale per 128x128 tile, activations quantised per
-token per 128 channels, and which parameters of the model are kept that way.
+token per 128 channels. Which parameters a model keeps this way is its manifest's business.
 
 Weights: ``scale = max(amax(tile), AMAX_EPS) / 448``, ``q = e4m3(w / scale)`` (round to nearest even);
 tiles at the right and bottom edges may be partial. Activations: the same per 1x128 group of a row, always
@@ -8,26 +8,13 @@ from float32 values (float64 inputs are narrowed first), so every backend quanti
 
 from __future__ import annotations
 
-import re
-
 import torch
-
-from deepinfer_core.config import ModelConfig
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: amax floor: an all-zero group gets a finite scale (DeepGEMM's choice)
 AMAX_EPS = 1e-4
-
-_ALWAYS = re.compile(
-    r"(\.attn\.(wq_a|wq_b|wkv|wo_b)\.weight|\.ffn\.shared_experts\.(w[123]\.weight|w13)|\.ffn\.experts\.w(13|2))$"
-)
-#: compressor and indexer projections: only where both dims are whole tiles (DeepSeek keeps e.g. the
-#: 64-row indexer ``weights_proj`` in bf16)
-_IF_WHOLE_TILES = re.compile(r"\.attn\.(compressor\.(wkv|wgate)|indexer\.(wq_b|weights_proj|compressor\.(wkv|wgate)))"
-                             r"\.weight$")
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -95,47 +82,14 @@ def dequantize_act_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     return q.to(dtype) * scale.to(dtype).repeat_interleave(block, -1)[..., : q.shape[-1]]
 
 
-def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """Does DeepSeek's FP8 layout keep parameter ``name`` (of ``shape``) in E4M3?"""
-    if _ALWAYS.search(name):
-        return True
-    return bool(_IF_WHOLE_TILES.search(name)) and shape[-2] % FP8_BLOCK == 0 and shape[-1] % FP8_BLOCK == 0
-
-
-#: what DeepSeek's inference/model.py keeps in high precision and the engine's FP8 mode would quantise:
-#: the compressors' float32 projections, the bf16 indexer ``weights_proj``, and the routed experts
-#: when they are not packed FP4 (their FP8 op quantises activations with float scales, not ue8m0)
-_NOT_FP8_IN_DEEPSEEK = re.compile(r"(\.compressor\.(wkv|wgate)\.weight|\.indexer\.weights_proj\.weight|"
-                                  r"\.ffn\.experts\.w(13|2))$")
-
-
-def fp8_weight_names(cfg: ModelConfig, numerics: str = "transformers") -> set[str]:
-    """Every parameter name (after expert stacking, MTP included) that FP8 mode keeps in E4M3.
-
-    Not: embedding, head, router gate, norms, ``hc_*``, ``ape``, sinks, ``tid2eid``, ``wo_a`` (its
-    grouped projection has no FP8 op) and the MTP ``e_proj`` / ``h_proj``; under ``numerics="deepseek"``
-    only the projections DeepSeek's model.py runs through its FP8 GEMM (:data:`_NOT_FP8_IN_DEEPSEEK`).
-    """
-    from deepinfer_core.model.loader import expected_shapes
-
-    names = {n for n, shape in expected_shapes(cfg, with_mtp=True).items() if is_fp8_weight(n, shape)}
-    # shared experts' w1 and w3 are stacked on load into one [2I, D] projection
-    names |= {n.removesuffix("w1.weight") + "w13" for n in names if n.endswith("shared_experts.w1.weight")}
-    if numerics == "deepseek":
-        names = {n for n in names if not _NOT_FP8_IN_DEEPSEEK.search(n)}
-    return names
-
-
-def quantize_params_fp8(params: dict[str, torch.Tensor], cfg: ModelConfig, numerics: str = "transformers"
-                        ) -> list[str]:
-    """Quantise in place every FP8-eligible parameter that is not E4M3 yet, adding ``name + "_scale"``
-    (power-of-two scales under ``numerics="deepseek"``, as DeepSeek publishes them).
+def quantize_params_fp8(params: dict[str, torch.Tensor], names: set[str], ue8m0: bool = False) -> list[str]:
+    """Quantise in place every parameter of ``names`` that is not E4M3 yet, adding ``name + "_scale"``
+    (power-of-two scales with ``ue8m0``, as DeepSeek publishes them).
 
     Stacked experts [E, N, K] get scales [E, ceil(N/128), ceil(K/128)]. Returns the names converted.
     """
-    ue8m0 = numerics == "deepseek"
     done = []
-    for name in sorted(fp8_weight_names(cfg, numerics)):
+    for name in sorted(names):
         w = params.get(name)
         if w is None or w.dtype == FP8_DTYPE or name + "_scale" in params:  # absent, or quantised already (FP4)
             continue

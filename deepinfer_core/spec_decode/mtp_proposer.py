@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.parallel.ep import dummy_moe
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs

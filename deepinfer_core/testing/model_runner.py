@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 

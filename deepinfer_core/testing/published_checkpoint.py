@@ -24,7 +24,7 @@ import torch
 
 from deepinfer_core.quant.fp4 import E2M1_VALUES, quantize_fp4_block
 from deepinfer_core.quant.fp8 import quantize_fp8_block
-from deepinfer_core.model.published_layout import BF16_NAMES, FP4_NAMES, FP8_NAMES
+from deepinfer_core.models.deepseek_v4.manifest import BF16_NAMES, FP4_NAMES, FP8_NAMES
 
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}

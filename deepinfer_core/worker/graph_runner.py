@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import (
     ForwardBatch,
     GraphPadding,

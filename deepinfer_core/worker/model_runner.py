@@ -13,7 +13,7 @@ import torch
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.model.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams

@@ -11,7 +11,7 @@ import torch
 from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.memory import PoolSizes, plan_pools, profile_activation_bytes
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
-from deepinfer_core.model import load_model
+from deepinfer_core.models import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
 from deepinfer_core.parallel.ep import attach_expert_map, dummy_moe_step, place_experts

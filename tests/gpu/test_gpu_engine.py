@@ -24,7 +24,7 @@ import torch
 from gpu_support import BACKEND, TINY_MODELS, gpu_marks, make_prompt
 
 from deepinfer_core.entrypoints.llm import LLM
-from deepinfer_core.model import load_model
+from deepinfer_core.models import load_model
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.model_runner import SimpleRunner
 

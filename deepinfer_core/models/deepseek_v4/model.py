@@ -10,7 +10,7 @@ import torch
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import CompressorSpec, ModelCache, layer_cache_specs
 from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
-from deepinfer_core.model.weights import (
+from deepinfer_core.models.deepseek_v4.weights import (
     Attention,
     Block,
     Compressor,

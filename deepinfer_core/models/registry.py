@@ -1,0 +1,102 @@
+"""The model registry: config.json ``architectures`` (then ``model_type``) -> the package that serves it.
+
+Packages are imported lazily, on first use, as vLLM's ``model_executor/models/registry.py`` does: the
+registry holds module names, and each module exposes ``ARCHITECTURE`` (an :class:`Architecture`).
+Out-of-tree architectures (a plugin, a test) call :func:`register_architecture`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from deepinfer_core.model.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.model.cache_layout import CacheLayout
+    from deepinfer_core.model.manifest import CheckpointManifest
+    from deepinfer_core.models.interface import Model
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one architecture declares; everything the engine needs of a model family goes through it.
+
+    ``config_class`` parses config.json (``parse(path, raw)``); ``manifest(cfg)`` lists its parameters;
+    ``cache_layout(cfg)`` its cache pools and branches; ``load_model(cfg, path, **options)`` builds a
+    :class:`~deepinfer_core.models.interface.Model`; ``default_numerics(cfg)`` picks the numerics a
+    checkpoint runs in by default; ``build_weights(cfg, params, hook, num_experts)`` makes its typed
+    records of canonical-named tensors, after ``prepare_params(cfg, params, param_dtype)`` re-laid them
+    (optional)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    config_class: type[ModelConfig]
+    manifest: Callable[[ModelConfig], CheckpointManifest]
+    cache_layout: Callable[[ModelConfig], CacheLayout]
+    load_model: Callable[..., Model]
+    default_numerics: Callable[[ModelConfig], str]
+    build_weights: Callable[..., Any]
+    prepare_params: Callable[..., None] | None = None
+    numerics: tuple[str, ...] = ("transformers",)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: architecture name -> (module exposing ARCHITECTURE, model_types it also answers to)
+_REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "DeepseekV4ForCausalLM": ("deepinfer_core.models.deepseek_v4", ("deepseek_v4",)),
+}
+_LOADED: dict[str, Architecture] = {}
+
+
+def register_architecture(name: str, module: str, model_types: tuple[str, ...] = ()) -> None:
+    """Serve config.json ``architectures: [name]`` (or one of ``model_types``) with ``module``'s
+    ``ARCHITECTURE``; imported on first use."""
+    _REGISTRY[name] = (module, tuple(model_types))
+    _LOADED.pop(name, None)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _load(name: str) -> Architecture:
+    if name not in _LOADED:
+        module, _ = _REGISTRY[name]
+        arch = importlib.import_module(module).ARCHITECTURE
+        if arch.name != name:
+            raise UnsupportedModelError(f"{module}.ARCHITECTURE is {arch.name!r}, registered as {name!r}")
+        _LOADED[name] = arch
+    return _LOADED[name]
+
+
+def resolve_architecture(raw: Mapping[str, Any], where: str = "config.json") -> Architecture:
+    """The architecture serving a parsed config.json: the first of its ``architectures`` registered,
+    else the one registered for its ``model_type``; an :class:`UnsupportedModelError` naming both and
+    what is served otherwise."""
+    names = raw.get("architectures") or []
+    if isinstance(names, str):
+        names = [names]
+    model_type = raw.get("model_type")
+    for name in names:
+        if name in _REGISTRY:
+            arch = _load(name)
+            if model_type is not None and model_type not in arch.model_types:
+                raise UnsupportedModelError(
+                    f"{where}: architectures {names} is served by {name}, whose model_type is one of "
+                    f"{list(arch.model_types)}, but the config says model_type {model_type!r}")
+            return arch
+    for name, (_, types) in _REGISTRY.items():
+        if model_type in types:
+            return _load(name)
+    served = ", ".join(f"{n} (model_type {'/'.join(t)})" for n, (_, t) in sorted(_REGISTRY.items()))
+    raise UnsupportedModelError(f"unsupported model_type {model_type!r} (architectures {names}) in {where}; "
+                                f"deepinfer serves {served}")
+
+
+def architecture_of(cfg: ModelConfig) -> Architecture:
+    """The architecture a parsed model config belongs to."""
+    return cfg.architecture
