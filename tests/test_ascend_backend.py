@@ -48,9 +48,9 @@ def clean(monkeypatch, tmp_path):
     fake = FakeDists(site)
     fake.ensure_repo_dists(monkeypatch)
     monkeypatch.delenv(plugins.ALLOWLIST_ENV, raising=False)
-    for var in (*plugin.CANN_ENV_VARS, "BISHENG_HOME"):
+    for var in (*npu.CANN_ENV_VARS, "BISHENG_HOME"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(plugin, "CANN_DEFAULT", str(tmp_path / "no-cann"))
+    monkeypatch.setattr(npu, "CANN_DEFAULT", str(tmp_path / "no-cann"))
     plugins._LOADED.clear()
     npu._probe.cache_clear()
     SELF_CHECK.cache_clear()
@@ -215,8 +215,8 @@ def chosen(reg, ctx) -> dict:
 
 
 def test_backends_lists_ascend_with_the_exact_reason(capsys, monkeypatch):
-    real = plugin.importlib.util.find_spec
-    monkeypatch.setattr(plugin.importlib.util, "find_spec",
+    real = npu.importlib.util.find_spec
+    monkeypatch.setattr(npu.importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch_npu" else real(name, *a))
     assert cli.main(["backends", "--json"]) == 0
     rows = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
@@ -243,8 +243,8 @@ def test_backends_reason_without_an_npu_device(capsys, monkeypatch, tmp_path):
                                          (["/dev/davinci0"], "1 Ascend device node(s) (/dev/davinci0); the chip is "
                                                              "unknown without torch_npu")])
 def test_details_say_whether_an_npu_is_there_without_torch_npu(monkeypatch, nodes, want):
-    real = plugin.importlib.util.find_spec
-    monkeypatch.setattr(plugin.importlib.util, "find_spec",
+    real = npu.importlib.util.find_spec
+    monkeypatch.setattr(npu.importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch_npu" else real(name, *a))
     monkeypatch.setattr(plugin.glob, "glob", lambda pattern: list(nodes) if pattern == plugin.DEVICE_NODES else [])
     assert plugin.details()["npu_device"] == want
@@ -303,7 +303,7 @@ def test_fake_npu_context_picks_torch_npu_and_tilelang(monkeypatch, tmp_path):
     ctx = BuildContext(backend="ascend_950", device=NPU_DEVICE, dtype=torch.bfloat16, probe_only=True)
     want = dict(native.NATIVE_OPS, rms_norm=npu_ops.rms_norm, rotary_emb=npu_ops.rotary_emb, swiglu=npu_ops.swiglu,
                 sparse_attention=tilelang_ops.sparse_attention, hc_pre=tilelang_ops.hc_pre)
-    want.update(tilelang_ops.ALL_OPS)  # every TileLang kernel serves bf16 on an NPU
+    want.update(registration.tilelang_kernel_ops())  # every TileLang kernel serves bf16 on an NPU
     assert chosen(registry(), ctx) == want
     labels = registration.op_labels(registry(), ctx)
     assert labels["rms_norm"] == "torch_npu.npu_rms_norm" and labels["linear"] == "native"
@@ -337,7 +337,7 @@ def test_fake_npu_context_kernel_dtypes_and_self_check(monkeypatch, tmp_path):
     build = BuildContext(backend="ascend_950", device=NPU_DEVICE, dtype=torch.bfloat16)
     got = chosen(registry(), build)
     assert got["sparse_attention"] is native.sparse_attention and got["hc_pre"] is native.hc_pre
-    assert {c[0] for c in calls} == {"sparse_attention", "hc_pre"} | set(tilelang_ops.ALL_OPS)
+    assert {c[0] for c in calls} == {"sparse_attention", "hc_pre"} | set(registration.tilelang_kernel_ops())
 
 
 def test_dry_run_shows_both_plans(capsys):
@@ -381,8 +381,8 @@ def test_rotary_adapter_falls_back_outside_the_operator_limits(monkeypatch, tmp_
 
 
 def test_init_device_without_torch_npu_is_a_clear_error(monkeypatch):
-    real = plugin.importlib.util.find_spec
-    monkeypatch.setattr(plugin.importlib.util, "find_spec",
+    real = npu.importlib.util.find_spec
+    monkeypatch.setattr(npu.importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch_npu" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"cannot select an NPU for local rank 0: torch_npu not installed"):
         plugin.deepinfer_init_device(local_rank=0)

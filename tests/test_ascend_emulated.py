@@ -25,7 +25,7 @@ from deepinfer_core.plugins import collect_registry, load_backend  # noqa: E402
 from deepinfer_core.testing import conformance as conf  # noqa: E402
 
 BACKEND = "ascend_950"
-KERNEL_OPS = sorted(tilelang_ops.ALL_OPS)
+KERNEL_OPS = sorted(registration.tilelang_kernel_ops())
 CASES = [(op, dt) for op in KERNEL_OPS for dt in registration.TILELANG_DTYPES[op]]
 #: V4-Flash widths for the kernels (64 heads x 512, indexer 64 x 128, hc_mult 4 over 4096), small pools
 WIDE = dict(tokens=3, hidden=4096, heads=64, head_dim=512, rope_dim=64, kv_pool=160, window_pool=48, window=16,

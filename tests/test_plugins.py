@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -678,8 +679,9 @@ def test_ascend_plugin_never_imports_torch_npu_at_import(tmp_path):
         """
         import os, sys
         os.environ.pop("ASCEND_HOME_PATH", None); os.environ.pop("ASCEND_TOOLKIT_HOME", None)
+        import deepinfer_ascend_950.npu as npu
         import deepinfer_ascend_950.plugin as p
-        p.CANN_DEFAULT = "/nonexistent/ascend-toolkit"
+        npu.CANN_DEFAULT = "/nonexistent/ascend-toolkit"
         info = p.deepinfer_backend_info()
         assert "torch_npu" not in sys.modules
         print(info.is_available())
@@ -693,11 +695,11 @@ def test_ascend_plugin_never_imports_torch_npu_at_import(tmp_path):
 
 @pytest.fixture
 def ascend(dists, tmp_path, monkeypatch):
-    from deepinfer_ascend_950 import plugin
+    from deepinfer_ascend_950 import npu, plugin
 
-    for var in plugin.CANN_ENV_VARS:
+    for var in npu.CANN_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(plugin, "CANN_DEFAULT", str(tmp_path / "no-cann"))
+    monkeypatch.setattr(npu, "CANN_DEFAULT", str(tmp_path / "no-cann"))
     had_npu, had_module = hasattr(torch, "npu"), "torch_npu" in sys.modules
     yield plugin
     if not had_module:  # forget the fake torch_npu a test imported
@@ -732,7 +734,7 @@ def _fake_cann(monkeypatch, tmp_path, version="8.5.RC1"):
 
 
 def test_ascend_probe_without_torch_npu(ascend, monkeypatch):
-    monkeypatch.setattr(ascend.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     ok, reason = ascend.is_available()
     assert not ok and reason.startswith("torch_npu not installed")
 

@@ -7,3 +7,5 @@ are imported lazily, never when this package is imported, so a host without CANN
 backend. ``torch-npu`` is not a dependency of this distribution; see README.md for how an NPU host
 installs it.
 """
+
+NAME = "ascend_950"  # the backend's name: its entry point in ``deepinfer.backends``

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
-from deepinfer_ascend_950 import npu
-from deepinfer_ascend_950.plugin import NAME, is_available
+from deepinfer_ascend_950 import NAME, npu
+from deepinfer_ascend_950.npu import is_available
 from deepinfer_ascend_950.registration import op_labels
 from deepinfer_core.ops.registry import BuildContext
 from deepinfer_core.plugins import collect_registry, load_backend

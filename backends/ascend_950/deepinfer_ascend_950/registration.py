@@ -83,11 +83,18 @@ def sqrtsoftplus_route_applies(ctx: BuildContext) -> bool:
     return getattr(ctx.model_config, "scoring_func", None) == "sqrtsoftplus" and tilelang_verdict("moe_route", ctx)[0]
 
 
+def tilelang_kernel_ops() -> dict[str, Callable]:
+    """op -> its TileLang wrapper, for every op a kernel serves whatever the model."""
+    from deepinfer_ascend_950 import tilelang_kv_fp8, tilelang_moe, tilelang_ops
+
+    return {**tilelang_ops.ALL_OPS, **tilelang_moe.ALL_OPS, **tilelang_kv_fp8.ALL_OPS}
+
+
 def kernel_ops() -> dict[str, Callable]:
     """op -> its TileLang wrapper, the model-gated ones included."""
     from deepinfer_ascend_950 import tilelang_ops
 
-    return {**tilelang_ops.ALL_OPS, **tilelang_ops.ROUTE_OPS}
+    return {**tilelang_kernel_ops(), **tilelang_ops.ROUTE_OPS}
 
 
 def _self_check_case(op: str, device: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -127,7 +134,7 @@ def register_all(registry: OpRegistry) -> None:
     native.register(registry, priority=NATIVE)
     for op, (fn, operator) in npu_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TORCH_NPU, predicate=npu_op_applies(operator))
-    for op, fn in tilelang_ops.ALL_OPS.items():
+    for op, fn in tilelang_kernel_ops().items():
         registry.register(op, fn, priority=TILELANG, predicate=tilelang_applies(op),
                           syncs_host=op in tilelang_ops.SYNCS_HOST)
     for op, fn in tilelang_ops.ROUTE_OPS.items():

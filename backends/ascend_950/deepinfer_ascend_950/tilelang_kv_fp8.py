@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.quant.kv_fp8 import KV_FP8_BLOCK, kv_fp8_entry_bytes
+from deepinfer_ascend_950 import reference, tilelang_ops
 from deepinfer_core.ops import native
-
-# tilelang_ops (compiled(), the dtype tables) is imported inside the wrappers: it imports this module
+from deepinfer_core.quant.kv_fp8 import KV_FP8_BLOCK, kv_fp8_entry_bytes
 
 
 def _takes(nope: int) -> bool:
@@ -26,8 +25,6 @@ def _takes(nope: int) -> bool:
 
 
 def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    from deepinfer_ascend_950 import tilelang_ops
-
     d = kv.shape[-1]
     nope = d - rope_dim
     if kv.dtype not in tilelang_ops.VECTOR_DTYPES or not _takes(nope) or kv.numel() == 0:
@@ -45,8 +42,6 @@ def kv_fp8_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
 
 def sparse_attention_fp8(q, kv, indices, sinks, scale: float, rope_dim: int, rope_dtype: torch.dtype,
                          extra_kv=None, extra_indices=None):
-    from deepinfer_ascend_950 import reference, tilelang_ops
-
     d = q.shape[-1]
     entry = kv_fp8_entry_bytes(d, rope_dim, rope_dtype)
     widths = {kv.shape[-1]} | ({extra_kv.shape[-1]} if extra_kv is not None else set())

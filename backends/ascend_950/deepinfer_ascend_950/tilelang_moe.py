@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_ascend_950 import grouping
+from deepinfer_ascend_950 import grouping, tilelang_ops
 from deepinfer_core.ops import native
-
-# tilelang_ops (compiled(), the dtype tables) is imported inside the wrappers: it imports this module
 
 BLOCK_M = 64
 FP4_DTYPES = (torch.uint8, torch.int8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
@@ -39,8 +37,6 @@ def _e8m0_bits(scale: torch.Tensor) -> torch.Tensor | None:
 
 def _fp4_mm(x: torch.Tensor, p: grouping.TilePlan, w: torch.Tensor, w_scale: torch.Tensor,
             out_dtype: torch.dtype) -> torch.Tensor:
-    from deepinfer_ascend_950 import tilelang_ops
-
     n, k = w.shape[1], 2 * w.shape[2]
     out = torch.empty(p.rows, n, dtype=out_dtype, device=x.device)
     kernel = tilelang_ops.compiled("fp4_expert_gemm", n=n, k=k, dtype=tilelang_ops.KERNEL_DTYPES[x.dtype],
@@ -51,8 +47,6 @@ def _fp4_mm(x: torch.Tensor, p: grouping.TilePlan, w: torch.Tensor, w_scale: tor
 
 
 def _fp4_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, quant_act: bool) -> bool:
-    from deepinfer_ascend_950 import tilelang_ops
-
     dims_ok = all(w.dim() == 3 and (2 * w.shape[2]) % 32 == 0 and w.shape[1] % 32 == 0 for w in (w13, w2))
     operand_ok = x.dtype in tilelang_ops.VECTOR_DTYPES if quant_act else x.dtype in tilelang_ops.KERNEL_DTYPES
     return dims_ok and operand_ok and w13.dtype in FP4_DTYPES and w2.dtype in FP4_DTYPES and w13.shape[0] > 0
@@ -64,8 +58,6 @@ def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
     if s13 is None or s2 is None or not _fp4_takes(x, w13, w2, quant_act) or x.shape[0] == 0:
         return native.moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit,
                                       quant_act)
-    from deepinfer_ascend_950.tilelang_ops import act_quant_sim
-
     f32 = torch.float32
     p = grouping.plan(topk_ids, w13.shape[0], BLOCK_M)
     weights = grouping.row_weights(topk_weights, p)
@@ -75,17 +67,15 @@ def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
         y = _fp4_mm(h, p, w2, s2, x.dtype) * weights.to(x.dtype)[:, None]
         return grouping.combine(y, p, x.dtype)
     bf16 = torch.bfloat16
-    xq = grouping.gather_rows(act_quant_sim(x, 128, "e4m3", False).to(bf16), p)
+    xq = grouping.gather_rows(tilelang_ops.act_quant_sim(x, 128, "e4m3", False).to(bf16), p)
     gate_up = _fp4_mm(xq, p, w13, s13, x.dtype)
     h = native.swiglu(gate_up.to(f32), swiglu_limit) * weights.to(f32)[:, None]
-    hq = act_quant_sim(h.to(x.dtype), 128, "e4m3", False).to(bf16)
+    hq = tilelang_ops.act_quant_sim(h.to(x.dtype), 128, "e4m3", False).to(bf16)
     return grouping.combine(_fp4_mm(hq, p, w2, s2, x.dtype), p, x.dtype)
 
 
 def _fp8_mm(q: torch.Tensor, scales: torch.Tensor, p: grouping.TilePlan, w: torch.Tensor,
             w_scale: torch.Tensor) -> torch.Tensor:
-    from deepinfer_ascend_950 import tilelang_ops
-
     k = q.shape[1]
     out = torch.empty(p.rows, w.shape[1], dtype=torch.float32, device=q.device)
     kernel = tilelang_ops.compiled("fp8_expert_gemm", n=w.shape[1], k=k, out_dtype="float32", block_m=BLOCK_M,
@@ -96,8 +86,6 @@ def _fp8_mm(q: torch.Tensor, scales: torch.Tensor, p: grouping.TilePlan, w: torc
 
 
 def moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float):
-    from deepinfer_ascend_950 import tilelang_ops
-
     fp8 = tilelang_ops.FP8
     if x.dtype not in tilelang_ops.VECTOR_DTYPES or w13.dtype != fp8 or w2.dtype != fp8 or x.shape[0] == 0 \
             or w13.shape[0] == 0:

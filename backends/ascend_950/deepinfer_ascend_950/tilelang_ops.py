@@ -1,5 +1,6 @@
 """Catalogued ops served by the TileLang-Ascend kernels of :mod:`.kernels`, compiled for the device once
-per kernel configuration (``tilelang.compile(target="ascend")``, which needs CANN's ``bisheng``).
+per kernel configuration (``tilelang.compile(target="ascend")``, which needs CANN's ``bisheng``); the
+expert and FP8-KV wrappers (:mod:`.tilelang_moe`, :mod:`.tilelang_kv_fp8`) build on what is here.
 
 - ``hc_pre``: the mixes GEMM and the stream collapse in torch on the NPU, the split + Sinkhorn in the
   :mod:`.kernels.hc_sinkhorn` kernel.
@@ -275,17 +276,11 @@ def moe_route(logits, scoring_func: str, top_k: int, correction_bias, fixed_ids,
 #: ops whose wrapper reads values back to the host (no graph around them)
 SYNCS_HOST: frozenset[str] = frozenset()  # the expert ops are grouped on the device (tilelang_moe)
 
+#: this module's ops; :mod:`.tilelang_moe` and :mod:`.tilelang_kv_fp8` hold the others (all of them:
+#: :func:`.registration.tilelang_kernel_ops`)
 ALL_OPS = {"linear_fp8": linear_fp8, "hc_pre": hc_pre, "hc_post": hc_post,
            "hc_head": hc_head, "sparse_attention": sparse_attention, "compress_windows": compress_windows,
            "indexer_topk": indexer_topk, "act_quant_sim": act_quant_sim}
-
-from deepinfer_ascend_950 import tilelang_moe  # noqa: E402  (its wrappers call compiled() above)
-
-ALL_OPS.update(tilelang_moe.ALL_OPS)
-
-from deepinfer_ascend_950 import tilelang_kv_fp8  # noqa: E402
-
-ALL_OPS.update(tilelang_kv_fp8.ALL_OPS)
 
 #: kernels registered only for a model that routes by ``sqrtsoftplus`` (DeepSeek-V4), so that other
 #: models keep the torch_npu gating operator for ``moe_route``
