@@ -31,7 +31,7 @@ from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import BuildContext, MissingOpError, OpRegistry, resolve_ops
 from deepinfer_core.plugins import build_op_table, collect_registry, load_backend
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import noise_seed, sampling_noise
+from deepinfer_core.sampling.random import noise_seed, sampling_noise
 from deepinfer_core.testing import conformance as conf
 
 make_llm = engine_fixtures.make_llm

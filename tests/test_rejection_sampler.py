@@ -180,13 +180,13 @@ def test_seeded_requests_reproduce(make_llm):
 def test_verification_noise_is_the_host_hash_of_each_position():
     """The seeds of each row's noise and acceptance uniform, hashed on the device from the positions, are
     the host's ``noise_seed`` / ``accept_seed`` of that output position (negative and 64-bit bases too)."""
-    from deepinfer_core.sampling.sampler import _signed, exponential_noise, noise_seed
+    from deepinfer_core.sampling.random import as_int64, exponential_noise, noise_seed
     from deepinfer_core.spec_decode.rejection_sampler import accept_seed
 
     bases, firsts, rows, vocab = [0, 7, -3, (1 << 64) - 5, 123456789123456789], [0, 5, 1, 1000, 77], 4, 11
     uniforms, noise = verify_noise(bases, firsts, rows, vocab, torch.device("cpu"))
     for s, (base, first) in enumerate(zip(bases, firsts)):
-        seeds = torch.tensor([_signed(noise_seed(base, first + j)) for j in range(rows)])
+        seeds = torch.tensor([as_int64(noise_seed(base, first + j)) for j in range(rows)])
         assert torch.equal(noise[s], exponential_noise(seeds, vocab))
-        useeds = torch.tensor([_signed(accept_seed(base, first + j)) for j in range(rows - 1)])
+        useeds = torch.tensor([as_int64(accept_seed(base, first + j)) for j in range(rows - 1)])
         assert torch.equal(uniforms[s], exponential_noise(useeds, 1)[:, 0].neg().exp())

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import Sampler, exponential_noise, noise_seed, sampling_noise
+from deepinfer_core.sampling.random import exponential_noise, noise_seed, sampling_noise
+from deepinfer_core.sampling.sampler import Sampler
 
 VOCAB = 384
 MASK = (1 << 64) - 1

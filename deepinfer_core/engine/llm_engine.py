@@ -25,7 +25,7 @@ from deepinfer_core.model.cache import check_block_size
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
-from deepinfer_core.sampling.sampler import base_seed
+from deepinfer_core.sampling.random import base_seed
 from deepinfer_core.sampling.structured import StructuredOutputManager
 from deepinfer_core.spec_decode.drafts import DraftPlanner
 from deepinfer_core.worker.executor import Executor, UniProcExecutor

@@ -2,11 +2,11 @@
 
 An all-greedy batch without penalties, grammar, ``min_tokens`` masks or logprobs is one argmax. Random
 rows are sampled by an exponential race (``random_sample``: argmax of probs / noise) whose Exp(1)
-noise is counter-based and made on the device: element ``v`` of the noise of a sequence's output
-position ``p`` is ``-log u`` with ``u`` made of the top 52 bits of output ``v + 1`` of the splitmix64
-stream seeded with ``noise_seed(base, p)``, where ``base`` is the sequence's seed (the engine derives it
-from the request's ``seed`` and the sample index, or draws it from the engine seed for unseeded
-requests).
+noise is counter-based and made on the device (:mod:`deepinfer_core.sampling.random`): element ``v`` of
+the noise of a sequence's output position ``p`` is ``-log u`` with ``u`` made of the top 52 bits of
+output ``v + 1`` of the splitmix64 stream seeded with ``noise_seed(base, p)``, where ``base`` is the
+sequence's seed (the engine derives it from the request's ``seed`` and the sample index, or draws it
+from the engine seed for unseeded requests).
 The hash is exact 64-bit integer arithmetic in int64 tensor ops, so the uniforms of a position are the
 same on every device (the noise is then the device's ``log``) and whatever the batch, the number of
 earlier steps, preemption and recomputation, or an engine restart.
@@ -30,72 +30,7 @@ from deepinfer_core.ops import OpTable
 from deepinfer_core.platform import Event, Platform
 from deepinfer_core.sampling.argmax import argmax
 from deepinfer_core.sampling.penalties import PenaltyTable
-
-_MASK64 = (1 << 64) - 1
-_GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + _GAMMA) & _MASK64
-    x = ((x ^ (x >> 30)) * _M1) & _MASK64
-    x = ((x ^ (x >> 27)) * _M2) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _signed(x: int) -> int:
-    """The int64 holding the bit pattern of the uint64 ``x``."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def noise_seed(base_seed: int, position: int) -> int:
-    """The 64-bit seed of the sampling noise at output ``position`` of a sequence."""
-    return _splitmix64(_splitmix64(base_seed & _MASK64) ^ position)
-
-
-def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """``_splitmix64`` of each int64 bit pattern in ``x``, on ``x``'s device (wrapping as in
-    :func:`exponential_noise`)."""
-    z = x + _signed(_GAMMA)
-    for bits, multiplier in ((30, _M1), (27, _M2), (31, None)):
-        z = z ^ torch.bitwise_right_shift(z, bits).bitwise_and_((1 << (64 - bits)) - 1)
-        if multiplier is not None:
-            z = z * _signed(multiplier)
-    return z
-
-
-def exponential_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [B, V] (float64) on ``seeds``' device from per-row int64 ``seeds`` [B].
-
-    Row ``b`` holds outputs 1..V of the splitmix64 stream seeded with ``seeds[b]``: int64 products and
-    sums wrap modulo 2**64 exactly as the unsigned ones do, and masking the sign copies that ``>>``
-    brings in makes the shifts logical. One scratch buffer serves every shift (no per-op allocation).
-    """
-    steps = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _signed(_GAMMA)
-    z = seeds.to(torch.int64).unsqueeze(1) + steps
-    shifted = torch.empty_like(z)
-    for bits, multiplier in ((30, _M1), (27, _M2), (31, None)):
-        torch.bitwise_right_shift(z, bits, out=shifted)
-        z ^= shifted.bitwise_and_((1 << (64 - bits)) - 1)
-        if multiplier is not None:
-            z *= _signed(multiplier)
-    # the top 52 bits as a signed number, offset into [0, 2**52) and centred: every step is exact in
-    # float64 and u lies in (0, 1), so the noise is finite and > 0
-    u = torch.bitwise_right_shift(z, 12, out=shifted).to(torch.float64).add_(2.0**51 + 0.5).mul_(2.0**-52)
-    return u.log_().neg_()
-
-
-def base_seed(seq: Any) -> int:
-    """The seed a sequence's sampling noise is derived from: its ``seed`` or its generator's."""
-    seed = getattr(seq, "seed", None)
-    if seed is not None:
-        return seed
-    return seq.generator.initial_seed() if seq.generator is not None else 0
-
-
-def sampling_noise(seq: Any, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [V] (float64, on the CPU) for ``seq``'s next output position."""
-    seed = _signed(noise_seed(base_seed(seq), len(seq.output_token_ids)))
-    return exponential_noise(torch.tensor([seed]), vocab_size)[0]
+from deepinfer_core.sampling.random import as_int64, base_seed, exponential_noise, noise_seed
 
 
 @dataclass
@@ -185,7 +120,7 @@ class Sampler:
                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sampled tokens, their rows in ``logits``) for the random rows ``rows``; one copy to the device."""
         p = [s.params for s in seqs]
-        ints = torch.tensor([rows, [_signed(noise_seed(base_seed(s), len(s.output_token_ids))) for s in seqs],
+        ints = torch.tensor([rows, [as_int64(noise_seed(base_seed(s), len(s.output_token_ids))) for s in seqs],
                              [x.top_k for x in p]], dtype=torch.int64)
         floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]],
                               dtype=torch.float64)

@@ -19,14 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.sampling.argmax import argmax
-from deepinfer_core.sampling.sampler import (
-    _MASK64,
-    _signed,
-    _splitmix64,
-    exponential_noise,
-    noise_seed,
-    splitmix64_tensor,
-)
+from deepinfer_core.sampling.random import MASK64 as _MASK64
+from deepinfer_core.sampling.random import as_int64 as _signed
+from deepinfer_core.sampling.random import exponential_noise, noise_seed, splitmix64_tensor
+from deepinfer_core.sampling.random import splitmix64 as _splitmix64
 
 _ACCEPT_TAG = 0x5D3C_A11E_D0_5EED  # separates the acceptance uniforms from the sampling noise
 

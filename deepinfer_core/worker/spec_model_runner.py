@@ -46,7 +46,7 @@ import torch
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
-from deepinfer_core.sampling.sampler import base_seed
+from deepinfer_core.sampling.random import base_seed
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
