@@ -10,6 +10,8 @@ asked before the backend); the other hooks collect a contribution from every plu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -23,12 +25,22 @@ if TYPE_CHECKING:
     from deepinfer_core.models.deepseek_v4.weights import ModelWeights
     from deepinfer_core.ops.registry import OpRegistry
     from deepinfer_core.platform import Platform
-    from deepinfer_core.plugins import BackendInfo
     from deepinfer_core.topology import ClusterTopology, ParallelPlan
 
 PROJECT = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass
+class BackendInfo:
+    """What a backend says about itself through ``deepinfer_backend_info``."""
+
+    name: str
+    device_type: str
+    version: str = "0"
+    is_available: Callable[[], tuple[bool, str]] = lambda: (True, "")
+    details: Callable[[], dict[str, str]] = dict
 
 
 # --- backend ---------------------------------------------------------------------------------------

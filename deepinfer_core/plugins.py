@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pluggy
 
 from deepinfer_core import hookspecs
+from deepinfer_core.hookspecs import BackendInfo
 from deepinfer_core.ops.registry import BuildContext, OpRegistry, OpTable, resolve_ops
 
 logger = logging.getLogger(__name__)
@@ -35,17 +35,6 @@ class PluginError(RuntimeError):
 
 class BackendUnavailableError(PluginError):
     """The backend is installed but cannot run here (no device, missing library)."""
-
-
-@dataclass
-class BackendInfo:
-    """What a backend says about itself through ``deepinfer_backend_info``."""
-
-    name: str
-    device_type: str
-    version: str = "0"
-    is_available: Callable[[], tuple[bool, str]] = lambda: (True, "")
-    details: Callable[[], dict[str, str]] = dict
 
 
 @dataclass

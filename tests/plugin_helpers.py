@@ -80,8 +80,7 @@ class FakeDists:
 
 
 GOOD_BACKEND = """
-from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugins import BackendInfo
+from deepinfer_core.hookspecs import BackendInfo, hookimpl
 from deepinfer_cpu_ref.ops import ALL_OPS
 
 NAME = {name!r}

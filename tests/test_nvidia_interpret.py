@@ -448,7 +448,7 @@ def test_torch_op_matches_cpu_ref(op, dtype, torch_only, reference, one_thread):
 def _registry_for(name: str) -> OpRegistry:
     from deepinfer_nvidia_sm100 import plugin
 
-    from deepinfer_core.plugins import BackendInfo
+    from deepinfer_core.hookspecs import BackendInfo
 
     registry = OpRegistry()
     plugin.deepinfer_register_ops(registry=registry, backend=BackendInfo(name=name, device_type="x"))

@@ -520,7 +520,7 @@ def test_describe_backends_survives_broken_backends(dists):
         {
             "probe_raises_mod": (
                 "from deepinfer_core.hookspecs import hookimpl\n"
-                "from deepinfer_core.plugins import BackendInfo\n\n"
+                "from deepinfer_core.hookspecs import BackendInfo\n\n"
                 "def boom():\n    raise RuntimeError('probe exploded')\n\n"
                 "@hookimpl\n"
                 "def deepinfer_backend_info():\n"

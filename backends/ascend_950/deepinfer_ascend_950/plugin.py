@@ -17,8 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from deepinfer_ascend_950 import NAME
 from deepinfer_ascend_950.npu import cann_version, find_bisheng, find_cann, import_torch_npu, is_available
-from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugins import BackendInfo, probe_library
+from deepinfer_core.hookspecs import BackendInfo, hookimpl
+from deepinfer_core.plugins import probe_library
 
 DISTRIBUTION = "deepinfer-ascend-950"
 DEVICE_NODES = "/dev/davinci[0-9]*"  # one per NPU, created by the Ascend driver

@@ -7,9 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from deepinfer_core.comm import TorchDistributedCommunicator
-from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.hookspecs import BackendInfo, hookimpl
 from deepinfer_core.ops import native
-from deepinfer_core.plugins import BackendInfo
 from deepinfer_core.topology import plan_single_host, single_host_cpu_topology
 from deepinfer_cpu_ref import batch_invariant
 

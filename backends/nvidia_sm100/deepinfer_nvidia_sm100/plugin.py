@@ -14,8 +14,8 @@ import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 
-from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.plugins import BackendInfo, probe_library
+from deepinfer_core.hookspecs import BackendInfo, hookimpl
+from deepinfer_core.plugins import probe_library
 from deepinfer_nvidia_sm100 import capability as caps
 
 logger = logging.getLogger(__name__)
