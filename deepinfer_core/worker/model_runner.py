@@ -4,7 +4,6 @@ each sequence's sampling state across steps (vLLM's persistent batch)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +17,7 @@ from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_b
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import Sampler, SamplerOutput
-from deepinfer_core.worker.graph_runner import capture_sizes
 from deepinfer_core.worker.outputs import EMPTY_OUTPUT, ModelRunnerOutput, ReadyOutput
-
-logger = logging.getLogger(__name__)
-DEFAULT_MAX_CAPTURE_SIZE = 256  # larger decode batches run eagerly: launch overhead no longer dominates
 
 
 @dataclass
@@ -59,43 +54,6 @@ class ModelRunner:
         self.requests: dict[int, CachedRequestState] = {}
         self._prev_rows: dict[int, int] = {}  # seq id -> row of the previous step's samples
         self._prev_tokens: torch.Tensor | None = None
-
-    @classmethod
-    def create(cls, model: DeepseekV4Model, cache: ModelCache, sampler: Sampler, args: Any, scheduler_config: Any,
-               backend: Any, platform: Platform) -> ModelRunner:
-        """A runner for the engine's arguments: with graphs from the backend unless ``args.enforce_eager``,
-        the platform cannot capture, or an op the model runs waits for the host."""
-        from deepinfer_core.spec_decode.config import SpeculativeConfig, spec_query_lens
-        from deepinfer_core.spec_decode.rollback import GraphUndo
-
-        spec = SpeculativeConfig.from_arg(getattr(args, "speculative_config", None))
-        k = spec.num_speculative_tokens if spec is not None else 0
-        graphs = None
-        if not args.enforce_eager and platform.supports_graphs:
-            syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_fp8))
-            if syncing:
-                logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
-            else:
-                max_size = min(args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
-                               scheduler_config.max_num_seqs)
-                # no sequence outgrows the compressed pool: no graph needs a longer context bucket
-                longest = min(scheduler_config.max_model_len, cache.num_blocks * cache.block_size)
-                graphs = backend.hook.deepinfer_graph_runner(
-                    model=model, cache=cache, capture_sizes=capture_sizes(max_size),
-                    max_model_len=longest, block_size=cache.block_size, platform=platform,
-                    query_lens=spec_query_lens(spec), keep_streams=bool(k),
-                    prologue=GraphUndo(cache, model.cfg.num_hidden_layers) if k else None,
-                )
-        if k:
-            from deepinfer_core.worker.spec_model_runner import SpecDecodeModelRunner
-
-            if graphs is not None and not getattr(graphs, "keep_streams", False):
-                logger.warning("speculative steps run without graphs: the backend's graph runner returns no "
-                               "streams for the MTP drafter")
-                graphs = None
-            return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, graphs,
-                                         num_speculative_tokens=k, profile_steps=spec.schedule == "confidence")
-        return cls(model, cache, cache.block_size, sampler, platform, graphs)
 
     # --- one step --------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ cache, and runs steps through its ModelRunner."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,10 @@ import torch
 from deepinfer_core.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.memory import PoolSizes, plan_pools, profile_activation_bytes
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
-from deepinfer_core.models import load_model
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
+from deepinfer_core.models import load_model
+from deepinfer_core.models.interface import Model
 from deepinfer_core.parallel.ep import attach_expert_map, dummy_moe_step, place_experts
 from deepinfer_core.parallel.eplb import EplbRecorder, ExpertLoad
 from deepinfer_core.parallel.eplb_state import EplbState
@@ -21,9 +23,15 @@ from deepinfer_core.parallel.process_group import init_process_group, world_grou
 from deepinfer_core.platform import Platform
 from deepinfer_core.plugins import LoadedBackend
 from deepinfer_core.sampling.sampler import Sampler
-from deepinfer_core.spec_decode.config import SpeculativeConfig
+from deepinfer_core.spec_decode.config import SpeculativeConfig, spec_query_lens
+from deepinfer_core.spec_decode.rollback import GraphUndo
+from deepinfer_core.worker.graph_runner import capture_sizes
 from deepinfer_core.worker.model_runner import ModelRunner
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
+from deepinfer_core.worker.spec_model_runner import SpecDecodeModelRunner
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_CAPTURE_SIZE = 256  # larger decode batches run eagerly: launch overhead no longer dominates
 
 
 class Worker:
@@ -98,8 +106,8 @@ class Worker:
         self.cache = ModelCache(cfg, sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots,
                                 block_size, self.dtype, self.device, spec=spec)
         sampler = Sampler(self.model.ops, cfg.vocab_size, cfg.eos_token_ids)
-        self.model_runner = ModelRunner.create(self.model, self.cache, sampler, args, self.scheduler_config,
-                                               self.backend, self.platform)
+        self.model_runner = make_model_runner(self.model, self.cache, sampler, args, self.scheduler_config,
+                                              self.backend, self.platform)
         return sizes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
@@ -109,3 +117,36 @@ class Worker:
         """A step with nothing scheduled: the MoE layers' expert-parallel collectives, with no tokens."""
         if self.ep_dispatcher is not None:
             dummy_moe_step(self.model, getattr(self.model_runner, "k", 0))
+
+
+def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: Any, scheduler_config: Any,
+                      backend: LoadedBackend, platform: Platform) -> ModelRunner:
+    """A runner for the engine's arguments (a :class:`SpecDecodeModelRunner` with speculative decoding):
+    with graphs from the backend unless ``args.enforce_eager``, the platform cannot capture, or an op the
+    model runs waits for the host."""
+    spec = SpeculativeConfig.from_arg(getattr(args, "speculative_config", None))
+    k = spec.num_speculative_tokens if spec is not None else 0
+    graphs = None
+    if not args.enforce_eager and platform.supports_graphs:
+        syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_fp8))
+        if syncing:
+            logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
+        else:
+            max_size = min(args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
+                           scheduler_config.max_num_seqs)
+            # no sequence outgrows the compressed pool: no graph needs a longer context bucket
+            longest = min(scheduler_config.max_model_len, cache.num_blocks * cache.block_size)
+            graphs = backend.hook.deepinfer_graph_runner(
+                model=model, cache=cache, capture_sizes=capture_sizes(max_size),
+                max_model_len=longest, block_size=cache.block_size, platform=platform,
+                query_lens=spec_query_lens(spec), keep_streams=bool(k),
+                prologue=GraphUndo(cache, model.cfg.num_hidden_layers) if k else None,
+            )
+    if k:
+        if graphs is not None and not getattr(graphs, "keep_streams", False):
+            logger.warning("speculative steps run without graphs: the backend's graph runner returns no "
+                           "streams for the MTP drafter")
+            graphs = None
+        return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, graphs,
+                                     num_speculative_tokens=k, profile_steps=spec.schedule == "confidence")
+    return ModelRunner(model, cache, cache.block_size, sampler, platform, graphs)
