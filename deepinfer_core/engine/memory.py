@@ -9,9 +9,9 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
 from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Platform
 
 
@@ -23,7 +23,7 @@ class PoolSizes:
     budget_bytes: int
 
 
-def profile_activation_bytes(model: DeepseekV4Model, sched: SchedulerConfig, block_size: int,
+def profile_activation_bytes(model: Model, sched: SchedulerConfig, block_size: int,
                              platform: Platform, spec: KVCacheSpec | None = None, query_len: int = 1) -> int:
     """Peak device memory of the forwards a step can run, beyond weights and cache (what the pools must
     leave free), at the longest context: a full token budget as the last chunk of a ``max_model_len``

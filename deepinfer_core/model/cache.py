@@ -1,4 +1,5 @@
-"""The model's cache tensors: paged pools and per-sequence state slots, one set per layer.
+"""The model's cache tensors: paged pools and per-sequence state slots, one set per pool of the model's
+:class:`~deepinfer_core.model.cache_layout.CacheLayout` (a pool several layers read is allocated once).
 
 * window pool (every layer): ``[num_window_blocks * block_size, head_dim]``, one row per source token;
   only blocks the sliding window still covers need to be resident.
@@ -24,60 +25,20 @@ compressed pools are uint8 ``[rows, entry_bytes]``, one DeepSeek FP8 entry a row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.cache_layout import BranchSpec, LayerCache, cache_layout, check_block_size
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, check_kv_cache_spec, state_dtype
 
-
-@dataclass(frozen=True)
-class CompressorSpec:
-    """One compressed branch of a layer: main compressor or CSA indexer."""
-
-    rate: int
-    dim: int  # width of one compressed entry
-    overlap: bool
-
-    @property
-    def rows(self) -> int:
-        return (2 if self.overlap else 1) * self.rate
-
-    @property
-    def source_dim(self) -> int:
-        return (2 if self.overlap else 1) * self.dim
+#: the V4 family's names for a branch's geometry and a layer's view (kept for the code that reads them)
+CompressorSpec = BranchSpec
+LayerCacheSpec = LayerCache
 
 
-@dataclass(frozen=True)
-class LayerCacheSpec:
-    compressor: CompressorSpec | None
-    indexer: CompressorSpec | None
-
-
-def layer_cache_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:
-    """Per attention layer (MTP blocks appended after the main layers)."""
-    specs = []
-    for layer in range(cfg.num_hidden_layers):
-        rate = cfg.compress_rate(layer)
-        if not rate:
-            specs.append(LayerCacheSpec(None, None))
-            continue
-        csa = cfg.is_csa(layer)
-        comp = CompressorSpec(rate, cfg.head_dim, overlap=csa)
-        idx = CompressorSpec(rate, cfg.index_head_dim, overlap=True) if csa else None
-        specs.append(LayerCacheSpec(comp, idx))
-    specs += [LayerCacheSpec(None, None)] * (cfg.num_nextn_predict_layers or 0)
-    return specs
-
-
-def check_block_size(cfg: ModelConfig, block_size: int) -> None:
-    for spec in layer_cache_specs(cfg):
-        if spec.compressor is not None and block_size % spec.compressor.rate:
-            raise ValueError(
-                f"block_size {block_size} must be a multiple of every compression rate "
-                f"(found rate {spec.compressor.rate})"
-            )
+def layer_cache_specs(cfg: ModelConfig) -> list[LayerCache]:
+    """Per layer (the drafter's after the target's), which branches it owns or reads."""
+    return list(cache_layout(cfg).layers)
 
 
 def _spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSpec | None) -> KVCacheSpec:
@@ -88,34 +49,33 @@ def _spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSp
     return spec
 
 
-def layer_bytes_per_block(layer: LayerCacheSpec, spec: KVCacheSpec) -> tuple[int, int]:
-    """(compressed-pool bytes, window-pool bytes) that one block costs in one layer."""
-    comp = 0
-    for branch, indexer in ((layer.compressor, False), (layer.indexer, True)):
-        if branch is not None:
-            comp += spec.compressed_bytes_per_block(branch.rate, indexer)
-            if branch.overlap:  # the boundary records
-                comp += 2 * branch.rate * branch.dim * spec.state_dtype.itemsize
+def branch_bytes_per_block(branch: BranchSpec, spec: KVCacheSpec) -> int:
+    """Bytes one block costs in one branch pool: its entries and, with overlap, its boundary records."""
+    out = spec.compressed_bytes_per_block(branch.rate, not branch.kv_entry)
+    if branch.stateful and branch.overlap:  # the boundary records
+        out += 2 * branch.rate * branch.dim * spec.state_dtype.itemsize
+    return out
+
+
+def layer_bytes_per_block(layer: LayerCache, spec: KVCacheSpec) -> tuple[int, int]:
+    """(compressed-pool bytes, window-pool bytes) that one block costs in the pools one layer owns."""
+    comp = sum(branch_bytes_per_block(layer.specs[kind], spec) for kind in layer.owned)
     return comp, spec.window_bytes_per_block
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                     spec: KVCacheSpec | None = None) -> tuple[int, int]:
-    """(compressed-pool bytes, window-pool bytes) that one block costs across all layers, in the layout of
-    ``spec`` (default: ``dtype`` entries)."""
+    """(compressed-pool bytes, window-pool bytes) that one block costs across all pools (each once), in
+    the layout of ``spec`` (default: ``dtype`` entries)."""
     spec = _spec(cfg, block_size, dtype, spec)
-    per_layer = [layer_bytes_per_block(layer, spec) for layer in layer_cache_specs(cfg)]
-    return sum(c for c, _ in per_layer), sum(w for _, w in per_layer)
+    layout = cache_layout(cfg)
+    comp = sum(branch_bytes_per_block(branch, spec) for branch in layout.branch_pools)
+    return comp, len(layout.window_owners) * spec.window_bytes_per_block
 
 
 def bytes_per_state_slot(cfg: ModelConfig, dtype: torch.dtype, spec: KVCacheSpec | None = None) -> int:
     elt = (spec.state_dtype if spec is not None else state_dtype(dtype)).itemsize
-    total = 0
-    for layer in layer_cache_specs(cfg):
-        for branch in (layer.compressor, layer.indexer):
-            if branch is not None:
-                total += 2 * branch.rows * branch.source_dim * elt
-    return total
+    return sum(2 * b.rows * b.source_dim * elt for b in cache_layout(cfg).branch_pools if b.stateful)
 
 
 class ModelCache:
@@ -136,7 +96,8 @@ class ModelCache:
         self.kv_spec = spec = _spec(cfg, block_size, dtype, spec)
         self.block_size = block_size
         self.num_blocks, self.num_window_blocks, self.num_state_slots = num_blocks, num_window_blocks, num_state_slots
-        self.specs = layer_cache_specs(cfg)
+        self.layout = cache_layout(cfg)
+        self.specs = self.layout.layers
         num_blocks, num_window_blocks, num_state_slots = num_blocks + 1, num_window_blocks + 1, num_state_slots + 1
         sdt = spec.state_dtype
 
@@ -149,38 +110,69 @@ class ModelCache:
             byte = 0xFF if fill != fill else int(fill)  # 0xFF: NaN codes, scales and RoPE values
             return torch.full((rows, spec.entry_bytes), byte, dtype=torch.uint8, device=device)
 
-        self.window_kv = [kv_pool(num_window_blocks * block_size) for _ in self.specs]
-        self.comp_kv: dict[int, torch.Tensor] = {}
-        self.index_keys: dict[int, torch.Tensor] = {}
-        self.comp_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.index_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.comp_boundary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.index_boundary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, branches in enumerate(self.specs):
-            for branch, pools, states, boundaries in (
-                (branches.compressor, self.comp_kv, self.comp_state, self.comp_boundary),
-                (branches.indexer, self.index_keys, self.index_state, self.index_boundary),
-            ):
-                if branch is None:
-                    continue
-                rows = num_blocks * block_size // branch.rate
-                pools[layer] = pool(rows, branch.dim) if branch is branches.indexer else kv_pool(rows)
+        layout = self.layout
+        self.window_pools = [kv_pool(num_window_blocks * block_size) for _ in layout.window_owners]
+        self.window_kv = [self.window_pools[layer.window] for layer in layout.layers]
+        # per branch pool (allocated once, however many layers read it): entries, ring, boundary records
+        self.entry_pools: list[torch.Tensor] = []
+        self.state_pools: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.boundary_pools: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for branch in layout.branch_pools:
+            rows = num_blocks * block_size // branch.rate
+            self.entry_pools.append(kv_pool(rows) if branch.kv_entry else pool(rows, branch.dim))
+            state = boundary = None
+            if branch.stateful:
                 shape = (num_state_slots * branch.rows, branch.source_dim)
-                states[layer] = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
+                state = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
                 if branch.overlap:
                     shape = (num_blocks * branch.rate, branch.dim)
-                    boundaries[layer] = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
+                    boundary = (pool(*shape, dt=sdt), pool(*shape, dt=sdt))
+            self.state_pools.append(state)
+            self.boundary_pools.append(boundary)
+        # per kind, layer -> the pool it owns or reads (views of the lists above)
+        self.entries: dict[str, dict[int, torch.Tensor]] = {}
+        self.states: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.boundaries: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for i, layer in enumerate(layout.layers):
+            for kind, pid in layer.branches.items():
+                self.entries.setdefault(kind, {})[i] = self.entry_pools[pid]
+                if self.state_pools[pid] is not None:
+                    self.states.setdefault(kind, {})[i] = self.state_pools[pid]
+                if self.boundary_pools[pid] is not None:
+                    self.boundaries.setdefault(kind, {})[i] = self.boundary_pools[pid]
+
+    # the V4 family's branch kinds by the names its forward and tests read them
+    @property
+    def comp_kv(self) -> dict[int, torch.Tensor]:
+        return self.entries.get("kv", {})
+
+    @property
+    def index_keys(self) -> dict[int, torch.Tensor]:
+        return self.entries.get("index", {})
+
+    @property
+    def comp_state(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return self.states.get("kv", {})
+
+    @property
+    def index_state(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return self.states.get("index", {})
+
+    @property
+    def comp_boundary(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return self.boundaries.get("kv", {})
+
+    @property
+    def index_boundary(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return self.boundaries.get("index", {})
 
     def restore_boundary(self, block: int, slot: int, boundary: int) -> None:
         """Put the overlap state saved with ``block`` into ``slot``'s ring, as it was at position ``boundary``."""
-        for layer, spec in enumerate(self.specs):
-            for branch, states, boundaries in (
-                (spec.compressor, self.comp_state, self.comp_boundary),
-                (spec.indexer, self.index_state, self.index_boundary),
-            ):
-                if branch is None or not branch.overlap:
-                    continue
-                rows = slot * branch.rows + torch.arange(boundary - branch.rate, boundary) % branch.rows
-                saved = torch.arange(block * branch.rate, (block + 1) * branch.rate)
-                for ring, record in zip(states[layer], boundaries[layer]):
-                    ring[rows.to(ring.device), : branch.dim] = record[saved.to(ring.device)]
+        for pid, branch in enumerate(self.layout.branch_pools):
+            records = self.boundary_pools[pid]
+            if records is None:
+                continue
+            rows = slot * branch.rows + torch.arange(boundary - branch.rate, boundary) % branch.rows
+            saved = torch.arange(block * branch.rate, (block + 1) * branch.rate)
+            for ring, record in zip(self.state_pools[pid], records):
+                ring[rows.to(ring.device), : branch.dim] = record[saved.to(ring.device)]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig
+from deepinfer_core.model.cache_layout import check_block_size
 
 #: entry layouts ModelCache can allocate
 DENSE_LAYOUTS = ("dense",)
@@ -100,8 +101,6 @@ def check_kv_cache_spec(spec: Any, cfg: ModelConfig, block_size: int) -> None:
             wrong.append(f"{name} {getattr(spec, name)}: a dense entry needs a floating-point dtype")
     if wrong:
         raise ValueError("unusable KV cache spec: " + "; ".join(wrong))
-    from deepinfer_core.model.cache import check_block_size
-
     check_block_size(cfg, spec.block_size)
 
 

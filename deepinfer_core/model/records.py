@@ -56,6 +56,23 @@ class Linear:
         return self.format == "fp4"
 
 
+@dataclass
+class Experts:
+    """Routed experts, stacked: ``w13`` [E, 2I, D] (gate rows, then up rows) and ``w2`` [E, D, I], both
+    in one :attr:`Linear.format` (FP4: packed [E, 2I, D/2] and [E, D, I/2] with scales per 32 inputs)."""
+
+    w13: Linear
+    w2: Linear
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13.is_fp8 and self.w2.is_fp8
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.w13.is_fp4 and self.w2.is_fp4
+
+
 def records(root: object, leaves: tuple[type, ...] = ()) -> Iterator[object]:
     """``root`` (a record or a list of them) and every record nested in it, depth first; the records of a
     type in ``leaves`` are yielded but not entered."""

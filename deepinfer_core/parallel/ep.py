@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_core.comm import Communicator
-from deepinfer_core.models.deepseek_v4.weights import Experts, Linear, records
+from deepinfer_core.model.records import Experts, Linear, records
 from deepinfer_core.parallel.expert_map import ExpertMap
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from deepinfer_core.models.deepseek_v4.weights import Experts, Linear
+from deepinfer_core.model.records import Experts, Linear
 
 
 @dataclass

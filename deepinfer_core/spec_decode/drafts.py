@@ -14,7 +14,7 @@ from typing import Any
 from deepinfer_core.config import ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence
-from deepinfer_core.model.cache import layer_cache_specs
+from deepinfer_core.model.cache_layout import cache_layout
 from deepinfer_core.spec_decode.confidence import Candidate, ConfidenceScheduler, StepProfile
 from deepinfer_core.spec_decode.config import SpeculativeConfig, max_speculative_tokens
 from deepinfer_core.spec_decode.gate import SpeculationGate, step_begin
@@ -44,7 +44,7 @@ class DraftPlanner:
         if not getattr(cfg, "num_nextn_predict_layers", 0):
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer "
                              "(num_nextn_predict_layers >= 1)")
-        rows = [b.rows for s in layer_cache_specs(cfg) for b in (s.compressor, s.indexer) if b is not None]
+        rows = [b.rows for b in cache_layout(cfg).branch_pools if b.stateful]
         cap = max_speculative_tokens(rows)
         if cap is not None and config.num_speculative_tokens > cap:
             raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} is more than this model "

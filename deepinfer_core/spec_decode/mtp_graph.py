@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import (
     ForwardBatch,
     GraphPadding,
@@ -28,6 +27,7 @@ from deepinfer_core.model.metadata import (
     build_forward_batch,
     derive_padded,
 )
+from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Graph, Platform
 
 
@@ -56,7 +56,7 @@ class MtpGraphs:
     computes.
     """
 
-    def __init__(self, model: DeepseekV4Model, cache: ModelCache, sizes: list[int], num_speculative_tokens: int,
+    def __init__(self, model: Model, cache: ModelCache, sizes: list[int], num_speculative_tokens: int,
                  capture: bool = True, platform: Platform | None = None):
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
         self.q = num_speculative_tokens + 1

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
+from deepinfer_core.models.interface import Model
 from deepinfer_core.parallel.ep import dummy_moe
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 
@@ -50,7 +50,7 @@ class MtpProposer:
     """``graphs``: an :class:`~deepinfer_core.spec_decode.mtp_graph.MtpGraphs` that drafts for steps whose
     every span drafts from at most k + 1 kept positions; other steps draft eagerly."""
 
-    def __init__(self, model: DeepseekV4Model, cache: ModelCache, num_speculative_tokens: int,
+    def __init__(self, model: Model, cache: ModelCache, num_speculative_tokens: int,
                  graphs: MtpGraphs | None = None):
         if not model.has_mtp:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with mtp.* weights; this one has "

@@ -101,28 +101,23 @@ class CacheUndo:
                 values = buffers[i][: rows.shape[0]].copy_(values)
             self.saved.append(_Saved(pool, rows, owner, values))
 
+        layers = range(num_layers)  # each pool these layers write, once however many layers read it
         for _, rows, owner in written["window"]:
-            for layer in range(num_layers):
-                save(cache.window_kv[layer], rows, owner)
-        for layer, spec in enumerate(cache.specs[:num_layers]):
-            for branch, pools, states, boundaries in (
-                (spec.compressor, cache.comp_kv, cache.comp_state, cache.comp_boundary),
-                (spec.indexer, cache.index_keys, cache.index_state, cache.index_boundary),
-            ):
-                if branch is None:
-                    continue
-                key = (branch.rate, branch.overlap)
-                for k, rows, owner in written["entries"]:
-                    if k == key:
-                        save(pools[layer], rows, owner)
-                for k, rows, owner in written["ring"]:
-                    if k == key:
-                        for ring in states[layer]:
-                            save(ring, rows, owner)
-                for k, rows, owner in written["boundary"]:
-                    if k == key and layer in boundaries:
-                        for record in boundaries[layer]:
-                            save(record, rows, owner)
+            for pid in cache.layout.window_pools_of(layers):
+                save(cache.window_pools[pid], rows, owner)
+        for pid, branch in cache.layout.pools_of(layers):
+            key = (branch.rate, branch.overlap)
+            for k, rows, owner in written["entries"]:
+                if k == key:
+                    save(cache.entry_pools[pid], rows, owner)
+            for k, rows, owner in written["ring"]:
+                if k == key and cache.state_pools[pid] is not None:
+                    for ring in cache.state_pools[pid]:
+                        save(ring, rows, owner)
+            for k, rows, owner in written["boundary"]:
+                if k == key and cache.boundary_pools[pid] is not None:
+                    for record in cache.boundary_pools[pid]:
+                        save(record, rows, owner)
 
     @classmethod
     def every_token(cls, cache: ModelCache, batch: ForwardBatch, num_layers: int,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.models.interface import Model
 
 
 class SimpleRunner:
     """Each sequence owns ``max_blocks`` consecutive blocks and one state slot; nothing is freed."""
 
-    def __init__(self, model: DeepseekV4Model, num_seqs: int, max_len: int, block_size: int = 16,
+    def __init__(self, model: Model, num_seqs: int, max_len: int, block_size: int = 16,
                  fill: float = float("nan")):
         self.model, self.block_size = model, block_size
         self.max_blocks = -(-max_len // block_size)

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import (
     ForwardBatch,
     GraphPadding,
@@ -33,6 +32,7 @@ from deepinfer_core.model.metadata import (
     build_forward_batch,
     derive_padded,
 )
+from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Graph, Platform
 
 
@@ -117,7 +117,7 @@ class GraphRunner:
     by :meth:`replay_step` (``shared``: inside a capture, where it may write buffers every graph shares).
     """
 
-    def __init__(self, model: DeepseekV4Model, cache: ModelCache, sizes: list[int], max_model_len: int,
+    def __init__(self, model: Model, cache: ModelCache, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool = True, platform: Platform | None = None,
                  min_context: int = MIN_CONTEXT_BUCKET, query_lens: tuple[int, ...] = (1,),
                  keep_streams: bool = False, prologue: Callable[[ForwardBatch, int, bool], Any] | None = None):

@@ -12,8 +12,8 @@ import torch
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
+from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import Sampler, SamplerOutput
@@ -46,7 +46,7 @@ class _PendingOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4Model, cache: ModelCache, block_size: int, sampler: Sampler,
+    def __init__(self, model: Model, cache: ModelCache, block_size: int, sampler: Sampler,
                  platform: Platform | None = None, graph_runner: Any = None):
         self.model, self.cache, self.block_size, self.sampler = model, cache, block_size, sampler
         self.platform = platform or Platform(model.device)

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.model.cache import layer_cache_specs
-from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config, cache_layout
 from deepinfer_core.models.deepseek_v4.manifest import manifest
 from deepinfer_core.models.deepseek_v4.model import NUMERICS, DeepseekV4Model
 from deepinfer_core.models.deepseek_v4.weights import ModelWeights, build_weights, stack_shared_experts
@@ -39,7 +38,7 @@ ARCHITECTURE = Architecture(
     model_types=("deepseek_v4",),
     config_class=DeepseekV4Config,
     manifest=manifest,
-    cache_layout=layer_cache_specs,
+    cache_layout=cache_layout,
     load_model=load_model,
     default_numerics=default_numerics,
     numerics=NUMERICS,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.cache_layout import BranchSpec, CacheLayout
 from deepinfer_core.model.errors import UnsupportedModelError
 
 
@@ -39,3 +40,21 @@ class DeepseekV4Config(ModelConfig):
 
     def is_csa(self, layer: int) -> bool:
         return self.layer_types[layer] == "compressed_sparse_attention"
+
+
+def cache_layout(cfg: DeepseekV4Config) -> CacheLayout:
+    """Every layer owns its window pool; CSA and HCA layers own a compressed-KV branch (CSA: overlapping
+    windows, plus indexer keys), sliding-window layers and MTP blocks none."""
+    layers: list[dict[str, BranchSpec | int]] = []
+    for layer in range(cfg.num_hidden_layers):
+        rate = cfg.compress_rate(layer)
+        if not rate:
+            layers.append({})
+            continue
+        csa = cfg.is_csa(layer)
+        branches: dict[str, BranchSpec | int] = {"kv": BranchSpec(rate, cfg.head_dim, overlap=csa, kind="kv")}
+        if csa:
+            branches["index"] = BranchSpec(rate, cfg.index_head_dim, overlap=True, kind="index")
+        layers.append(branches)
+    layers += [{} for _ in range(cfg.num_nextn_predict_layers or 0)]
+    return CacheLayout.build(layers)

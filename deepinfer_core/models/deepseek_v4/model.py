@@ -8,7 +8,8 @@ from types import MappingProxyType
 import torch
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.model.cache import CompressorSpec, ModelCache, layer_cache_specs
+from deepinfer_core.model.cache import CompressorSpec, ModelCache
+from deepinfer_core.model.cache_layout import cache_layout
 from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
 from deepinfer_core.models.deepseek_v4.weights import (
     Attention,
@@ -69,7 +70,8 @@ class DeepseekV4Model:
         self.cfg, self.weights, self.ops, self.dtype, self.numerics = cfg, weights, ops, dtype, numerics
         self.device = weights.device
         self.rope = RotaryTables(cfg, self.device)
-        self.cache_specs = layer_cache_specs(cfg)
+        self.cache_layout = cache_layout(cfg)
+        self.cache_specs = self.cache_layout.layers
 
     @property
     def has_mtp(self) -> bool:
@@ -85,7 +87,7 @@ class DeepseekV4Model:
         return MappingProxyType(dict(self.named_parameters()))
 
     def compressor_specs(self) -> set[CompressorSpec]:
-        return {b for s in self.cache_specs for b in (s.compressor, s.indexer) if b is not None}
+        return self.cache_layout.branch_specs()
 
     def ops_in_use(self, mtp: bool = True, kv_fp8: bool | None = None) -> set[str]:
         """Names of the ops :meth:`forward` calls with these weights (with ``mtp``, :meth:`mtp_forward`'s

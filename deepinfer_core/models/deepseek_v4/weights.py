@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.model.errors import CheckpointError
-from deepinfer_core.model.records import Linear, build_records, named_tensors, records
+from deepinfer_core.model.records import Experts, Linear, build_records, named_tensors, records
 from deepinfer_core.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
 
 __all__ = ["LAYOUT", "Attention", "Block", "Compressor", "Experts", "Gate", "HyperConnection", "Indexer", "Linear",
@@ -75,23 +75,6 @@ class Gate:
     weight: Linear
     bias: torch.Tensor | None = None
     tid2eid: torch.Tensor | None = None
-
-
-@dataclass
-class Experts:
-    """Routed experts, stacked: ``w13`` [E, 2I, D] (gate rows, then up rows) and ``w2`` [E, D, I], both
-    in one :attr:`Linear.format` (FP4: packed [E, 2I, D/2] and [E, D, I/2] with scales per 32 inputs)."""
-
-    w13: Linear
-    w2: Linear
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.w13.is_fp8 and self.w2.is_fp8
-
-    @property
-    def is_fp4(self) -> bool:
-        return self.w13.is_fp4 and self.w2.is_fp4
 
 
 @dataclass
