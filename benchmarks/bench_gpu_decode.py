@@ -270,15 +270,16 @@ class RandomModel:
 
 def make_engine(model, cfg_dir, **engine_args):
     """An ``LLMEngine`` serving the preloaded ``model`` (only ``cfg_dir``'s config.json is read)."""
-    import deepinfer_core.engine.llm_engine as le
     import deepinfer_core.worker.worker as worker
+    from deepinfer_core.engine.args import EngineArgs
+    from deepinfer_core.engine.llm_engine import LLMEngine
 
     orig_load = worker.load_model
     worker.load_model = lambda *args, **kw: model
     try:
         defaults = dict(dtype=model.dtype, device=str(model.device), enable_prefix_caching=False,
                         block_size=cfg_block_size(model.cfg))
-        return le.LLMEngine(le.EngineArgs(model=cfg_dir, **(defaults | engine_args)))
+        return LLMEngine(EngineArgs(model=cfg_dir, **(defaults | engine_args)))
     finally:
         worker.load_model = orig_load
 

@@ -133,7 +133,8 @@ class Bench:
             t0 = time.perf_counter()
             self.engine = gd.make_engine(model, self.random_model.cfg_dir, **engine_args)
         else:
-            from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+            from deepinfer_core.engine.args import EngineArgs
+            from deepinfer_core.engine.llm_engine import LLMEngine
             from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
 
             self.random_model = None

@@ -20,12 +20,13 @@ import pytest
 import torch
 from engine_fixtures import greedy, make_prompt
 
-from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+from deepinfer_core.engine.args import EngineArgs
+from deepinfer_core.engine.factory import make_engine
 from deepinfer_core.entrypoints.cli_generate import add_engine_arguments, engine_kwargs
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.parallel.data_parallel import DataParallelEngine
+from deepinfer_core.parallel.dp_engine_core import RankFailure
 from deepinfer_core.parallel.eplb import ExpertLoad
-from deepinfer_core.worker.multiproc_executor import RankFailure
 
 one_torch_thread = engine_fixtures.one_torch_thread
 
@@ -132,9 +133,9 @@ def test_cli_flags_reach_the_engine_arguments():
 
 def test_bad_parallel_arguments_are_refused_before_spawning():
     with pytest.raises(ValueError, match="data_parallel_size must be"):
-        LLMEngine(EngineArgs(data_parallel_size=0))
+        make_engine(EngineArgs(data_parallel_size=0))
     with pytest.raises(ValueError, match="cannot be split evenly over 4"):
-        LLMEngine(EngineArgs(data_parallel_size=4, enable_expert_parallel=True))
+        make_engine(EngineArgs(data_parallel_size=4, enable_expert_parallel=True))
 
 
 def test_arguments_every_rank_refuses_are_a_value_error():

@@ -151,7 +151,8 @@ def recorder(tmp_path, monkeypatch):
 
 @pytest.fixture
 def engine(recorder):
-    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+    from deepinfer_core.engine.args import EngineArgs
+    from deepinfer_core.engine.llm_engine import LLMEngine
 
     recorder.CALLS.clear()
     return LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
@@ -211,7 +212,8 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
     """On a platform with graphs the ModelRunner asks the backend for its graph runner (with the
     platform; with verification-sized graphs and streams when speculating) and decodes through it; on
     one without, it never asks."""
-    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+    from deepinfer_core.engine.args import EngineArgs
+    from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.worker.graph_runner import GraphRunner
 
     asked = []
@@ -288,7 +290,8 @@ def _greedy(engine) -> list[int]:
 
 def test_hook_deepinfer_kv_cache_spec_sizes_the_engine_cache(recorder):
     """The engine's worker asks for the layout once and allocates the cache after it."""
-    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+    from deepinfer_core.engine.args import EngineArgs
+    from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.hookspecs import hookimpl
     from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 

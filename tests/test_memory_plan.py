@@ -9,7 +9,7 @@ import json
 import engine_fixtures
 import pytest
 
-from deepinfer_core.engine.llm_engine import EngineArgs
+from deepinfer_core.engine.args import EngineArgs
 from deepinfer_core.entrypoints.cli import main
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.parallel.memory_plan import measured_memory, plan_memory

@@ -31,7 +31,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from deepinfer_core.chat import encode_messages  # noqa: E402
-from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from deepinfer_core.engine.args import EngineArgs  # noqa: E402
+from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
 from deepinfer_core.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from deepinfer_core.entrypoints.chat_utils import chat  # noqa: E402
 from deepinfer_core.entrypoints.llm import LLM  # noqa: E402

@@ -14,7 +14,8 @@ from pathlib import Path
 import engine_fixtures
 import pytest
 
-from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+from deepinfer_core.engine.args import EngineArgs
+from deepinfer_core.engine.factory import make_engine
 from deepinfer_core.entrypoints.llm import LLM
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,7 +51,7 @@ def test_external_launcher_outside_torchrun_is_a_clear_error(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="runs under torchrun, but RANK"):
-        LLMEngine(EngineArgs(data_parallel_size=2, enable_expert_parallel=True,
-                             distributed_executor_backend="external_launcher"))
+        make_engine(EngineArgs(data_parallel_size=2, enable_expert_parallel=True,
+                               distributed_executor_backend="external_launcher"))
     with pytest.raises(ValueError, match="distributed_executor_backend must be"):
-        LLMEngine(EngineArgs(data_parallel_size=2, distributed_executor_backend="ray"))
+        make_engine(EngineArgs(data_parallel_size=2, distributed_executor_backend="ray"))

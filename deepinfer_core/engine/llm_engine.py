@@ -1,5 +1,8 @@
 """LLMEngine: requests, scheduling and outputs. Each step the scheduler's output goes to the executor,
-whose workers run the model; the engine post-processes what comes back (stops, text, outputs)."""
+whose workers run the model; the engine post-processes what comes back (stops, text, outputs).
+
+One process's engine; :func:`~deepinfer_core.engine.factory.make_engine` builds the data-parallel
+front-end instead where the arguments ask for several ranks (it runs an LLMEngine in every rank)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.config import CacheConfig, EPLBConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
+from deepinfer_core.engine.args import EngineArgs, parallel_config_of
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import fast_decoder
 from deepinfer_core.engine.processor import InputProcessor, Request
@@ -33,60 +37,6 @@ from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 BATCH_INVARIANT_ENV = "DEEPINFER_BATCH_INVARIANT"
-
-
-@dataclass
-class EngineArgs:
-    model: str | Path | None = None
-    backend: str = "cpu_ref"
-    dtype: str | torch.dtype | None = None
-    device: str | None = None
-    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped by the KV pools
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    max_replay_tokens: int = 512
-    gpu_memory_utilization: float = 0.9
-    kv_cache_bytes: int = 2 << 30
-    block_size: int = 128
-    num_blocks: int | None = None
-    num_window_blocks: int | None = None
-    seed: int = 0
-    allow_reference_fallback: bool = False
-    batch_invariant: bool = False  # also on with DEEPINFER_BATCH_INVARIANT=1
-    enforce_eager: bool = False  # never capture graphs of the forward (CUDA graphs are used on cuda otherwise)
-    max_cudagraph_capture_size: int | None = None  # largest decode batch run from a graph (max_num_seqs)
-    async_scheduling: bool = False  # schedule step N+1 while the device runs step N (zero-overhead)
-    quantization: str | None = None  # "fp8": linear and expert weights in E4M3 with 128x128 block scales
-    #: "deepseek" | "transformers"; None: "deepseek" where config.json has quantization_config
-    numerics: str | None = None
-    data_parallel_size: int = 1  # attention data parallel: ranks (processes), each its own scheduler and KV
-    enable_expert_parallel: bool = False  # shard the routed experts over the data-parallel ranks
-    data_parallel_rank: int | None = None  # set in a rank's process: its engine core (no front-end)
-    distributed_timeout_s: float = 600.0  # most a rank may take to answer, or a collective may wait
-    # speculative decoding (vLLM's shape): {"method": "mtp", "num_speculative_tokens": k} and optionally
-    # "schedule": "fixed" (verify every draft) or "confidence" (DSpark's admission of (seq, position) pairs)
-    speculative_config: dict | None = None
-    enable_eplb: bool = False  # expert-parallel load balancing: redundant experts, rearranged by measured load
-    eplb_config: dict | EPLBConfig | None = None  # window_size, step_interval, num_redundant_experts, ...
-    distributed_executor_backend: str | None = None  # "external_launcher": this process is a rank torchrun started
-
-
-def parallel_config_of(args: EngineArgs) -> ParallelConfig:
-    """Expert parallel spans the data-parallel ranks (vLLM's rule, without tensor parallel)."""
-    from deepinfer_core.parallel.eplb_state import eplb_config_of
-
-    dp = args.data_parallel_size
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
-    ep = dp if args.enable_expert_parallel else 1
-    backend = args.distributed_executor_backend
-    if backend not in (None, "mp", "external_launcher"):
-        raise ValueError(f"distributed_executor_backend must be 'mp' or 'external_launcher', got {backend!r}")
-    return ParallelConfig(data_parallel_size=dp, expert_parallel_size=ep, enable_eplb=bool(args.enable_eplb),
-                          eplb_config=eplb_config_of(args.eplb_config, bool(args.enable_eplb), ep),
-                          distributed_executor_backend=backend)
 
 
 @dataclass
@@ -110,20 +60,6 @@ class _Step:
 
 
 class LLMEngine:
-    def __new__(cls, args: EngineArgs | None = None, *rest: Any, **kwargs: Any):
-        """``data_parallel_size > 1`` builds the data-parallel front-end instead (same public API), which
-        runs an LLMEngine in every rank's process."""
-        if cls is LLMEngine and args is not None and args.data_parallel_rank is None and (
-                parallel_config_of(args).data_parallel_size > 1):
-            if args.distributed_executor_backend == "external_launcher":
-                from deepinfer_core.parallel.external_launcher import ExternalLauncherEngine
-
-                return ExternalLauncherEngine(args)
-            from deepinfer_core.parallel.data_parallel import DataParallelEngine
-
-            return DataParallelEngine(args)
-        return super().__new__(cls)
-
     def __init__(self, args: EngineArgs, executor_class: type[Executor] = UniProcExecutor):
         from deepinfer_core.default_model import default_model_path
 

@@ -72,9 +72,9 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
-        from deepinfer_core.engine.llm_engine import LLMEngine
+        from deepinfer_core.engine.factory import make_engine
 
-        return cls(LLMEngine(engine_args), **kwargs)
+        return cls(make_engine(engine_args), **kwargs)
 
     # --- what the server reads -------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def run_plan(args: argparse.Namespace) -> int:
         kwargs = engine_kwargs(args)
     except UsageError as exc:
         return fail("plan", str(exc))
-    from deepinfer_core.engine.llm_engine import EngineArgs
+    from deepinfer_core.engine.args import EngineArgs
     from deepinfer_core.parallel.memory_plan import plan_memory
 
     try:

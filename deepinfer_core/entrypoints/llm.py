@@ -11,7 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+from deepinfer_core.engine.args import EngineArgs
+from deepinfer_core.engine.factory import Engine, make_engine
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
 
@@ -27,16 +28,16 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
-        self._attach(LLMEngine(EngineArgs(model=model, backend=backend, dtype=dtype, **engine_args)))
+        self._attach(make_engine(EngineArgs(model=model, backend=backend, dtype=dtype, **engine_args)))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> LLM:
+    def from_engine(cls, engine: Engine) -> LLM:
         """The offline API over an engine built elsewhere (a preloaded model, a benchmark's random one)."""
         llm = cls.__new__(cls)
         llm._attach(engine)
         return llm
 
-    def _attach(self, engine: LLMEngine) -> None:
+    def _attach(self, engine: Engine) -> None:
         self.llm_engine = engine
         self._router = OutputRouter(engine)
         self._ids = itertools.count()
@@ -132,7 +133,7 @@ class OutputRouter:
     """Steps the engine on behalf of every caller and files each output under its request, so concurrent
     ``generate`` and ``stream`` calls on one engine each get exactly their own outputs, in order."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.queues: dict[str, deque[RequestOutput]] = {}
 

@@ -1,13 +1,13 @@
 """Attention data parallel: the front-end of an engine with ``data_parallel_size`` ranks.
 
-Each rank is a process of its own (:mod:`deepinfer_core.worker.multiproc_executor`) that runs a whole
+Each rank is a process of its own (:mod:`deepinfer_core.parallel.dp_engine_core`) that runs a whole
 engine core: an :class:`~deepinfer_core.engine.llm_engine.LLMEngine` with its scheduler, block manager,
 KV pools and state slots, and the model (with expert parallel, only its own routed experts). The
 front-end, in the caller's process, holds no model: it tokenizes, assigns each request to the rank that
 holds its prompt's prefix in its cache (when that rank is not overloaded) or else to the rank with the
 least outstanding tokens (:mod:`.prefix_router`), and steps the ranks in lock-step (every step goes to every rank with
 expert parallel; a rank with nothing scheduled runs a placeholder step through the MoE collectives).
-``LLMEngine(EngineArgs(data_parallel_size=N))`` builds it, so ``LLM``, ``AsyncLLM`` and the server use
+``make_engine(EngineArgs(data_parallel_size=N))`` builds it, so ``LLM``, ``AsyncLLM`` and the server use
 it unchanged.
 """
 
@@ -21,13 +21,17 @@ from typing import Any
 import torch
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.default_model import default_model_path
+from deepinfer_core.engine.args import EngineArgs, parallel_config_of
 from deepinfer_core.engine.processor import encode_prompt, prompt_ids
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.parallel.dp_engine_core import RankFailure, RankProcesses
 from deepinfer_core.parallel.prefix_router import PrefixAffinityRouter
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.spec_decode.metrics import SpecDecodeStats
-from deepinfer_core.worker.multiproc_executor import RankFailure, RankProcesses
+from deepinfer_core.tokenizer import get_tokenizer
+from deepinfer_core.worker.executor import place_ranks
 
 
 class DataParallelEngine:
@@ -35,12 +39,7 @@ class DataParallelEngine:
     prefix-cache calls) over the ranks' engine cores; ``step`` returns outputs in the order the requests
     were added."""
 
-    def __init__(self, args: Any):
-        from deepinfer_core.default_model import default_model_path
-        from deepinfer_core.engine.llm_engine import parallel_config_of
-        from deepinfer_core.tokenizer import get_tokenizer
-        from deepinfer_core.worker.executor import place_ranks
-
+    def __init__(self, args: EngineArgs):
         self.args = args
         self.parallel_config = pc = parallel_config_of(args)
         path = Path(args.model) if args.model is not None else default_model_path()

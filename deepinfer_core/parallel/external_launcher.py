@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.engine.args import EngineArgs, parallel_config_of
+from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.parallel.dp_engine_core import RankCore, RankExecutor
+from deepinfer_core.parallel.process_group import destroy_process_group
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -29,10 +33,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 class ExternalLauncherEngine:
     """LLMEngine's API for one torchrun rank (unknown attributes go to the rank's engine core)."""
 
-    def __init__(self, args: Any):
-        from deepinfer_core.engine.llm_engine import LLMEngine, parallel_config_of
-        from deepinfer_core.worker.multiproc_executor import RankExecutor, _RankCore
-
+    def __init__(self, args: EngineArgs):
         missing = [name for name in TORCHRUN_ENV if name not in os.environ]
         if missing:
             raise RuntimeError(f"distributed_executor_backend='external_launcher' runs under torchrun, but "
@@ -45,7 +46,7 @@ class ExternalLauncherEngine:
         enforce_eager = args.enforce_eager or args.enable_expert_parallel
         self.core = LLMEngine(dataclasses.replace(args, data_parallel_rank=self.rank, enforce_eager=enforce_eager),
                               executor_class=RankExecutor)
-        self.rank_core = _RankCore(self.core)
+        self.rank_core = RankCore(self.core)
         self.closed = False
 
     def __getattr__(self, name: str) -> Any:
@@ -82,8 +83,6 @@ class ExternalLauncherEngine:
 
     def shutdown(self) -> None:
         """Step along with the other ranks until none has work, then leave the process group."""
-        from deepinfer_core.parallel.process_group import destroy_process_group
-
         if self.closed:
             return
         self.closed = True

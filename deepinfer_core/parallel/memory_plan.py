@@ -58,9 +58,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool, num_exper
 
 
 def plan_memory(args: Any) -> list[RankMemory]:
-    """Per rank, for :class:`~deepinfer_core.engine.llm_engine.EngineArgs` ``args`` (float weights)."""
+    """Per rank, for :class:`~deepinfer_core.engine.args.EngineArgs` ``args`` (float weights)."""
     from deepinfer_core.default_model import default_model_path
-    from deepinfer_core.engine.llm_engine import parallel_config_of
+    from deepinfer_core.engine.args import parallel_config_of
     from deepinfer_core.platform import Platform
     from deepinfer_core.plugins import load_backend
     from deepinfer_core.worker.executor import place_ranks

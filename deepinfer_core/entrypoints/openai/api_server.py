@@ -214,11 +214,12 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail("serve", str(exc))
     import uvicorn
 
-    from deepinfer_core.engine.llm_engine import EngineArgs, LLMEngine
+    from deepinfer_core.engine.args import EngineArgs
+    from deepinfer_core.engine.factory import make_engine
     from deepinfer_core.plugins import PluginError
 
     try:
-        engine = LLMEngine(EngineArgs(**kwargs))
+        engine = make_engine(EngineArgs(**kwargs))
     except (ValueError, TypeError, FileNotFoundError, PluginError) as exc:
         return fail("serve", f"cannot build the engine: {exc}")
     if engine.tokenizer is None:

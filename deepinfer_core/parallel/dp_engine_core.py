@@ -1,6 +1,8 @@
-"""The processes of a data-parallel engine: every rank runs an engine core (an :class:`LLMEngine` over a
-:class:`RankExecutor`, rank ``r`` of the torch.distributed group) in a process of its own, spawned and
-driven over a pipe by the front-end (:class:`~deepinfer_core.parallel.data_parallel.DataParallelEngine`).
+"""The engine cores of a data-parallel engine, one per rank: every rank runs an :class:`LLMEngine` over a
+:class:`RankExecutor` (rank ``r`` of the torch.distributed group) and serves the front-end's commands
+through a :class:`RankCore`, in a process of its own that :class:`RankProcesses` spawns and drives over a
+pipe for the front-end (:class:`~deepinfer_core.parallel.data_parallel.DataParallelEngine`); under
+torchrun each rank's process is one already (:mod:`deepinfer_core.parallel.external_launcher`).
 
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
@@ -31,8 +33,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
-from deepinfer_core.parallel.process_group import STARTUP_TIMEOUT_S
+from deepinfer_core.parallel.memory_plan import measured_memory
+from deepinfer_core.parallel.process_group import STARTUP_TIMEOUT_S, destroy_process_group
 from deepinfer_core.worker.executor import UniProcExecutor
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
 
@@ -64,10 +68,10 @@ class RankExecutor(UniProcExecutor):
             raise
 
 
-class _RankCore:
+class RankCore:
     """The commands a rank's process serves, over its engine core."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: LLMEngine):
         self.engine, self.executor = engine, engine.executor
         self.expert_parallel = engine.parallel_config.expert_parallel_size > 1
         self.num_steps = self.num_placeholder_steps = 0
@@ -108,8 +112,6 @@ class _RankCore:
         return state.rearrange(load)
 
     def memory(self, _: Any) -> dict[str, int]:
-        from deepinfer_core.parallel.memory_plan import measured_memory
-
         worker = self.executor.driver_worker
         return measured_memory(worker.model, worker.cache)
 
@@ -138,12 +140,9 @@ def _rank_main(rank: int, env: dict[str, str], args: Any, threads: int, conn: Co
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front-end ends the ranks
     torch.set_num_threads(threads)
-    from deepinfer_core.engine.llm_engine import LLMEngine
-    from deepinfer_core.parallel.process_group import destroy_process_group
-
     try:
         try:
-            core = _RankCore(LLMEngine(args, executor_class=RankExecutor))
+            core = RankCore(LLMEngine(args, executor_class=RankExecutor))
             conn.send(("ok", core.info()))
         except BaseException as exc:
             conn.send(_error(exc))
