@@ -61,6 +61,8 @@ def get_tokenizer(model_path: str | Path) -> Any | None:
     folder = tokenizer_folder(model_path)
     if folder is None:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    # the tokenizer files say which tokenizer to build; a config.json of a model type transformers does
+    # not know (every architecture of the registry is one to it) must not be parsed for that
+    return AutoTokenizer.from_pretrained(str(folder), config=PretrainedConfig())

@@ -51,7 +51,10 @@ def _spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSp
 
 def branch_bytes_per_block(branch: BranchSpec, spec: KVCacheSpec) -> int:
     """Bytes one block costs in one branch pool: its entries and, with overlap, its boundary records."""
-    out = spec.compressed_bytes_per_block(branch.rate, not branch.kv_entry)
+    if branch.kv_entry:
+        out = spec.compressed_bytes_per_block(branch.rate)
+    else:  # dense values of the branch's own width (indexer keys: index_head_dim)
+        out = spec.block_size // branch.rate * branch.dim * spec.dtype.itemsize
     if branch.stateful and branch.overlap:  # the boundary records
         out += 2 * branch.rate * branch.dim * spec.state_dtype.itemsize
     return out

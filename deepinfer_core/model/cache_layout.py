@@ -6,9 +6,9 @@ plan``, rollback and prefix-cache restores all derive from it. A pool several la
 counted and saved once.
 
 * Window pools: one row per source token, only for the blocks the sliding window still covers.
-* Branch pools: one compressed branch each (kind ``"kv"``: compressed KV entries in the cache's entry
-  layout; ``"index"``: indexer keys, dense), one entry per ``rate`` source tokens, kept for the whole
-  sequence. A stateful branch also has a per-sequence ring of its last ``rows`` projected source rows,
+* Branch pools: one compressed branch each, of a kind its architecture names (V4: ``"kv"``, compressed
+  KV entries in the cache's entry layout; ``"index"``, indexer keys, dense), one entry per ``rate``
+  source tokens, kept for the whole sequence. A stateful branch also has a per-sequence ring of its last ``rows`` projected source rows,
   and, with overlapping windows, boundary records (what a prefix-cache hit restores).
 """
 
@@ -17,10 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-#: branch kinds whose entries take the cache's KV entry layout (FP8 in ``fp8_ds``); the others are dense
-KV_ENTRY_KINDS = frozenset({"kv"})
-
 
 @dataclass(frozen=True)
 class BranchSpec:
@@ -32,6 +28,7 @@ class BranchSpec:
     overlap: bool
     kind: str = "kv"
     stateful: bool = True  # a ring of projected source rows per sequence
+    kv_entry: bool = True  # entries in the cache's KV entry layout (FP8 under ``fp8_ds``), else dense values
 
     @property
     def rows(self) -> int:
@@ -41,10 +38,6 @@ class BranchSpec:
     @property
     def source_dim(self) -> int:
         return (2 if self.overlap else 1) * self.dim
-
-    @property
-    def kv_entry(self) -> bool:
-        return self.kind in KV_ENTRY_KINDS
 
 
 @dataclass(frozen=True)

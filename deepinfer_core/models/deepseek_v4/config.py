@@ -42,9 +42,10 @@ class DeepseekV4Config(ModelConfig):
         return self.layer_types[layer] == "compressed_sparse_attention"
 
 
-def cache_layout(cfg: DeepseekV4Config) -> CacheLayout:
-    """Every layer owns its window pool; CSA and HCA layers own a compressed-KV branch (CSA: overlapping
-    windows, plus indexer keys), sliding-window layers and MTP blocks none."""
+def layer_branches(cfg: DeepseekV4Config) -> list[dict[str, BranchSpec | int]]:
+    """Per layer (MTP blocks last), the branches it owns (:meth:`CacheLayout.build`'s form): CSA and HCA
+    layers a compressed-KV branch (CSA: overlapping windows, plus indexer keys), sliding-window layers
+    and MTP blocks none."""
     layers: list[dict[str, BranchSpec | int]] = []
     for layer in range(cfg.num_hidden_layers):
         rate = cfg.compress_rate(layer)
@@ -54,7 +55,12 @@ def cache_layout(cfg: DeepseekV4Config) -> CacheLayout:
         csa = cfg.is_csa(layer)
         branches: dict[str, BranchSpec | int] = {"kv": BranchSpec(rate, cfg.head_dim, overlap=csa, kind="kv")}
         if csa:
-            branches["index"] = BranchSpec(rate, cfg.index_head_dim, overlap=True, kind="index")
+            branches["index"] = BranchSpec(rate, cfg.index_head_dim, overlap=True, kind="index", kv_entry=False)
         layers.append(branches)
     layers += [{} for _ in range(cfg.num_nextn_predict_layers or 0)]
-    return CacheLayout.build(layers)
+    return layers
+
+
+def cache_layout(cfg: DeepseekV4Config) -> CacheLayout:
+    """Every layer owns its window pool and the branches of :func:`layer_branches`."""
+    return CacheLayout.build(layer_branches(cfg))
