@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
+import toy_arch
 from engine_fixtures import greedy, make_llm, make_prompt, run_tokens, tiny_path  # noqa: F401
 from safetensors.torch import load_file, save_file
 
-import toy_arch
 from deepinfer_core.config import ModelConfig, UnsupportedModelError
 from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
 from deepinfer_core.model.loader import CheckpointError

@@ -8,8 +8,9 @@ counted and saved once.
 * Window pools: one row per source token, only for the blocks the sliding window still covers.
 * Branch pools: one compressed branch each, of a kind its architecture names (V4: ``"kv"``, compressed
   KV entries in the cache's entry layout; ``"index"``, indexer keys, dense), one entry per ``rate``
-  source tokens, kept for the whole sequence. A stateful branch also has a per-sequence ring of its last ``rows`` projected source rows,
-  and, with overlapping windows, boundary records (what a prefix-cache hit restores).
+  source tokens, kept for the whole sequence. A stateful branch also has a per-sequence ring of its last
+  ``rows`` projected source rows, and, with overlapping windows, boundary records (what a prefix-cache
+  hit restores).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
 
 @dataclass(frozen=True)
 class BranchSpec:
