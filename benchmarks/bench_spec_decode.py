@@ -11,8 +11,9 @@ confidence-scheduled, in one run (any backend: ``--backend nvidia_sm100 --dtype 
 ``--force-acceptance P`` replaces verification by accepting each draft with probability P (the output is
 then not the model's; it shows what the scheduler chooses at a given acceptance, e.g. with random weights).
 ``--virtual-clock h200-trained`` times the steps by another machine's measured step costs
-(``deepinfer_core.testing.virtual_clock``): the tokens, acceptance and scheduling are this run's, the
-seconds those the H200 would take, so the confidence scheduler's choices can be checked on a CPU.
+(``benchmarks/step_costs.json``, read by ``deepinfer_core.testing.virtual_clock``): the tokens,
+acceptance and scheduling are this run's, the seconds those the H200 would take, so the confidence
+scheduler's choices can be checked on a CPU.
 ``--waves W`` serves batch x W requests, at most batch at once: one closed batch (W = 1) ends with its
 slowest request, and speculation's requests finish over many steps (their acceptance differs), so its
 last steps decode a few sequences; with more waves the batch stays full until the last one.
@@ -40,9 +41,16 @@ import torch
 
 from deepinfer_core.entrypoints import LLM, SamplingParams
 from deepinfer_core.spec_decode.gate import bucket
-from deepinfer_core.testing.virtual_clock import VIRTUAL_COSTS, StepCosts, VirtualClock
+from deepinfer_core.testing.virtual_clock import StepCosts, VirtualClock, load_step_costs
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout_slice.txt"
+#: the measured step costs of the benchmark machines, by name (--virtual-clock NAME)
+STEP_COSTS = load_step_costs(Path(__file__).resolve().with_name("step_costs.json"))
+
+
+def step_costs(text: str) -> StepCosts:
+    """--virtual-clock: a name of :data:`STEP_COSTS` or ``P1,P64,S1,S64``."""
+    return StepCosts.parse(text, STEP_COSTS)
 
 
 def _spec(k: int, schedule: str = "fixed") -> dict:
@@ -389,10 +397,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=1,
                     help="speed: measured runs per mode and batch after the warm-up; the median counts, and "
                          "'spread' is the slowest run's time over the fastest's")
-    ap.add_argument("--virtual-clock", type=StepCosts.parse, default=None, metavar="COSTS",
+    ap.add_argument("--virtual-clock", type=step_costs, default=None, metavar="COSTS",
                     help="speed: time steps by a cost model instead of the wall clock (the model still runs): "
-                         f"one of {', '.join(VIRTUAL_COSTS)}, or 'P1,P64,S1,S64', milliseconds a plain and a "
-                         "speculative decode step take at batch 1 and 64")
+                         f"one of {', '.join(STEP_COSTS)} (benchmarks/step_costs.json), or 'P1,P64,S1,S64', "
+                         "milliseconds a plain and a speculative decode step take at batch 1 and 64")
     ap.add_argument("--clock-jitter", type=float, default=0.0, metavar="SIGMA",
                     help="--virtual-clock: scatter each step's device time by a log-normal factor of mean 1 "
                          "and this sigma (seeded), as a real device's step times scatter")

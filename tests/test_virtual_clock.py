@@ -3,15 +3,19 @@ the trained default model the speculation gate keeps plain decode's speed where 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from engine_fixtures import one_torch_thread  # noqa: F401 (fixture)
 
 from deepinfer_core.entrypoints import LLM, SamplingParams
-from deepinfer_core.testing.virtual_clock import H200_TRAINED, StepCosts, VirtualClock, is_decode
+from deepinfer_core.testing.virtual_clock import StepCosts, VirtualClock, is_decode, load_step_costs
 
 HELDOUT = "data/heldout_slice.txt"
+#: the benchmark machines' measured step costs, kept with the benchmarks
+STEP_COSTS = load_step_costs(Path(__file__).resolve().parents[1] / "benchmarks" / "step_costs.json")
+H200_TRAINED = STEP_COSTS["h200-trained"]
 
 
 def prompts_of(llm: LLM, n: int, length: int = 64) -> list[dict]:
@@ -39,7 +43,7 @@ def test_costs_fit_two_points_and_parse_names_or_milliseconds():
     costs = StepCosts.fit({1: 1e-3, 65: 3e-3}, {1: 2e-3, 65: 10e-3})
     assert costs.plain == pytest.approx(1e-3) and costs.plain_per_seq == pytest.approx(2e-3 / 64)
     assert costs.spec_per_seq == pytest.approx(8e-3 / 64)
-    assert StepCosts.parse("h200-trained") is H200_TRAINED
+    assert StepCosts.parse("h200-trained", STEP_COSTS) is H200_TRAINED
     assert StepCosts.parse("1,3,2,10").spec == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="P1,P64,S1,S64"):
         StepCosts.parse("fast")

@@ -6,16 +6,22 @@ and device seconds come from a :class:`StepCosts`, device work runs in launch or
 step's output (the engine's, or the runner's own for an unchained speculative step) moves the host
 clock to that step's completion. The model's arithmetic still runs for real, so tokens, acceptance and
 the engine's scheduling are the real ones; only the clock they are timed by is not.
+
+No machine's costs ship with the package: measured ones are data, a JSON file of named step costs read by
+:func:`load_step_costs` (the repository keeps those of its benchmark machines in
+``benchmarks/step_costs.json``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deepinfer_core.engine import llm_engine
@@ -62,15 +68,16 @@ class StepCosts:
         return base + per_seq * (n - 1) + prefill
 
     @classmethod
-    def parse(cls, text: str) -> StepCosts:
-        """A name of :data:`VIRTUAL_COSTS`, or ``P1,P64,S1,S64``: milliseconds of a plain and a speculative
-        decode step at batch 1 and 64."""
-        if text in VIRTUAL_COSTS:
-            return VIRTUAL_COSTS[text]
+    def parse(cls, text: str, named: Mapping[str, StepCosts] | None = None) -> StepCosts:
+        """A name of ``named`` (e.g. :func:`load_step_costs`' tables), or ``P1,P64,S1,S64``: milliseconds
+        of a plain and a speculative decode step at batch 1 and 64."""
+        named = named or {}
+        if text in named:
+            return named[text]
         try:
             p1, p64, s1, s64 = (float(v) * 1e-3 for v in text.split(","))
         except ValueError:
-            raise ValueError(f"step costs {text!r}: expected one of {sorted(VIRTUAL_COSTS)} or four "
+            raise ValueError(f"step costs {text!r}: expected one of {sorted(named)} or four "
                              "comma-separated milliseconds P1,P64,S1,S64") from None
         return cls.fit({1: p1, 64: p64}, {1: s1, 64: s64})
 
@@ -83,18 +90,27 @@ class StepCosts:
                    s0 - (s1 - s0) / (m1 - m0) * (m0 - 1), (s1 - s0) / (m1 - m0), **kw)
 
 
-#: Steps of the trained default model in bf16 on one H200 with async scheduling and CUDA graphs
-#: (benchmarks/results/h200/spec_confidence_5fd37e3: plain decode 1.27 ms a step at batch 1 and
-#: 2.75 ms at 64; chained k=3 speculative steps 2.66 ms and 9.95 ms).
-H200_TRAINED = StepCosts.fit({1: 1.266e-3, 64: 2.751e-3}, {1: 2.664e-3, 64: 9.946e-3},
-                             graph_sizes=(1, 2, 4, 8, 16, 32, 64))
-#: The same on an H100 machine whose host paces the steps (benchmarks/results/h100/spec_cd9122d, end to
-#: end: plain decode 1.24 ms a step at batch 1 and 3.31 ms at 64; k=3 2.70 ms and 7.69 ms), where k=3
-#: wins at both ends. On another H100 host, steps with prompt chunks took 16-34 ms against 2.3-2.7 ms for
-#: a graph's decode step at 64 (benchmarks/results/h100/spec_4e8d741, the step log): about 14 ms of eager
-#: launches.
-H100_TRAINED = StepCosts.fit({1: 1.238e-3, 64: 3.311e-3}, {1: 2.700e-3, 64: 7.690e-3}, eager_host=14e-3)
-VIRTUAL_COSTS = {"h200-trained": H200_TRAINED, "h100-trained": H100_TRAINED}
+#: what a named entry of a step-costs file may hold besides ``plain_s`` and ``spec_s`` (and ``source``)
+_FIT_OPTIONS = ("prefill_per_token", "host", "graph_sizes", "eager_host")
+
+
+def load_step_costs(path: str | Path) -> dict[str, StepCosts]:
+    """The named step costs of a JSON file: ``{name: {"plain_s": {batch: seconds, ...}, "spec_s": {...},
+    [graph_sizes, eager_host, host, prefill_per_token,] "source": "where they were measured"}}``, each
+    :meth:`StepCosts.fit` through its plain and speculative points (keys starting with ``_`` are notes)."""
+    tables = json.loads(Path(path).read_text(encoding="utf-8"))
+    costs = {}
+    for name, entry in tables.items():
+        if name.startswith("_"):
+            continue
+        unknown = set(entry) - {"plain_s", "spec_s", "source", *_FIT_OPTIONS}
+        if unknown or not {"plain_s", "spec_s"} <= set(entry):
+            raise ValueError(f"{path}: step costs {name!r} want plain_s and spec_s (and optionally "
+                             f"{', '.join(_FIT_OPTIONS)}, source); got {sorted(entry)}")
+        options = {k: tuple(v) if k == "graph_sizes" else v for k, v in entry.items() if k in _FIT_OPTIONS}
+        costs[name] = StepCosts.fit({int(b): s for b, s in entry["plain_s"].items()},
+                                    {int(b): s for b, s in entry["spec_s"].items()}, **options)
+    return costs
 
 
 class _Timed:
