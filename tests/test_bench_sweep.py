@@ -3,15 +3,19 @@ measured step times, the markdown table, a failing engine config recorded, and `
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from deepinfer_core.entrypoints import cli
-from deepinfer_core.entrypoints.cli_bench import _sweep_cli
+from deepinfer_core.entrypoints.cli_bench import load_sweep_cli
+
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 CONFIGS = ("eager", "eager+async")
 BATCHES = (1, 2)
@@ -22,7 +26,7 @@ GEN_LEN = 6
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """One sweep run; the ``graphs`` config is made to fail on building its engine."""
-    _sweep_cli()  # puts the checkout's benchmarks package on the path
+    load_sweep_cli(CHECKOUT)  # puts the checkout's benchmarks package on the path
     from benchmarks import bench_gpu_decode as bgd
 
     out = tmp_path_factory.mktemp("sweep")
@@ -40,7 +44,7 @@ def sweep(tmp_path_factory):
             "bench", "--mode", "sweep", "--small", "--backend", "cpu_ref", "--device", "cpu", "--threads", "1",
             "--configs", ",".join((*CONFIGS, "graphs")), "--batch-sizes", ",".join(map(str, BATCHES)),
             "--prompt-len", "16", "--gen-len", str(GEN_LEN), "--warmup-steps", "1",
-            "--chunk-sizes", ",".join(map(str, CHUNKS)), "--out", str(out),
+            "--chunk-sizes", ",".join(map(str, CHUNKS)), "--out", str(out), "--checkout", str(CHECKOUT),
         ])
     assert code == 0
     return out, json.loads((out / "sweep.json").read_text()), stdout.getvalue()
@@ -124,7 +128,7 @@ def test_plot_only_redraws_from_the_json(sweep, tmp_path):
     shutil.copy(out / "sweep.json", tmp_path / "sweep.json")
     redraw_dir = tmp_path / "plots"
     assert cli.main(["bench", "--mode", "sweep", "--plot-only", str(tmp_path / "sweep.json"),
-                     "--out", str(redraw_dir)]) == 0
+                     "--out", str(redraw_dir), "--checkout", str(CHECKOUT)]) == 0
     for name in ("pareto.png", "breakdown.png"):
         assert (redraw_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (redraw_dir / "summary.md").read_text() == (out / "summary.md").read_text()
@@ -149,3 +153,25 @@ def test_fp8_configs_are_compared_with_their_bf16_config():
         "- graphs+fp8: decode step at batch 64 0.60x the bf16 step (goal <= 0.65x at batch 64: met)",
         "- graphs+fp8: prefill chunk 2048 1.50x the bf16 tokens/s (goal >= 1.3x: met)",
     ]
+
+
+def test_the_sweep_modes_name_the_checkout_they_need(tmp_path, capsys):
+    """The sweep is a script of the repository, loaded from the checkout ``--checkout`` names (default: the
+    current directory); a folder without one is a usage error saying so."""
+    assert cli.main(["bench", "--mode", "sweep", "--small", "--checkout", str(tmp_path)]) == 2
+    assert "--checkout DIR" in capsys.readouterr().err
+
+
+def test_the_core_imports_nothing_from_benchmarks():
+    """The installed package stands alone: no module of it imports the repository's benchmarks/ folder."""
+    offenders = []
+    for path in sorted((CHECKOUT / "deepinfer_core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.relative_to(CHECKOUT)}: {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not offenders, offenders

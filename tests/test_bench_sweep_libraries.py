@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core.entrypoints import cli
-from deepinfer_core.entrypoints.cli_bench import _sweep_cli
+from deepinfer_core.entrypoints.cli_bench import load_sweep_cli
 
-_sweep_cli()  # puts the checkout's benchmarks package on the path
+CHECKOUT = Path(__file__).resolve().parents[1]
+load_sweep_cli(CHECKOUT)  # puts the checkout's benchmarks package on the path
 from benchmarks.gpu_sweep import libraries as libs  # noqa: E402
 
 BATCHES = (1, 2)
@@ -184,7 +185,7 @@ def test_bench_sweep_runs_every_set_in_its_own_process_and_merges(tmp_path, monk
             "bench", "--mode", "sweep", "--small", "--backend", "cpu_ref", "--device", "cpu", "--threads", "1",
             "--libraries", "none,flash_mla", "--configs", "eager", "--batch-sizes", ",".join(map(str, BATCHES)),
             "--prompt-len", "8", "--gen-len", "3", "--warmup-steps", "1", "--chunk-sizes", str(CHUNK), "--no-hf",
-            "--out", str(out),
+            "--out", str(out), "--checkout", str(CHECKOUT),
         ])
     assert code == 0
     merged = json.loads((out / libs.MERGED_JSON).read_text())

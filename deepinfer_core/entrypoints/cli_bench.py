@@ -1,15 +1,18 @@
 """``deepinfer bench``: engine prefill/decode throughput against transformers' ``generate``.
 
 ``--mode throughput`` (the default) runs :mod:`deepinfer_core.benchmark` on a checkpoint (the embedded
-tiny model by default). ``--mode decode|prefill|sweep`` run the GPU sweep of a source checkout
-(``benchmarks/gpu_sweep``) on random V4-Flash-width weights (``--small``: tiny widths, for a CPU);
-``--libraries none,flash_mla,...`` runs them once per set of DeepSeek's kernel libraries, each set in a
-process of its own, and merges the results.
+tiny model by default). ``--mode decode|prefill|sweep`` run the GPU sweep of a deepinfer source checkout
+(its ``benchmarks/gpu_sweep``; ``--checkout DIR``, by default the current directory) on random
+V4-Flash-width weights (``--small``: tiny widths, for a CPU); ``--libraries none,flash_mla,...`` runs them
+once per set of DeepSeek's kernel libraries, each set in a process of its own, and merges the results.
+The sweep is a benchmark script of the repository, not part of the installed package: the package loads
+it from the checkout named, and only in those modes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -67,6 +70,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also draw the throughput (needs matplotlib)")
     w = parser.add_argument_group("sweep modes (--mode decode|prefill|sweep; engine options other than --backend, "
                                   "--device and --dtype do not apply)")
+    w.add_argument("--checkout", default=None, metavar="DIR",
+                   help="the deepinfer source checkout whose benchmarks/gpu_sweep the sweep modes run "
+                        "(default: the current directory)")
     w.add_argument("--small", action="store_true", help="tiny widths instead of V4-Flash widths (CPU smoke test)")
     w.add_argument("--layers", type=_positive, default=None, metavar="N", help="decoder layers (default: 4)")
     w.add_argument("--configs", default=None, metavar="NAME,...",
@@ -90,18 +96,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="only redraw the plots and summary.md of a sweep.json (into --out if given)")
 
 
-def _sweep_cli() -> Any:
-    """``benchmarks.gpu_sweep.cli`` of the source checkout this package runs from."""
-    import deepinfer_core
-
-    root = Path(deepinfer_core.__file__).resolve().parents[1]
+def load_sweep_cli(checkout: str | Path | None = None) -> Any:
+    """``benchmarks.gpu_sweep.cli`` of the deepinfer source checkout ``checkout`` (default: the current
+    directory), its root put on ``sys.path`` so that the sweep's own ``benchmarks`` imports resolve."""
+    root = Path(checkout if checkout is not None else ".").resolve()
     if not (root / "benchmarks" / "gpu_sweep" / "cli.py").is_file():
-        raise UsageError(f"the sweep modes need a source checkout of deepinfer; {root} has no benchmarks/gpu_sweep")
+        raise UsageError(f"the sweep modes run benchmarks/gpu_sweep of a deepinfer source checkout, and {root} has "
+                         "none: run from the checkout's root or pass --checkout DIR")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from benchmarks.gpu_sweep import cli
-
-    return cli
+    return importlib.import_module("benchmarks.gpu_sweep.cli")
 
 
 def _sweep_argv(args: argparse.Namespace) -> list[str]:
@@ -129,7 +133,7 @@ def run_sweep_mode(args: argparse.Namespace) -> int:
                              "pass a GPU backend (--backend nvidia_sm100), or --small for a CPU smoke test "
                              "(--device cpu runs it on cpu_ref anyway)")
     try:
-        cli = _sweep_cli()
+        cli = load_sweep_cli(args.checkout)
     except UsageError as exc:
         return fail("bench", str(exc))
     import torch
