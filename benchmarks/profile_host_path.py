@@ -37,6 +37,7 @@ import bench_spec_decode as spec_bench  # noqa: E402
 
 from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
 from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
+from deepinfer_core.models.deepseek_v4.mtp import DeepseekV4MTP  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 from deepinfer_core.spec_decode import verify_graph  # noqa: E402
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs  # noqa: E402
@@ -49,7 +50,7 @@ from deepinfer_core.worker.graph_runner import GraphRunner  # noqa: E402
 #: what a GPU runs inside captured graphs, or eagerly as a forward of its own (a verification graph's undo
 #: log is put back by a restore graph: ``GraphUndo.capture_restores``)
 DEVICE = [(GraphRunner, "replay_step"), (GraphRunner, "_derive"), (MtpGraphs, "_run"), (MtpGraphs, "_derive_static"),
-          (CacheUndo, "restore_rows"), (DeepseekV4Model, "forward"), (DeepseekV4Model, "mtp_forward"),
+          (CacheUndo, "restore_rows"), (DeepseekV4Model, "forward"), (DeepseekV4MTP, "forward"),
           (verify_graph, "greedy_verify_spans"), (ChainGraphs, "_apply")]
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 

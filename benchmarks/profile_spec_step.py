@@ -61,7 +61,7 @@ TIMED = [
     ("deepinfer_core.worker.graph_runner", "GraphRunner.replay_with_streams"),
     ("deepinfer_core.worker.graph_runner", "GraphRunner.replay_step"),
     ("deepinfer_core.models.deepseek_v4.model", "DeepseekV4Model.forward"),
-    ("deepinfer_core.models.deepseek_v4.model", "DeepseekV4Model.mtp_forward"),
+    ("deepinfer_core.models.deepseek_v4.mtp", "DeepseekV4MTP.forward"),
     ("deepinfer_core.spec_decode.drafts", "DraftPlanner.decide"),
     ("deepinfer_core.spec_decode.drafts", "DraftPlanner.plan"),
     ("deepinfer_core.spec_decode.drafts", "DraftPlanner.accept"),

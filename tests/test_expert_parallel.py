@@ -57,7 +57,7 @@ def test_shard_experts_keeps_the_rank_slice_and_a_placeholder_step_runs(tiny_pat
             w, p = getattr(whole.moe.experts, name).weight, getattr(part.moe.experts, name).weight
             assert p.shape[0] == 3 and torch.equal(p, w[3:6])
         assert torch.equal(part.moe.shared.w13.weight, whole.moe.shared.w13.weight)  # shared expert: local
-    mtp = model.weights.mtp[0].block.moe.experts.w13.weight
+    mtp = model.drafter.moe_layers()[0].experts.w13.weight
     assert mtp.shape[0] == 3
     with pytest.raises(ValueError, match="holds 3 experts"):
         shard_experts(model, _SliceOnly())

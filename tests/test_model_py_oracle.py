@@ -293,7 +293,7 @@ def test_mtp_equals_deepseeks_model_py(model_py, checkpoint, record_property):
             assert tok == int(logits[0][-1].argmax())
             nxt = chunk[1:] + [tok]  # the token after each position of the chunk
             theirs.append(ref.mtp[0](h, pos, torch.tensor([nxt]))[0])
-            draft, _ = engine.mtp_forward(batch, runner.cache, streams, torch.tensor(nxt))
+            draft, _ = engine.drafter.forward(batch, runner.cache, streams, torch.tensor(nxt))
             ours.append(draft[-1])
             chunk, pos = [tok], pos + len(chunk)
     a, b = torch.stack(ours).double(), torch.stack(theirs).double()

@@ -52,7 +52,7 @@ def test_mtp_draft_logits_match_transformers_block(mtp_checkpoint):
     assert (streams - hf_streams).abs().max() < 1e-4
     mtp_spans = [SeqSpan(0, n, runner.table(0), runner.table(0), 0)]
     mtp_batch = build_forward_batch(ids[0].tolist()[:n], mtp_spans, model.compressor_specs(), 16, 8, list(range(n)))
-    draft, _ = model.mtp_forward(mtp_batch, runner.cache, streams[:n], nxt)
+    draft, _ = model.drafter.forward(mtp_batch, runner.cache, streams[:n], nxt)
     scale = ref_logits.abs().max()
     assert torch.isfinite(draft).all()
     assert (draft - ref_logits).abs().max() <= 1e-4 * scale

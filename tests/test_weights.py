@@ -126,7 +126,7 @@ def record_calls(model) -> set[str]:
 
 
 def run_forward_and_mtp(model, length: int = 40) -> tuple[set[str], set[str]]:
-    """(ops the forward called, ops mtp_forward called) over ``length`` tokens, every window closing."""
+    """(ops the forward called, ops the drafter called) over ``length`` tokens, every window closing."""
     called = record_calls(model)
     ids = torch.randint(2, model.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
     runner = SimpleRunner(model, 1, length + 1, block_size=16)
@@ -138,7 +138,7 @@ def run_forward_and_mtp(model, length: int = 40) -> tuple[set[str], set[str]]:
     called.clear()
     if model.has_mtp:
         nxt = torch.tensor(ids[1:] + [2])
-        model.mtp_forward(batch, runner.cache, streams, nxt)
+        model.drafter.forward(batch, runner.cache, streams, nxt)
     return forward, set(called)
 
 

@@ -12,7 +12,7 @@ Rows: deepinfer's engine (``load_model`` + ``SimpleRunner``, all logits), transf
 ``DeepseekV4ForCausalLM`` on the same folder (as is, and with the CSA indexer's top-k ties broken
 towards the earlier entry like the engine), a unigram model (train-split token counts, add-one
 smoothing), the untrained model (same config, random init), and the MTP module's top-1 accuracy on
-token t+2 (engine ``mtp_forward``).
+token t+2 (the engine's ``drafter.forward``).
 
     python tools/eval_perplexity.py --model deepinfer_core/assets/deepseek-v4-tiny \\
         --json-out data/perplexity_baseline_cpu_ref.json
@@ -120,7 +120,7 @@ def engine_scores(model, pairs, with_mtp: bool = False) -> dict:
                                              model.cfg.sliding_window, logits_indices=list(range(n)),
                                              device=model.device)
                 nxt = torch.tensor(tgt[:n], device=model.device)
-                draft, _ = model.mtp_forward(mbatch, runner.cache, streams[:n], nxt)
+                draft, _ = model.drafter.forward(mbatch, runner.cache, streams[:n], nxt)
                 hits += int((draft.argmax(-1).cpu() == torch.tensor(tgt[1 : n + 1])).sum())
                 mtp_count += n
         nll += _nll(logits.cpu(), tgt)

@@ -15,7 +15,7 @@ Everything comes from transformers' own ``DeepseekV4ForCausalLM``; nothing is do
    ``DeepseekV4ForCausalLM`` whose layer 0 gets the MTP input through a forward pre-hook;
 5. save: ``save_pretrained`` (bf16 matrices; hyper-connection, norm, sink and bias tensors fp32) plus the
    ``mtp.0.*`` tensors in DeepSeek's layout, tokenizer, ``training_info.json``; then deepinfer's engine
-   (``load_model`` + ``forward`` + ``mtp_forward``, cpu_ref, float64) is checked against the training-time
+   (``load_model`` + ``forward`` + ``drafter.forward``, cpu_ref, float64) is checked against the training-time
    modules on the saved weights.
 
 The main loop's length is the smallest of ``--steps``, ``--max-epochs`` over the train split and what
@@ -713,7 +713,7 @@ def _engine_run(engine, ids: torch.Tensor, with_mtp: bool):
         mtp_spans = [SeqSpan(0, n, runner.table(0), runner.table(0), 0)]
         mtp_batch = build_forward_batch(ids[:n].tolist(), mtp_spans, engine.compressor_specs(), runner.block_size,
                                         engine.cfg.sliding_window, logits_indices=list(range(n)))
-        draft, _ = engine.mtp_forward(mtp_batch, runner.cache, streams[:n], ids[1:])
+        draft, _ = engine.drafter.forward(mtp_batch, runner.cache, streams[:n], ids[1:])
     return logits, streams, draft
 
 

@@ -114,9 +114,8 @@ def shard_experts(model, dispatcher) -> None:
 def place_experts(model, rows: list[int], expected: int) -> None:
     """Re-stack every routed-expert stack of ``model`` (main layers and MTP blocks) as ``stack[rows]``:
     a rank's physical slots out of the experts it loaded (``expected`` of them in every stack)."""
-    w = model.weights
     index = torch.tensor(rows, dtype=torch.long)
-    for ex in records([*w.layers, *w.mtp], leaves=(Experts,)):
+    for ex in records(model.weights, leaves=(Experts,)):
         if not isinstance(ex, Experts):
             continue
         if ex.w13.weight.shape[0] != expected:
@@ -136,13 +135,12 @@ def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def dummy_moe_step(model, mtp_steps: int = 0) -> None:
-    """Every MoE layer of the forward, then the MTP block's ``mtp_steps`` times (a speculative step's
-    drafting), with no tokens: the rank takes part in each dispatch and combine."""
-    w = model.weights
-    for block in w.layers:
+    """Every MoE layer of the forward, then the drafter's draft step ``mtp_steps`` times (a speculative
+    step's drafting), with no tokens: the rank takes part in each dispatch and combine."""
+    for block in model.weights.layers:
         dummy_moe(model, block.moe)
     for _ in range(mtp_steps):
-        dummy_moe(model, w.mtp[0].block.moe)
+        model.drafter.dummy_step()
 
 
 def dummy_moe(model, moe) -> None:

@@ -141,7 +141,7 @@ class MtpGraphs:
         first = inputs.catch_up.positions.view(size, self.q)[:, 0]
         last = torch.arange(size, device=first.device) * self.q + inputs.accepted
         batch = inputs.catch_up.replace_tensors({"logits_indices": last})
-        logits, out = model.mtp_forward(batch, self.cache, inputs.streams, batch.input_ids)
+        logits, out = model.drafter.forward(batch, self.cache, inputs.streams, batch.input_ids)
         h = out[last]
         tokens, confs = [], []
         for j in range(self.k):
@@ -150,7 +150,7 @@ class MtpGraphs:
             confs.append(conf)
             if j + 1 == self.k:
                 break
-            logits, h = model.mtp_forward(self._step(inputs, first, j), self.cache, h, token)
+            logits, h = model.drafter.forward(self._step(inputs, first, j), self.cache, h, token)
         return torch.stack(tokens, dim=1), torch.stack(confs, dim=1)
 
     @torch.inference_mode()

@@ -17,45 +17,27 @@ times with no tokens, through the MoE's collectives only), so that the ranks' co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.models.interface import Model
-from deepinfer_core.parallel.ep import dummy_moe
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
-
-
-@dataclass
-class DraftSpan:
-    """One sequence's kept positions of the step: ``start .. start + len(next_ids) - 1``."""
-
-    start: int
-    rows: list[int]  # rows of the target batch's streams at those positions
-    next_ids: list[int]  # the token after each position
-    block_table: list[int]
-    window_block_table: list[int]
-    draft: bool  # propose drafts from the last position
-
-
-@dataclass
-class Proposal:
-    draft_token_ids: list[list[int]]  # per drafting span, in order
-    confidences: list[list[float]]  # the drafter's probability of each draft
+from deepinfer_core.spec_decode.proposer import DraftSpan, Proposal
 
 
 class MtpProposer:
-    """``graphs``: an :class:`~deepinfer_core.spec_decode.mtp_graph.MtpGraphs` that drafts for steps whose
+    """The :class:`~deepinfer_core.spec_decode.proposer.Proposer` of ``model.drafter`` (MTP layers).
+
+    ``graphs``: an :class:`~deepinfer_core.spec_decode.mtp_graph.MtpGraphs` that drafts for steps whose
     every span drafts from at most k + 1 kept positions; other steps draft eagerly."""
 
     def __init__(self, model: Model, cache: ModelCache, num_speculative_tokens: int,
                  graphs: MtpGraphs | None = None):
-        if not model.has_mtp:
+        if model.drafter is None:
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with mtp.* weights; this one has "
                              "none (num_nextn_predict_layers / the mtp.0.* tensors)")
-        self.model, self.cache, self.k = model, cache, num_speculative_tokens
+        self.model, self.drafter, self.cache, self.k = model, model.drafter, cache, num_speculative_tokens
         self.window = model.cfg.sliding_window
         self.graphs = graphs
 
@@ -82,12 +64,16 @@ class MtpProposer:
         proposal = self._propose(spans, streams)
         if self.model.ep is not None:  # the expert-parallel peers run the block k times a step
             for _ in range(self.k - self._forwards):
-                dummy_moe(self.model, self.model.weights.mtp[0].block.moe)
+                self.dummy_step()
         return proposal
+
+    def dummy_step(self) -> None:
+        """One draft step with no tokens (an expert-parallel rank's share of its peers' collectives)."""
+        self.drafter.dummy_step()
 
     def _forward(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         self._forwards += 1
-        return self.model.mtp_forward(*args)
+        return self.drafter.forward(*args)
 
     def _propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
         if not spans:

@@ -50,7 +50,8 @@ from deepinfer_core.sampling.random import base_seed
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
-from deepinfer_core.spec_decode.mtp_proposer import DraftSpan, MtpProposer
+from deepinfer_core.spec_decode.mtp_proposer import MtpProposer
+from deepinfer_core.spec_decode.proposer import DraftSpan, Proposer
 from deepinfer_core.spec_decode.rejection_sampler import (
     greedy_verify,
     rejection_sample,
@@ -127,7 +128,7 @@ class SpecDecodeModelRunner(ModelRunner):
         if self.graph_runner is not None:
             drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
                                         capture=bool(self.graph_runner.graphs), platform=self.platform)
-        self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
+        self.proposer: Proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
         self._step_graphs: tuple[Any, VerifyGraphs, ChainGraphs] | None = None
         if self.graph_runner is not None:
             self._graphs_of(self.graph_runner)

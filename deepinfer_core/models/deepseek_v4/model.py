@@ -11,6 +11,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import CompressorSpec, ModelCache
 from deepinfer_core.model.cache_layout import cache_layout
 from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
+from deepinfer_core.models.deepseek_v4.mtp import DeepseekV4MTP
 from deepinfer_core.models.deepseek_v4.weights import (
     Attention,
     Block,
@@ -72,10 +73,12 @@ class DeepseekV4Model:
         self.rope = RotaryTables(cfg, self.device)
         self.cache_layout = cache_layout(cfg)
         self.cache_specs = self.cache_layout.layers
+        #: the checkpoint's draft model (its mtp.* layers), None where it has none
+        self.drafter = DeepseekV4MTP(self, weights.mtp) if weights.mtp else None
 
     @property
     def has_mtp(self) -> bool:
-        return bool(self.weights.mtp)
+        return self.drafter is not None
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) of every weight; FP8 scales as ``name + "_scale"``."""
@@ -90,12 +93,12 @@ class DeepseekV4Model:
         return self.cache_layout.branch_specs()
 
     def ops_in_use(self, mtp: bool = True, kv_fp8: bool | None = None) -> set[str]:
-        """Names of the ops :meth:`forward` calls with these weights (with ``mtp``, :meth:`mtp_forward`'s
-        too) over a cache whose entries are FP8 (``kv_fp8``; None: the default layout of these
-        numerics): the ``*_fp8`` ops only where weights are FP8, compression and indexing only where
-        layers have them. The sampler's ops are not the model's."""
+        """Names of the ops :meth:`forward` calls with these weights (with ``mtp``, the drafter's too)
+        over a cache whose entries are FP8 (``kv_fp8``; None: the default layout of these numerics): the
+        ``*_fp8`` ops only where weights are FP8, compression and indexing only where layers have them.
+        The sampler's ops are not the model's."""
         w = self.weights
-        roots = [w.head, w.output, *w.layers, *(w.mtp if mtp else [])]
+        roots = [w.head, w.output, *w.layers, *(self.drafter.weights if mtp and self.drafter else [])]
         used = set(_ALWAYS_USED) | ({"act_quant_sim"} if self.numerics == "deepseek" else set())
         if kv_fp8 is None:
             kv_fp8 = self.numerics == "deepseek"
@@ -131,26 +134,11 @@ class DeepseekV4Model:
         hidden = self.final_norm(streams[batch.logits_indices], w.output)
         return self.logits(hidden), streams
 
-    @torch.inference_mode()
-    def mtp_forward(self, batch: ForwardBatch, cache: ModelCache, streams: torch.Tensor,
-                    next_ids: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits for position t+2 from the main streams at t and token t+1 (``next_ids``).
-
-        ``batch`` is the main model's batch (same positions and window blocks); the MTP block is plain
-        sliding-window attention with its own window pool. Returns (draft logits of the
-        ``logits_indices`` rows, the MTP block's output streams).
-        """
-        if not self.has_mtp:
+    def mtp_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`DeepseekV4MTP.forward` of :attr:`drafter`; a checkpoint without one refuses."""
+        if self.drafter is None:
             raise ValueError("this checkpoint has no mtp.* weights")
-        ops, cfg, m = self.ops, self.cfg, self.weights.mtp[depth]
-        eps = cfg.rms_norm_eps
-        e = ops.rms_norm(ops.embedding(next_ids, self.weights.embed).to(self.dtype), m.enorm, eps)
-        h = ops.rms_norm(streams, m.hnorm, eps)
-        x = self.qlinear(e, m.e_proj).unsqueeze(1) + self.qlinear(h, m.h_proj)
-        layer = cfg.num_hidden_layers + depth
-        out = self.block(m.block, layer, x, batch, cache, self._rope(batch), next_ids, {})
-        hidden = self.final_norm(out[batch.logits_indices], m.output)
-        return self.logits(hidden), out
+        return self.drafter.forward(*args, **kwargs)
 
     def _rope(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
