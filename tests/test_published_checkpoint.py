@@ -25,6 +25,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.loader import CheckpointError, expected_file_names, load_weights
 from deepinfer_core.models import default_numerics, load_model
 from deepinfer_core.models.deepseek_v4 import DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.manifest import FP4_NAMES, FP8_NAMES
 from deepinfer_core.models.deepseek_v4.weights import Experts, Linear, records
 from deepinfer_core.ops import native
 from deepinfer_core.plugins import build_op_table
@@ -37,8 +38,6 @@ from deepinfer_core.quant.fp4 import (
     unpack_fp4,
 )
 from deepinfer_core.testing.published_checkpoint import (
-    FP4_NAMES,
-    FP8_NAMES,
     build_published_checkpoint,
     write_dequantised_copy,
     write_tensors,

@@ -1,13 +1,13 @@
-"""Tiny DeepSeek-V4 checkpoints in the layout DeepSeek published, and their dequantised twins.
+"""Tiny checkpoints in the layout DeepSeek published, and their dequantised twins.
 
-:func:`build_published_checkpoint` writes a random tiny model (the weights of
-:func:`~deepinfer_core.testing.tiny_model.build_tiny_checkpoint`) as the published files are: flat names
-as DeepSeek's ``inference/model.py`` declares them (``layers.N.attn.kv_norm.weight``, ``embed.weight``,
-``hc_head_fn``, ``mtp.0.*``), the linears that are FP8 there in E4M3 with ``float8_e8m0fnu`` scales per
-128x128 tile, the routed experts in FP4 e2m1 packed two a byte as int8 [out, in/2] with
-``float8_e8m0fnu`` scales [out, in/32], the compressor and indexer-weight projections, router, embedding
-and head in bf16, norms, mHC, sinks, position biases and router biases in float32, ``tid2eid`` int32,
-and a ``config.json`` with ``quantization_config`` and ``expert_dtype: "fp4"``; optionally in shards
+:func:`to_published` writes float tensors as the architecture's checkpoint manifest says the published
+files store them (:meth:`~deepinfer_core.model.manifest.CheckpointManifest.stored_format`): canonical
+names, ``fp8`` linears in E4M3 with ``float8_e8m0fnu`` scales per 128x128 tile, ``fp4`` routed experts
+e2m1 packed two a byte as int8 [out, in/2] with ``float8_e8m0fnu`` scales [out, in/32], ``bf16``,
+``fp32`` and ``int32`` tensors as such. For DeepSeek-V4, :func:`build_published_checkpoint` writes a
+random tiny model (the weights of :func:`~deepinfer_core.testing.tiny_model.build_tiny_checkpoint`) that
+way (flat names as DeepSeek's ``inference/model.py`` declares them, ``mtp.0.*`` included) with a
+``config.json`` carrying ``quantization_config`` and ``expert_dtype: "fp4"``; optionally in shards
 with an index. :func:`write_dequantised_copy` writes the same values in float32 without quantisation
 (its own unpacking, not the loader's), the reference a published checkpoint must load equal to.
 """
@@ -15,54 +15,38 @@ with an index. :func:`write_dequantised_copy` writes the same values in float32 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.model.loader import manifest_of
+from deepinfer_core.model.manifest import CheckpointManifest
 from deepinfer_core.quant.fp4 import E2M1_VALUES, quantize_fp4_block
 from deepinfer_core.quant.fp8 import quantize_fp8_block
-from deepinfer_core.models.deepseek_v4.manifest import BF16_NAMES, FP4_NAMES, FP8_NAMES
 
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
 
-_RENAMES = [
-    (re.compile(r"^model\."), ""),
-    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
-    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
-    (re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.weight$"), r"\1kv_norm.weight"),
-]
-
-
-def published_name(saved_name: str) -> str:
-    """DeepSeek's name of a tensor as transformers' ``save_pretrained`` (and the tiny builder) wrote it."""
-    for pattern, repl in _RENAMES:
-        saved_name = pattern.sub(repl, saved_name)
-    return saved_name
-
-
-def to_published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float tensors under saved names -> the published names, dtypes and quantisation."""
+def to_published(tensors: dict[str, torch.Tensor], manifest: CheckpointManifest) -> dict[str, torch.Tensor]:
+    """Float tensors under any name ``manifest`` maps -> its canonical names, stored formats and
+    quantisation."""
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
-        name = published_name(key)
-        if FP4_NAMES.search(name):
+        name = manifest.canonical_name(key)
+        fmt = manifest.stored_format(name)
+        if fmt == "fp4":
             packed, scale = quantize_fp4_block(value)
             out[name], out[name.removesuffix(".weight") + ".scale"] = packed.view(torch.int8), scale
-        elif FP8_NAMES.search(name):
+        elif fmt == "fp8":
             q, scale = quantize_fp8_block(value, ue8m0=True)
             exponent = torch.log2(scale).round().to(torch.int32) + 127
             out[name] = q
             out[name.removesuffix(".weight") + ".scale"] = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
-        elif name.endswith("tid2eid"):
-            out[name] = value.to(torch.int32)
-        elif BF16_NAMES.search(name):
-            out[name] = value.to(torch.bfloat16)
         else:
-            out[name] = value.to(torch.float32)
+            out[name] = value.to({"int32": torch.int32, "bf16": torch.bfloat16, "fp32": torch.float32}[fmt])
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -133,7 +117,7 @@ def build_published_checkpoint(path: str | Path, name: str = "tiny", seed: int =
 
     path = Path(path)
     build_tiny_checkpoint(path, name, seed, with_mtp, **overrides)
-    write_tensors(path, to_published(_read_all(path)), shards)
+    write_tensors(path, to_published(_read_all(path), manifest_of(ModelConfig.from_pretrained(path))), shards)
     config = json.loads((path / "config.json").read_text())
     config.update(quantization_config=dict(QUANTIZATION_CONFIG), expert_dtype="fp4", torch_dtype="bfloat16")
     config.pop("dtype", None)
