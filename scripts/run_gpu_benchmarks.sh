@@ -51,9 +51,9 @@ for step in $STEPS; do
         fp8_sweep) run "$step" "$PY" -m deepinfer_core.entrypoints.cli bench --mode sweep --backend nvidia_sm100 \
                        --libraries "$LIBS" --configs graphs+async --batch-sizes 1,64 --gen-len 16 --warmup-steps 4 \
                        --chunk-sizes 4096 --no-hf --fp8 --out "$OUT/fp8_sweep" ;;
-        bench_fp8) run "$step" "$PY" benchmarks/bench_fp8.py --skip-accuracy --batches 1,64,4096 \
+        bench_fp8) run "$step" "$PY" backends/nvidia_sm100/benchmarks/bench_fp8_kernels.py --batches 1,64,4096 \
                        --out "$OUT/bench_fp8.json" ;;
-        bench_hc) run "$step" "$PY" benchmarks/bench_hc.py --out "$OUT/bench_hc.json" ;;
+        bench_hc) run "$step" "$PY" backends/nvidia_sm100/benchmarks/bench_hc.py --out "$OUT/bench_hc.json" ;;
         spec_sync) run "$step" "$PY" "${SPEC[@]}" --json-out "$OUT/spec_sync.json" ;;
         spec_async) run "$step" "$PY" "${SPEC[@]}" --async-scheduling --json-out "$OUT/spec_async.json" ;;
         spec_gate) run "$step" "$PY" "${SPEC[@]}" --batch-sizes 1,8,32,64 --modes k=3,confidence --async-scheduling \

@@ -1,7 +1,7 @@
-"""``benchmarks/bench_attention.py`` on the CPU: the engine's own decode shapes (one and two query tokens per
-request, the sliding / CSA / HCA layers), FlashMLA reported as skipped when it cannot be imported (and no
-published figure in its place), and the FlashMLA calls it makes checked against a torch stand-in that
-follows FlashMLA's documented API and its FP8 layout."""
+"""``backends/nvidia_sm100/benchmarks/bench_attention.py`` on the CPU: the engine's own decode shapes (one
+and two query tokens per request, the sliding / CSA / HCA layers), FlashMLA reported as skipped when it
+cannot be imported (and no published figure in its place), and the FlashMLA calls it makes checked against
+a torch stand-in that follows FlashMLA's documented API and its FP8 layout."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "backends" / "nvidia_sm100" / "benchmarks"))
 import bench_attention as ba  # noqa: E402
 
 CONTEXT = 512

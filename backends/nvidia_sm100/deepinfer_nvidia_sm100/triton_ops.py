@@ -159,7 +159,7 @@ def sparse_attention(
     else:  # never read: HAS_EXTRA is off
         ekv, eidx = kv, indices
     # all 64 heads and the whole 512-wide value in one program read each gathered row once
-    # (benchmarks/bench_attention.py: 3.3x faster than 32 heads x 256 at V4-Flash decode shapes)
+    # (backends/nvidia_sm100/benchmarks/bench_attention.py: 3.3x faster than 32 heads x 256 at V4-Flash decode shapes)
     block_h = 16 if heads <= 16 else 32 if heads <= 32 else 64
     block_dv = min(_pow2(d), 512 if block_h == 64 else 256)
     block_dk = min(_pow2(d), 128)
@@ -547,8 +547,8 @@ def sparse_attention_fp8(
     gathered uint8 rows decoded in registers), with its tiles and its column splits for a small batch.
     RoPE values in a dtype the kernels do not take (float64) go to the core's native body. No host
     read-back: every size comes from shapes."""
-    from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes
     from deepinfer_core.ops import native
+    from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes
 
     if rope_dtype not in _ROUND:
         return native.sparse_attention_fp8(q, kv, indices, sinks, scale, rope_dim, rope_dtype, extra_kv, extra_indices)

@@ -2,11 +2,11 @@
 
 For each token count, every tile set of the grid runs the MoE of 256 experts (top 6, hidden 4096,
 expert width 2048, random block-FP8 weights) and is timed to device completion by CUDA-graph replays
-(``bench_fp8.cuda_time_ms``); its output is compared with the default tiles' (``moe_tiles``). The bf16
+(``kernel_timing.cuda_time_ms``); its output is compared with the default tiles' (``moe_tiles``). The bf16
 Triton MoE of the same inputs is the row each time is divided by. Prints a table per token count and
 writes JSON:
 
-  python benchmarks/tune_moe_fp8.py --tokens 512,4096 --out tune_moe_fp8.json
+  python backends/nvidia_sm100/benchmarks/tune_moe_fp8.py --tokens 512,4096 --out tune_moe_fp8.json
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ DOWN = ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))  # (colu
 
 
 def main(argv=None) -> list[dict]:
-    from bench_fp8 import cuda_time_ms
     from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
+    from kernel_timing import cuda_time_ms
 
     from deepinfer_core.quant.fp8 import quantize_fp8_block
 
@@ -89,8 +89,8 @@ def main(argv=None) -> list[dict]:
 def profile_call(tokens: int, args: tuple) -> None:
     """Device time per kernel of one call (after a warm-up call) of each MoE implementation, and the call's
     time by ``cuda_time_ms``."""
-    from bench_fp8 import cuda_time_ms
     from deepinfer_nvidia_sm100 import external, fp8_ops
+    from kernel_timing import cuda_time_ms
     from torch.profiler import ProfilerActivity, profile
 
     impls = {"triton": fp8_ops.moe_experts_fp8}

@@ -30,8 +30,9 @@ skipped, with the reason. ``max_err`` is against the core's torch body in float3
 (for the FP8 columns, the decoded entries). ``--configs`` also times other launch configurations of the
 Triton kernel (at the ``csa`` shape), to choose its default.
 
-  python benchmarks/bench_attention.py --out OUT [--configs]
-  python benchmarks/bench_attention.py --device cpu --backend cpu_ref --batches 1,2 --context 1024 --out OUT
+  python backends/nvidia_sm100/benchmarks/bench_attention.py --out OUT [--configs]
+  python backends/nvidia_sm100/benchmarks/bench_attention.py --out OUT \\
+      --device cpu --backend cpu_ref --batches 1,2 --context 1024
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_fp8 import cuda_time_ms  # noqa: E402
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+# this folder (kernel_timing), the repository's benchmarks (bench_gpu_decode's model) and its root
+# (benchmarks.gpu_sweep)
+for _path in (REPO, REPO / "benchmarks", HERE):
+    sys.path.insert(0, str(_path))
 from bench_gpu_decode import FLASH  # noqa: E402
+from kernel_timing import cuda_time_ms  # noqa: E402
 
 # the engine's V4-Flash shapes (those of the sweep's random model)
 HEADS, DIM, WINDOW, TOPK = FLASH["heads"], FLASH["head_dim"], FLASH["sliding_window"], FLASH["index_topk"]

@@ -4,7 +4,7 @@ program (the adapter behind ``DEEPINFER_NVIDIA_DEEPGEMM_HC=1``), per token count
 after a warm-up; the two outputs' largest difference beside. DeepGEMM's column says why it is missing
 where the library is not installed or fails its self-check.
 
-    python benchmarks/bench_hc.py --out hc.json
+    python backends/nvidia_sm100/benchmarks/bench_hc.py --out hc.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
-from bench_fp8 import cuda_time_ms
+from kernel_timing import cuda_time_ms
 
 TOKENS = (1, 8, 64, 256, 1024, 4096)
 HC, HIDDEN, ITERS = 4, 4096, 20

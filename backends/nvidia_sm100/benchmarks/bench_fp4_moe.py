@@ -8,11 +8,11 @@ at ``--context`` tokens for every batch of ``--batches``; the op rows time ``moe
 median wall time of build + load + replay + sync (``Harness.graph``) and the device time of load + replay
 (``Harness.graph_phases``).
 
-  python benchmarks/bench_fp4_moe.py --out fp4_moe.json                     (an H200)
+  python backends/nvidia_sm100/benchmarks/bench_fp4_moe.py --out fp4_moe.json                     (an H200)
 
 (``DEEPINFER_NVIDIA_FP4_TRITON=0`` times the torch body, which dequantises each expert, instead of the
 Triton FP4 grouped MoE)
-  python benchmarks/bench_fp4_moe.py --small --device cpu --backend cpu_ref (a CPU smoke test)
+  python backends/nvidia_sm100/benchmarks/bench_fp4_moe.py --small --device cpu --backend cpu_ref (a CPU smoke test)
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# this folder (bench_attention) and the repository's benchmarks (bench_long_context's model and harness)
+for _path in (HERE.parents[2] / "benchmarks", HERE):
+    sys.path.insert(0, str(_path))
 import bench_long_context as blc  # noqa: E402
 from bench_attention import timer  # noqa: E402
 
