@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.quant.fp8 import quantize_fp8_block
 from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import BuildContext, OpRegistry, OpTable, resolve_ops
 from deepinfer_core.plugins import (
@@ -44,6 +43,7 @@ from deepinfer_core.plugins import (
     collect_registry,
     load_backend,
 )
+from deepinfer_core.quant.fp8 import quantize_fp8_block
 from deepinfer_core.testing.compare import Tolerance, assert_close, assert_index_sets_match, tolerance_for
 
 # --- presets ---------------------------------------------------------------------------------------

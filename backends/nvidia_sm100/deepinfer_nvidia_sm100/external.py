@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.quant.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_act_fp8, quantize_fp8_block
 from deepinfer_core.ops import native
+from deepinfer_core.quant.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_act_fp8, quantize_fp8_block
 from deepinfer_nvidia_sm100 import capability
 
 logger = logging.getLogger(__name__)
