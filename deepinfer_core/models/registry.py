@@ -63,6 +63,14 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def get_architecture(name: str) -> Architecture:
+    """The registered architecture ``name`` (its package imported on first use)."""
+    if name not in _REGISTRY:
+        raise UnsupportedModelError(f"no architecture {name!r} is registered; deepinfer serves "
+                                    f"{supported_architectures()}")
+    return _load(name)
+
+
 def _load(name: str) -> Architecture:
     if name not in _LOADED:
         module, _ = _REGISTRY[name]

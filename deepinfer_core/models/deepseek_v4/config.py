@@ -26,9 +26,9 @@ class DeepseekV4Config(ModelConfig):
 
     @property
     def architecture(self) -> Any:
-        from deepinfer_core.models.deepseek_v4 import ARCHITECTURE
+        from deepinfer_core.models.registry import get_architecture
 
-        return ARCHITECTURE
+        return get_architecture("DeepseekV4ForCausalLM")
 
     @property
     def rope_dim(self) -> int:

@@ -21,6 +21,10 @@ import re
 
 from deepinfer_core.model.manifest import CheckpointManifest, TensorSpec
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.names import RENAMES, canonical_name
+
+__all__ = ["BF16_NAMES", "FP4_NAMES", "FP8_NAMES", "IGNORED", "RENAMES", "block_prefixes", "canonical_name",
+           "fp8_numerics", "is_fp8_weight", "manifest", "stored_format"]
 from deepinfer_core.quant.fp8 import FP8_BLOCK
 
 #: the linears ``inference/model.py`` builds in the default (FP8) dtype; ``wo_a`` is FP8 in the file too
@@ -69,49 +73,6 @@ def fp8_numerics(name: str, shape: tuple[int, ...]) -> frozenset[str]:
     return frozenset({"transformers"} if _NOT_FP8_IN_DEEPSEEK.search(name) else {"transformers", "deepseek"})
 
 
-def canonical_name(name: str) -> str:
-    """The engine's name of a checkpoint tensor: DeepSeek's published one (``layers.3.attn.kv_norm.weight``,
-    block scales as ``.scale``), from DeepSeek's names with or without ``model.``, from what transformers'
-    ``save_pretrained`` writes, or from transformers' in-memory module names."""
-    for pattern, repl in RENAMES:
-        name = pattern.sub(repl, name)
-    return name
-
-#: transformers' in-memory names (``model.layers.N.self_attn.q_a_proj.weight``, the merged
-#: ``mlp.experts.gate_up_proj``) and what its ``save_pretrained`` writes -> DeepSeek's, applied in order;
-#: DeepSeek's own names (with or without ``model.``) pass unchanged
-RENAMES = [(re.compile(p), r) for p, r in [
-    (r"^model\.", ""),
-    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
-    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
-    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
-    (r"\.self_attn\.", ".attn."),
-    (r"\.mlp\.", ".ffn."),
-    (r"\.input_layernorm\.", ".attn_norm."),
-    (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
-    (r"\.attn\.sinks$", ".attn.attn_sink"),
-    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
-    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
-    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"\.experts\.gate_up_proj$", ".experts.w13"),
-    (r"\.experts\.down_proj$", ".experts.w2"),
-    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
-    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
-    (r"\.compressor\.position_bias$", ".compressor.ape"),
-    (r"\.q_a_proj\.", ".wq_a."),
-    (r"\.q_b_proj\.", ".wq_b."),
-    (r"\.q_a_norm\.", ".q_norm."),
-    (r"\.kv_proj\.", ".wkv."),
-    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
-    (r"\.o_a_proj\.", ".wo_a."),
-    (r"\.o_b_proj\.", ".wo_b."),
-    (r"^embed_tokens\.weight$", "embed.weight"),
-    (r"^lm_head\.weight$", "head.weight"),
-    (r"(^|\.)hc_head\.hc_(fn|base|scale)$", r"\1hc_head_\2"),
-    (r"^((?:layers|mtp)\.\d+\.attn\.)norm\.weight$", r"\1kv_norm.weight"),
-    (r"\.weight_scale_inv$", ".scale"),
-]]
 #: file entries that are not weights of the engine's model: rotary buffers some exports write, and the
 #: MTP layer's own copies of the embedding and head (it shares the main model's)
 IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$|^mtp\.\d+\.(embed|embed_tokens|emb)\.weight$"

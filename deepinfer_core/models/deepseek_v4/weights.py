@@ -15,6 +15,7 @@ import torch
 
 from deepinfer_core.model.errors import CheckpointError
 from deepinfer_core.model.records import Experts, Linear, build_records, named_tensors, records
+from deepinfer_core.models.deepseek_v4.names import canonical_name
 from deepinfer_core.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
 
 __all__ = ["LAYOUT", "Attention", "Block", "Compressor", "Experts", "Gate", "HyperConnection", "Indexer", "Linear",
@@ -189,8 +190,6 @@ def build_weights(cfg: Any, params: dict[str, torch.Tensor], hook: Any = None,
     """The records of ``params`` (canonical names, experts stacked, FP8/FP4 scales as ``name + "_scale"``),
     handed once to every plugin's ``deepinfer_process_weights`` when ``hook`` is given. ``num_experts``:
     how many routed experts each stack holds (all by default; fewer where only a range was loaded)."""
-    from deepinfer_core.models.deepseek_v4.manifest import canonical_name
-
     params = {canonical_name(k): v for k, v in params.items()}
     weights = build_records(ModelWeights, params, LAYOUT)
     if len(weights.layers) != cfg.num_hidden_layers:
