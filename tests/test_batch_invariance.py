@@ -24,12 +24,12 @@ from engine_fixtures import token_prompts
 
 from deepinfer_core.engine.llm_engine import BATCH_INVARIANT_ENV
 from deepinfer_core.engine.sequence import Sequence
-from deepinfer_core.quant.fp4 import quantize_fp4_block
-from deepinfer_core.quant.fp8 import quantize_fp8_block
-from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 from deepinfer_core.ops.catalogue import CATALOGUE
 from deepinfer_core.ops.registry import BuildContext, MissingOpError, OpRegistry, resolve_ops
 from deepinfer_core.plugins import build_op_table, collect_registry, load_backend
+from deepinfer_core.quant.fp4 import quantize_fp4_block
+from deepinfer_core.quant.fp8 import quantize_fp8_block
+from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import noise_seed, sampling_noise
 from deepinfer_core.testing import conformance as conf

@@ -32,8 +32,8 @@ import torch
 from nvidia_fp4_moe_worker import CASES, act_rows, case_id, moe_case
 from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
-from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
 from deepinfer_core.ops import native
+from deepinfer_core.quant.fp4 import fake_quant_act_ue8m0
 
 BACKEND = "nvidia_sm100"
 WORKER = Path(__file__).resolve().parent / "nvidia_fp4_moe_worker.py"

@@ -36,8 +36,8 @@ from deepinfer_cpu_ref.ops import ALL_OPS as REF
 from nvidia_fp8_kv_worker import CASES, attention_case, case_id
 from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
-from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 from deepinfer_core.ops import native
+from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 
 BACKEND = "nvidia_sm100"
 WORKER = Path(__file__).resolve().parent / "nvidia_fp8_kv_worker.py"

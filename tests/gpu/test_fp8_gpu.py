@@ -7,8 +7,8 @@ import pytest
 import torch
 from gpu_support import BACKEND, V4_FLASH_WIDTHS, gpu_marks
 
-from deepinfer_core.quant.fp8 import quantize_act_fp8, quantize_fp8_block
 from deepinfer_core.plugins import build_op_table
+from deepinfer_core.quant.fp8 import quantize_act_fp8, quantize_fp8_block
 from deepinfer_core.testing import conformance as conf
 from deepinfer_core.testing.compare import assert_close
 
@@ -117,8 +117,8 @@ def test_swiglu_quantisation_matches_torch(m, inter, device):
     one a float32 rounding of the sigmoid moves across a tie (one E4M3 step at most)."""
     from deepinfer_nvidia_sm100 import fp8_ops
 
-    from deepinfer_core.quant.fp8 import dequantize_act_fp8
     from deepinfer_core.ops import native
+    from deepinfer_core.quant.fp8 import dequantize_act_fp8
 
     g = torch.Generator().manual_seed(m + inter)
     gu = (torch.randn(m, 2 * inter, generator=g) * torch.logspace(-3, 1, m).unsqueeze(1)).bfloat16()

@@ -24,8 +24,8 @@ import pytest
 import torch
 from gpu_support import gpu_marks
 
-from deepinfer_core.quant.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 from deepinfer_core.ops import native
+from deepinfer_core.quant.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 
 pytestmark = gpu_marks()
 
