@@ -98,7 +98,8 @@ def simulate(cfg: dict, requests: list[dict]) -> dict:
             assert seq.state_slot is None
         before = {id(s): (len(s), s.num_computed_tokens) for s in sched.running}
 
-        scheduled, unfittable = sched.schedule()
+        so = sched.schedule()
+        scheduled, unfittable = so.scheduled_seqs, so.unfittable
         bm.check_invariants()
 
         for seq in unfittable:

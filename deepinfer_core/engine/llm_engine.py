@@ -22,14 +22,13 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import fast_decoder
 from deepinfer_core.engine.processor import InputProcessor, Request
 from deepinfer_core.engine.scheduler import Scheduler
-from deepinfer_core.engine.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
+from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from deepinfer_core.engine.stop import FinishStatus, check_stop
 from deepinfer_core.model.cache import check_block_size
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
-from deepinfer_core.sampling.random import base_seed
 from deepinfer_core.sampling.structured import StructuredOutputManager
 from deepinfer_core.spec_decode.drafts import DraftPlanner
 from deepinfer_core.worker.executor import Executor, UniProcExecutor
@@ -108,14 +107,12 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching, max_replay_tokens=args.max_replay_tokens,
             cache_salt=f"{path.resolve()}|{self.dtype}",
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, drafting=self.drafts is not None)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.processor = InputProcessor(cfg, self.scheduler_config, self.tokenizer, self.structured, args.seed)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self._inflight: _Step | None = None  # async scheduling: the launched step not yet finished
-        self._known: set[int] = set()  # sequences the workers hold state for
-        self._retired: list[int] = []  # finished sequences the workers have not been told about
 
     def _fit_max_model_len(self, capacity: int) -> None:
         """Without an explicit ``max_model_len`` the checkpoint's ``max_position_embeddings`` is the default,
@@ -254,18 +251,17 @@ class LLMEngine:
         preemptions = self.scheduler.num_preemptions
         if self.drafts is not None and not planned:
             self.drafts.plan(self.scheduler, self.scheduler_config)
-        scheduled, unfittable = self.scheduler.schedule()
-        assert prev is None or (self.scheduler.num_preemptions == preemptions and not unfittable)
-        for seq in unfittable:  # already finished by the scheduler, which put the reason in stop_reason
+        so = self.scheduler.schedule(speculate=self.drafts is None or self.drafts.speculate)
+        assert prev is None or (self.scheduler.num_preemptions == preemptions and not so.unfittable)
+        for seq in so.unfittable:  # already finished by the scheduler, which put the reason in stop_reason
             seq.finish_reason = FinishStatus.ERROR
-            self._retire(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         launched = None
-        if scheduled:
+        if so.scheduled_seqs:
             try:
-                launched = self._run(scheduled, prev)
+                launched = self._run(so, prev)
             except Exception as exc:
-                self._fail([seq for seq, _ in scheduled], exc, touched)
+                self._fail([seq for seq, _ in so.scheduled_seqs], exc, touched)
         if prev is not None:
             # prev's output is read after the next step's launch; where that one has prefill chunks its eager
             # launch would count as prev's time, so prev ends a pipeline for the gate and the step-time curve
@@ -334,38 +330,17 @@ class LLMEngine:
         return (max_tokens is not None and len(seq.output_token_ids) >= max_tokens) or (
             len(seq) >= self.scheduler_config.max_model_len)
 
-    def _scheduler_output(self, scheduled: list[tuple[Sequence, int]]) -> tuple[SchedulerOutput, list[Sequence]]:
-        items, new, to_sample = [], [], []
-        for seq, num_new in scheduled:
-            start = seq.num_computed_tokens
-            if seq.seq_id not in self._known:
-                self._known.add(seq.seq_id)
-                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, base_seed(seq)))
-            num_drafts = seq.num_scheduled_drafts
-            end = start + num_new - num_drafts
-            sample = end == len(seq)
-            token_ids = seq.token_slice(start, end) + seq.draft_token_ids[:num_drafts]
-            next_token = None
-            if self.drafts is not None and not sample:  # the drafter reads the token after the chunk
-                next_token = seq.token_slice(end, end + 1)[0]
-            items.append(ScheduledSeq(seq.seq_id, start, token_ids, seq.block_table, seq.window_block_table,
-                                      seq.state_slot, seq.write_from, seq.pending_restore, sample, num_drafts,
-                                      next_token))
-            seq.pending_restore = None
-            if sample:
-                to_sample.append(seq)
+    def _grammar_bitmask(self, to_sample: list[Sequence]) -> torch.Tensor | None:
+        """The allowed tokens of every sampled row (after each draft before it), where a grammar constrains."""
         grammars = [seq.grammar for seq in to_sample]
-        bitmask = None
-        if any(g is not None for g in grammars):
-            bitmask = self.structured.bitmask(grammars, [seq.draft_token_ids[: seq.num_scheduled_drafts]
-                                                         for seq in to_sample])
-        finished, self._retired = self._retired, []
-        speculate = self.drafts is None or self.drafts.speculate
-        return SchedulerOutput(items, new, finished, bitmask, speculate=speculate), to_sample
+        if all(g is None for g in grammars):
+            return None
+        return self.structured.bitmask(grammars, [seq.draft_token_ids[: seq.num_scheduled_drafts] for seq in to_sample])
 
-    def _run(self, scheduled: list[tuple[Sequence, int]], prev: _Step | None = None) -> _Step:
+    def _run(self, so: SchedulerOutput, prev: _Step | None = None) -> _Step:
         """Launch a step; its sampled tokens become placeholders until ``_finish``."""
-        so, to_sample = self._scheduler_output(scheduled)
+        scheduled, to_sample = so.scheduled_seqs, so.sampled_seqs
+        so.grammar_bitmask = self._grammar_bitmask(to_sample)
         started = time.perf_counter()
         output = self.executor.execute_model(so)
         for seq, num_new in scheduled:
@@ -476,12 +451,7 @@ class LLMEngine:
         del seq.output_token_ids[num_outputs:]
         seq.num_inflight = 0
         self.scheduler.finish(seq)
-        self._retire(seq)
-
-    def _retire(self, seq: Sequence) -> None:
-        if seq.seq_id in self._known:
-            self._known.discard(seq.seq_id)
-            self._retired.append(seq.seq_id)
+        self.scheduler.retire(seq)
 
     def _detokenize(self, seq: Sequence, num_ids: int, last: bool, stop: tuple[str, ...] | list[str] = ()
                     ) -> str | None:

@@ -6,16 +6,23 @@ from collections import deque
 
 from deepinfer_core.config import SchedulerConfig
 from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.sampling.random import base_seed
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    """``drafting``: speculative decoding, whose drafter reads the token after a prefill chunk."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, drafting: bool = False):
         self.config = config
         self.block_manager = block_manager
+        self.drafting = drafting
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self._known: set[int] = set()  # sequences the workers hold state for
+        self._retired: list[int] = []  # finished sequences the workers have not been told about
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,10 +62,13 @@ class Scheduler:
         """Finish ``seq`` now (its memory must be free before anything else is judged to not fit)."""
         seq.stop_reason = "the KV cache pools cannot hold this sequence; raise the memory budget"
         self.finish(seq)
+        self.retire(seq)
         out.append(seq)
 
-    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """Returns (sequence, tokens to compute) pairs and sequences that can never fit the pools.
+    def schedule(self, speculate: bool = True) -> SchedulerOutput:
+        """The next step: (sequence, tokens to compute) pairs in ``scheduled_seqs`` and what the workers
+        need of them; ``unfittable``: sequences that can never fit the pools. ``speculate``: whether the
+        step drafts (speculative decoding).
 
         An unfittable sequence is already finished, its memory released; its ``stop_reason`` says why
         and the caller reports it.
@@ -114,7 +124,40 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, fit))
             budget -= fit
-        return scheduled, unfittable
+        return self._output(scheduled, unfittable, speculate)
+
+    def _output(self, scheduled: list[tuple[Sequence, int]], unfittable: list[Sequence],
+                speculate: bool) -> SchedulerOutput:
+        items, new, to_sample = [], [], []
+        for seq, num_new in scheduled:
+            start = seq.num_computed_tokens
+            if seq.seq_id not in self._known:
+                self._known.add(seq.seq_id)
+                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, base_seed(seq)))
+            num_drafts = seq.num_scheduled_drafts
+            end = start + num_new - num_drafts
+            sample = end == len(seq)
+            token_ids = seq.token_slice(start, end) + seq.draft_token_ids[:num_drafts]
+            next_token = None
+            if self.drafting and not sample:  # the drafter reads the token after the chunk
+                next_token = seq.token_slice(end, end + 1)[0]
+            items.append(ScheduledSeq(seq.seq_id, start, token_ids, seq.block_table, seq.window_block_table,
+                                      seq.state_slot, seq.write_from, seq.pending_restore, sample, num_drafts,
+                                      next_token))
+            seq.pending_restore = None
+            if sample:
+                to_sample.append(seq)
+        finished: list[int] = []
+        if items:  # otherwise the workers hear of them with the next step that runs
+            finished, self._retired = self._retired, []
+        return SchedulerOutput(items, new, finished, speculate=speculate, scheduled_seqs=scheduled,
+                               sampled_seqs=to_sample, unfittable=unfittable)
+
+    def retire(self, seq: Sequence) -> None:
+        """``seq`` is finished: the next step tells the workers to drop its state (if they hold any)."""
+        if seq.seq_id in self._known:
+            self._known.discard(seq.seq_id)
+            self._retired.append(seq.seq_id)
 
     def _drafts(self, seq: Sequence, num_new: int, budget: int) -> int:
         """Drafts verified with a decoding sequence's token: up to its ``draft_budget``, within the token

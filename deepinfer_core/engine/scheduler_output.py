@@ -1,12 +1,17 @@
-"""What the scheduler hands the workers for one step: plain, picklable data (no device tensors)."""
+"""What the scheduler hands the workers for one step: plain, picklable data (no device tensors).
+The engine also reads from it the sequences the step covers; those stay in the engine's process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepinfer_core.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.sequence import Sequence
 
 
 @dataclass
@@ -44,7 +49,16 @@ class SchedulerOutput:
     # host int32, per sampled sequence 1 + its num_drafts rows (row j: after its drafts before j); all ones: none
     grammar_bitmask: torch.Tensor | None = None
     speculate: bool = True  # speculative decoding: False runs the step as plain decode (no drafting)
+    # the engine's side, never sent to a worker (dropped when pickled): each entry of ``scheduled`` as
+    # (sequence, tokens it computes, drafts included), the sequences that sample, and those that can never
+    # fit the pools (already finished, ``stop_reason`` says why)
+    scheduled_seqs: list[tuple[Sequence, int]] = field(default_factory=list, repr=False, compare=False)
+    sampled_seqs: list[Sequence] = field(default_factory=list, repr=False, compare=False)
+    unfittable: list[Sequence] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_sampled(self) -> int:
         return sum(s.sample for s in self.scheduled)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "scheduled_seqs": [], "sampled_seqs": [], "unfittable": []}
