@@ -1,4 +1,4 @@
-"""``deepinfer plan CONFIG``: a model's memory footprint from its config alone (deepinfer_core.model.footprint),
+"""``deepinfer plan CONFIG``: a model's memory footprint from its config alone (deepinfer_core.parallel.memory_plan),
 against the files and the loaded parameters of a tiny checkpoint in the published layout, the KV pools'
 own sizes, and the published DeepSeek-V4-Flash index (159,609,485,896 bytes, within 1%)."""
 
@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.engine.memory import weight_bytes
 from deepinfer_core.model.cache import bytes_per_block
-from deepinfer_core.model.footprint import footprint, weight_bytes
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.loader import load_weights
-from deepinfer_core.parallel import memory_plan
+from deepinfer_core.parallel.memory_plan import footprint
 from deepinfer_core.testing.published_checkpoint import build_published_checkpoint
 
 PUBLISHED = Path(__file__).resolve().parents[2] / "shared/reference/deepseek-v4-flash"
@@ -54,7 +54,8 @@ def test_loaded_bytes_are_the_parameters_the_loader_keeps(checkpoint, dtype):
                    if not experts_only or ".ffn.experts." in n)
 
     assert (w["loaded"], w["loaded_experts"]) == (size(kept), size(kept, True))
-    assert w["dequantised"] == size(plain) == memory_plan.weight_bytes(cfg, dtype, True, cfg.n_routed_experts)[0]
+    assert w["dequantised"] == size(plain) == weight_bytes(cfg, dtype, "deepseek", True,
+                                                           cfg.n_routed_experts)["dequantised"]
 
 
 def test_ranks_hold_the_dense_weights_and_their_share_of_the_experts(checkpoint):

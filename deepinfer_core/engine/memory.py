@@ -1,15 +1,33 @@
-"""Size the paged pools and state slots from a memory budget."""
+"""The memory estimate, one for the engine's memory plan and for ``deepinfer plan``: weight bytes (as
+stored, as loaded, dequantised; for any number of routed-expert slots), KV bytes per block and per state
+slot, what the pools of a plan allocate, the activation peak of a step (profiled on the device), and the
+pool sizes a budget holds (:func:`plan_pools`, which the worker sizes its cache with)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
-from deepinfer_core.model.cache import ModelCache, bytes_per_block, bytes_per_state_slot
+from deepinfer_core.model.cache import (
+    ModelCache,
+    bytes_per_block,
+    bytes_per_state_slot,
+    layer_bytes_per_block,
+    layer_cache_specs,
+)
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
+from deepinfer_core.model.loader import (
+    expected_file_names,
+    expected_shapes,
+    fp8_weight_names,
+    manifest_of,
+    quant_config,
+)
+from deepinfer_core.model.manifest import stored_bytes
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Platform
@@ -21,6 +39,94 @@ class PoolSizes:
     num_window_blocks: int
     num_state_slots: int
     budget_bytes: int
+
+
+def _loaded_shapes(cfg: ModelConfig, with_mtp: bool, num_experts: int | None) -> dict[str, tuple[int, ...]]:
+    """:func:`expected_shapes` with each shared expert's w1 and w3 stacked into one ``w13``, as loaded."""
+    out = {}
+    for name, shape in expected_shapes(cfg, with_mtp, num_experts).items():
+        if name.endswith("shared_experts.w3.weight"):
+            continue
+        if name.endswith("shared_experts.w1.weight"):
+            name, shape = name.removesuffix("w1.weight") + "w13", (2 * shape[0], shape[1])
+        out[name] = shape
+    return out
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transformers", with_mtp: bool = True,
+                 num_experts: int | None = None) -> dict[str, int]:
+    """Weight bytes of ``cfg``, the drafter's included with ``with_mtp``: ``stored`` as the checkpoint's files
+    hold them (every expert); for a model holding ``num_experts`` routed-expert slots per MoE layer (all
+    its experts by default), ``loaded`` as FP8 mode keeps them (E4M3 and packed FP4 where the checkpoint
+    declares them) and ``dequantised`` every weight in ``dtype`` (float32 where the engine keeps float32,
+    what a float run holds). Each with its routed-expert part (``*_experts``)."""
+    keys = ("stored", "stored_experts", "loaded", "loaded_experts", "dequantised", "dequantised_experts")
+    out = dict.fromkeys(keys, 0)
+    manifest = manifest_of(cfg)
+    for name, shape in expected_file_names(cfg, with_mtp=with_mtp).items():
+        b = stored_bytes(manifest.stored_format(name), shape)
+        out["stored"] += b
+        out["stored_experts"] += b if ".ffn.experts." in name else 0
+    fp4 = quant_config(cfg).expert_dtype == "fp4"
+    fp8 = fp8_weight_names(cfg, numerics) if quant_config(cfg).declared else set()
+    for name, shape in _loaded_shapes(cfg, with_mtp, num_experts).items():
+        n, expert = math.prod(shape), ".ffn.experts." in name
+        plain = n * manifest.parameter_dtype(name, dtype).itemsize
+        if expert and fp4:
+            kept = n // 2 + n // 32  # packed e2m1 + one e8m0 scale per 32
+        elif name in fp8:  # E4M3 + a float32 scale per 128x128 tile
+            kept = n + math.prod(shape[:-2]) * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128) * 4
+        else:
+            kept = plain
+        out["dequantised"] += plain
+        out["dequantised_experts"] += plain if expert else 0
+        out["loaded"] += kept
+        out["loaded_experts"] += kept if expert else 0
+    return out
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """What the cache of a model costs in one KV layout: per block of ``block_size`` source tokens, across
+    all compressed pools (entries, indexer keys, boundary records; kept for the whole sequence) and all
+    window pools (kept for the sliding window), and per state slot (one sequence's compressor state)."""
+
+    block_size: int
+    compressed_per_block: int
+    window_per_block: int
+    state_slot: int
+    window_blocks_per_seq: int  # the blocks one sequence's window spans, the one it writes included
+
+    @property
+    def compressed_per_token(self) -> float:
+        return self.compressed_per_block / self.block_size
+
+    @property
+    def window_per_token(self) -> float:
+        return self.window_per_block / self.block_size
+
+    @property
+    def window_per_seq(self) -> int:
+        return self.window_per_block * self.window_blocks_per_seq
+
+    def allocated(self, sizes: PoolSizes) -> int:
+        """The bytes the cache allocates for ``sizes``: one row more of each pool than the plan hands out
+        (see ModelCache)."""
+        return ((sizes.num_blocks + 1) * self.compressed_per_block + (sizes.num_window_blocks + 1)
+                * self.window_per_block + (sizes.num_state_slots + 1) * self.state_slot)
+
+
+def kv_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSpec | None = None) -> KVBytes:
+    """The cache's cost in the layout of ``spec`` (default: ``dtype`` entries)."""
+    comp, window = bytes_per_block(cfg, block_size, dtype, spec)
+    return KVBytes(block_size, comp, window, bytes_per_state_slot(cfg, dtype, spec),
+                   -(-cfg.sliding_window // block_size) + 1)
+
+
+def layer_kv_bytes(cfg: ModelConfig, spec: KVCacheSpec) -> list[tuple[int, int]]:
+    """Per layer (the drafter's after the target's): the (compressed-pool, window-pool) bytes one block
+    costs in the pools it owns."""
+    return [layer_bytes_per_block(layer, spec) for layer in layer_cache_specs(cfg)]
 
 
 def profile_activation_bytes(model: Model, sched: SchedulerConfig, block_size: int,
@@ -68,10 +174,10 @@ def plan_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dty
     ``budget`` comes from the platform: on a GPU ``gpu_memory_utilization`` of the whole device, less
     what is allocated now (the weights) and the activation peak (:func:`profile_activation_bytes`)."""
     bs = cache.block_size
-    comp_bytes, window_bytes = bytes_per_block(cfg, bs, dtype, spec)
-    slot_bytes = bytes_per_state_slot(cfg, dtype, spec)
+    kv = kv_bytes(cfg, bs, dtype, spec)
+    comp_bytes, window_bytes, slot_bytes = kv.compressed_per_block, kv.window_per_block, kv.state_slot
     slots = sched.max_num_seqs
-    window_per_seq = -(-cfg.sliding_window // bs) + 1
+    window_per_seq = kv.window_blocks_per_seq
     num_window = cache.num_window_blocks or (
         slots * window_per_seq + -(-sched.max_num_batched_tokens // bs) + slots
     )

@@ -28,7 +28,7 @@ def run_footprint(args: argparse.Namespace) -> int:
     import torch
 
     from deepinfer_core.config import ModelConfig
-    from deepinfer_core.model.footprint import footprint
+    from deepinfer_core.parallel.memory_plan import footprint
 
     path = Path(args.config)
     folder = path.parent if path.name == "config.json" else path

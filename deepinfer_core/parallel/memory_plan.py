@@ -1,22 +1,32 @@
-"""What every rank of a parallel layout allocates, predicted before anything is loaded (``deepinfer plan``):
-weight bytes (every rank holds the attention, shared-expert and dense weights; with expert parallel only
-its own physical expert slots, redundant ones included) and KV bytes (the paged pools and state slots
-the memory plan sizes from the rank's budget, as the worker will)."""
+"""``deepinfer plan``: memory predicted before anything is loaded, from the one estimate
+(:mod:`deepinfer_core.engine.memory`) the engine sizes its pools with.
+
+- :func:`plan_memory`: what every rank of a parallel layout allocates for a set of engine arguments:
+  weight bytes (every rank holds the attention, shared-expert and dense weights; with expert parallel
+  only its own physical expert slots, redundant ones included) and KV bytes (the paged pools and state
+  slots the memory plan sizes from the rank's budget, as the worker will).
+- :func:`footprint`: what a model needs from its config alone (``deepinfer plan CONFIG``): weight bytes as
+  stored (DeepSeek's published layout) and as loaded, per rank under N-way expert parallelism, KV bytes
+  per token for each layer type, window and state bytes per sequence, and the longest context / the most
+  sequences that fit a device beside the weights (activations and CUDA graph pools not counted).
+- :func:`measured_memory`: what a rank holds, to check the predictions against.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from deepinfer_core.engine.memory import plan_pools
-from deepinfer_core.models import default_numerics
-from deepinfer_core.model.cache import bytes_per_block, bytes_per_state_slot
+from deepinfer_core.engine.memory import kv_bytes, layer_kv_bytes, plan_pools, weight_bytes
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, resolve_kv_cache_spec
-from deepinfer_core.model.loader import expected_shapes, has_drafter_weights, parameter_dtype
+from deepinfer_core.model.loader import has_drafter_weights
+from deepinfer_core.models import default_numerics
 
 
 @dataclass
@@ -42,19 +52,6 @@ class RankMemory:
 
     def as_dict(self) -> dict[str, int | float | str]:
         return asdict(self)
-
-
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool, num_experts: int) -> tuple[int, int]:
-    """(all weight bytes, routed-expert bytes) of a model holding ``num_experts`` routed slots per layer."""
-    total = experts = 0
-    for name, shape in expected_shapes(cfg, with_mtp, num_experts).items():
-        size = parameter_dtype(cfg, name, dtype).itemsize
-        for dim in shape:
-            size *= dim
-        total += size
-        if ".ffn.experts." in name:
-            experts += size
-    return total, experts
 
 
 def plan_memory(args: Any) -> list[RankMemory]:
@@ -89,24 +86,103 @@ def plan_memory(args: Any) -> list[RankMemory]:
                          "the plan covers budget-sized pools (CPU)")
     numerics = args.numerics or default_numerics(cfg)
     spec = resolve_kv_cache_spec(hook, cfg, cache, dtype, numerics)
-    with_mtp = has_drafter_weights(cfg, path)
-    world = pc.data_parallel_size
     slots = pc.num_physical_experts(cfg.n_routed_experts) // pc.expert_parallel_size
-    weights, experts = weight_bytes(cfg, dtype, with_mtp, slots)
-    sizes = plan_pools(cfg, cache, sched, dtype, platform.memory_budget(cache), spec)
-    comp, window = bytes_per_block(cfg, cache.block_size, dtype, spec)
-    # the cache allocates one row more of each pool than the plan hands out (see ModelCache)
-    kv = ((sizes.num_blocks + 1) * comp + (sizes.num_window_blocks + 1) * window
-          + (sizes.num_state_slots + 1) * bytes_per_state_slot(cfg, dtype, spec))
-    dense_comp, dense_window = bytes_per_block(cfg, cache.block_size, dtype, KVCacheSpec.default(cfg, cache.block_size,
-                                                                                                 dtype))
-    bs = cache.block_size
-    per_token = dict(kv_layout=spec.layout, entry_bytes=spec.entry_bytes, compressed_bytes_per_token=comp / bs,
-                     window_bytes_per_token=window / bs, dense_compressed_bytes_per_token=dense_comp / bs,
-                     dense_window_bytes_per_token=dense_window / bs)
+    rank = plan_rank(cfg, dtype, spec, cache, sched, platform.memory_budget(cache), slots,
+                     has_drafter_weights(cfg, path))
     _, plan = place_ranks(backend, pc)
-    return [RankMemory(r, plan.device_of_rank.get(r, 0), slots, weights, experts, kv, sizes.num_blocks,
-                       sizes.num_window_blocks, sizes.num_state_slots, **per_token) for r in range(world)]
+    return [dataclasses.replace(rank, rank=r, device=plan.device_of_rank.get(r, 0))
+            for r in range(pc.data_parallel_size)]
+
+
+def plan_rank(cfg: ModelConfig, dtype: torch.dtype, spec: KVCacheSpec, cache: CacheConfig, sched: SchedulerConfig,
+              budget: int, expert_slots: int, with_mtp: bool = True) -> RankMemory:
+    """What one rank (rank 0, device 0) holding ``expert_slots`` routed experts per MoE layer allocates
+    (float weights) with a KV budget of ``budget`` bytes, in the KV layout ``spec``."""
+    weights = weight_bytes(cfg, dtype, with_mtp=with_mtp, num_experts=expert_slots)
+    sizes = plan_pools(cfg, cache, sched, dtype, budget, spec)
+    kv = kv_bytes(cfg, cache.block_size, dtype, spec)
+    dense = kv_bytes(cfg, cache.block_size, dtype, KVCacheSpec.default(cfg, cache.block_size, dtype))
+    return RankMemory(0, 0, expert_slots, weights["dequantised"], weights["dequantised_experts"], kv.allocated(sizes),
+                      sizes.num_blocks, sizes.num_window_blocks, sizes.num_state_slots, spec.layout, spec.entry_bytes,
+                      kv.compressed_per_token, kv.window_per_token, dense.compressed_per_token, dense.window_per_token)
+
+
+@dataclass
+class LayerKV:
+    kind: str  # "sliding", "csa" (rate 4 with indexer), "hca" (rate 128) or "mtp"
+    layers: int
+    compressed_bytes_per_token: float  # kept for the whole sequence
+    window_bytes_per_token: float  # kept for the sliding window only
+
+
+@dataclass
+class Footprint:
+    stored_bytes: int
+    stored_expert_bytes: int
+    loaded_bytes: int  # the engine's parameters: FP8 / FP4 kept where the checkpoint has them
+    loaded_expert_bytes: int
+    dequantised_bytes: int  # every weight in the model dtype (float32 where the engine keeps float32)
+    devices: int
+    rank_bytes: int  # one rank's loaded weights under ``devices``-way expert parallelism
+    kv: list[LayerKV]
+    window_bytes_per_seq: int  # the window pools of one sequence (its last sliding_window tokens)
+    state_bytes_per_seq: int  # its compressor state slot
+    device_memory: int | None = None
+    context: int = 0  # the context ``max_seqs`` is for
+    longest_context: int | None = None  # of one sequence on one rank
+    max_seqs: int | None = None  # of ``context`` tokens on one rank
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compressed_bytes_per_token(self) -> float:
+        return sum(k.compressed_bytes_per_token for k in self.kv)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "compressed_bytes_per_token": self.compressed_bytes_per_token}
+
+
+def _kind(cfg: ModelConfig, layer: int) -> str:
+    if layer >= cfg.num_hidden_layers:
+        return "mtp"
+    rate = cfg.compress_rate(layer)
+    return "sliding" if not rate else ("csa" if cfg.is_csa(layer) else "hca")
+
+
+def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: str = "deepseek", devices: int = 1,
+              device_memory: int | None = None, block_size: int = 128, context: int | None = None,
+              redundant_experts: int = 0) -> Footprint:
+    """The footprint of ``cfg`` on ``devices`` ranks (expert parallel over them, attention data parallel:
+    every rank holds its own KV) of ``device_memory`` bytes each; ``context`` (default: the config's
+    ``max_position_embeddings``) is the sequence length ``max_seqs`` counts; ``redundant_experts``: EPLB's
+    replicas per MoE layer, spread over the ranks with the logical experts."""
+    if devices < 1:
+        raise ValueError(f"devices must be at least 1, got {devices}")
+    if redundant_experts < 0:
+        raise ValueError(f"redundant experts must be >= 0, got {redundant_experts}")
+    w = weight_bytes(cfg, dtype, numerics)
+    slots = math.ceil((cfg.n_routed_experts + redundant_experts) / devices)
+    rank = weight_bytes(cfg, dtype, numerics, num_experts=slots)["loaded"]
+    spec = KVCacheSpec.default(cfg, block_size, dtype, numerics)
+    kinds: dict[str, LayerKV] = {}
+    for i, (comp, window) in enumerate(layer_kv_bytes(cfg, spec)):
+        kv = kinds.setdefault(_kind(cfg, i), LayerKV(_kind(cfg, i), 0, 0.0, 0.0))
+        kv.layers += 1
+        kv.compressed_bytes_per_token += comp / block_size
+        kv.window_bytes_per_token += window / block_size
+    pools = kv_bytes(cfg, block_size, dtype, spec)
+    fp = Footprint(w["stored"], w["stored_experts"], w["loaded"], w["loaded_experts"], w["dequantised"], devices,
+                   rank, list(kinds.values()), pools.window_per_seq, pools.state_slot, device_memory,
+                   context or cfg.max_position_embeddings)
+    if device_memory is not None:
+        free = device_memory - fp.rank_bytes
+        fixed = fp.window_bytes_per_seq + fp.state_bytes_per_seq
+        if free <= fixed:
+            fp.longest_context, fp.max_seqs = 0, 0
+            fp.notes.append(f"the weights of one rank ({fp.rank_bytes / 2**30:.1f} GiB) leave no room for KV")
+        else:
+            fp.longest_context = int((free - fixed) // fp.compressed_bytes_per_token)
+            fp.max_seqs = int(free // (fixed + fp.context * fp.compressed_bytes_per_token))
+    return fp
 
 
 def measured_memory(model: Any, cache: Any) -> dict[str, int]:
