@@ -110,8 +110,7 @@ def acceptance(args, engine_kw: dict) -> dict:
 
 def force_acceptance(rate: float, seed: int = 0) -> None:
     """Make verification accept each draft with probability ``rate`` (benchmark only: not lossless)."""
-    from deepinfer_core.spec_decode import rejection_sampler
-    from deepinfer_core.worker import spec_model_runner
+    from deepinfer_core.spec_decode import rejection_sampler, verifier
 
     gens: dict[torch.device, torch.Generator] = {}
     exact = rejection_sampler.rejection_sample
@@ -141,8 +140,8 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
         out = exact_greedy(target_logits, draft_token_ids, num_drafts)
         return force(out, draft_token_ids, num_drafts)
 
-    spec_model_runner.rejection_sample = forced
-    spec_model_runner.greedy_verify = forced_greedy  # the path of all-greedy batches
+    verifier.rejection_sample = forced
+    verifier.greedy_verify = forced_greedy  # the path of all-greedy batches
 
 
 def _trace_gate(llm) -> list[str] | None:

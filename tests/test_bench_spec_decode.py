@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_core.worker import spec_model_runner
+from deepinfer_core.spec_decode import verifier
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -21,7 +21,7 @@ def bsd(monkeypatch):
     import bench_spec_decode
 
     for name in ("rejection_sample", "greedy_verify"):  # force_acceptance replaces them
-        monkeypatch.setattr(spec_model_runner, name, getattr(spec_model_runner, name))
+        monkeypatch.setattr(verifier, name, getattr(verifier, name))
     return bench_spec_decode
 
 
@@ -31,7 +31,7 @@ def test_forced_acceptance_covers_greedy_verification(bsd, rate, accepted):
     logits = torch.zeros(2, 4, 10)
     logits[..., 7] = 1.0  # the target's argmax is 7 everywhere: the drafts (1, 2, 3) would all be rejected
     drafts, num = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([3, 2])
-    out = spec_model_runner.greedy_verify(logits, drafts, num)
+    out = verifier.greedy_verify(logits, drafts, num)
     assert out.num_accepted.tolist() == accepted
     for row, n, d in zip(out.output_token_ids.tolist(), accepted, drafts.tolist()):
         assert row[:n] == d[:n] and row[n] == 7 and all(t == -1 for t in row[n + 1:])

@@ -356,7 +356,7 @@ def test_steps_with_prompt_chunks_draft_through_the_graphs(make_llm):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
 def test_uniform_greedy_verification_equals_the_general_one(graphs, make_llm):
-    """Steps of greedy verifications of one length take ``_verify_uniform`` (no host layout of the
+    """Steps of greedy verifications of one length take ``Verifier.verify_uniform`` (no host layout of the
     rows); turned off, the general verification gives the same drafts, accepted counts and tokens. The
     trained model (real rejections) with prompts whose spans cross window and block boundaries."""
     plain = make_llm(None, dtype="float64", block_size=32)
@@ -368,17 +368,17 @@ def test_uniform_greedy_verification_equals_the_general_one(graphs, make_llm):
         llm = make_llm(None, dtype="float64", block_size=32, **spec(3))
         if graphs:
             with_drafting_graphs(llm, 3, [1, 2, 4, 8])
-        runner, calls = llm.llm_engine.runner, [0]
-        fast = runner._verify_uniform
+        verifier, calls = llm.llm_engine.runner.verifier, [0]
+        fast = verifier.verify_uniform
 
         def counted(*args, fast=fast, calls=calls):
             calls[0] += 1
             return fast(*args)
 
-        runner._verify_uniform = counted
+        verifier.verify_uniform = counted
         if not uniform:
-            general = runner._verify
-            runner._verify = lambda *args, general=general: general(*args[:7])  # no span: the general path
+            general = verifier.verify
+            verifier.verify = lambda *args, general=general: general(*args[:7])  # no span: the general path
         seen = recorded_drafts(llm)
         outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
         cache = llm.llm_engine.cache

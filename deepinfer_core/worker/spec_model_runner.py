@@ -46,20 +46,13 @@ import torch
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
-from deepinfer_core.sampling.random import base_seed
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import MtpProposer
 from deepinfer_core.spec_decode.proposer import DraftSpan, Proposer
-from deepinfer_core.spec_decode.rejection_sampler import (
-    greedy_verify,
-    rejection_sample,
-    stream_seeds,
-    verify_noise,
-    verify_noise_at,
-)
 from deepinfer_core.spec_decode.rollback import CacheUndo
+from deepinfer_core.spec_decode.verifier import Verification, Verifier
 from deepinfer_core.spec_decode.verify_graph import VerifyGraphs
 from deepinfer_core.worker.graph_runner import EXTRA_ROWS
 from deepinfer_core.worker.model_runner import CachedRequestState, ModelRunner
@@ -83,16 +76,6 @@ class _Pending:
                 raise
             self._complete = None
         return self._output
-
-
-@dataclass
-class _Verify:
-    """A verification in the batch: which scheduled span, its first logits row, its drafts."""
-
-    index: int
-    first_row: int
-    state: CachedRequestState
-    drafts: list[int]
 
 
 @dataclass
@@ -120,6 +103,7 @@ class SpecDecodeModelRunner(ModelRunner):
     def __init__(self, *args, num_speculative_tokens: int = 1, profile_steps: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.k = num_speculative_tokens
+        self.verifier = Verifier(self.sampler, self.platform)
         # what the confidence scheduler prices a decode step by: its graph's time
         self.step_profile = None
         if profile_steps and self.graph_runner is not None:
@@ -136,7 +120,6 @@ class SpecDecodeModelRunner(ModelRunner):
         self._pending: _Pending | None = None  # the launched step whose second half has not run yet
         self._accepted: dict[int, int] = {}  # seq id -> drafts its last step accepted
         self._drafts: dict[int, list[int]] = {}  # seq id -> the drafts its last step proposed
-        self._layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _uniform_layout
         self._stream_rows: dict[tuple[int, int], torch.Tensor] = {}  # see _catch_up_rows
         self._chain: _Chain | None = None  # the device results of ``_pending``, when it drafted on the device
 
@@ -171,7 +154,7 @@ class SpecDecodeModelRunner(ModelRunner):
             filler += [False] * len(s.token_ids) + [True] * extra
             last = starts[-1] + len(s.token_ids) - 1  # the span's last real token
             if s.sample and s.num_drafts:
-                verifies.append(_Verify(i, last - s.num_drafts if q else len(rows), self.requests[s.seq_id],
+                verifies.append(Verification(i, last - s.num_drafts if q else len(rows), self.requests[s.seq_id],
                                         s.token_ids[n_plain:]))
                 rows.extend(range(last - s.num_drafts, last + 1))
             elif s.sample:
@@ -213,7 +196,7 @@ class SpecDecodeModelRunner(ModelRunner):
             lengths = {len(s.token_ids) for s in so.scheduled}
             span = q or (next(iter(lengths)) if len(lengths) == 1 else None)
             masks = None if so.grammar_bitmask is None else (so.grammar_bitmask, mask_rows)
-            verified, verified_logprobs = self._verify(logits, verifies, undo, draft_mask, fillers, starts,
+            verified, verified_logprobs = self.verifier.verify(logits, verifies, undo, draft_mask, fillers, starts,
                                                        so.scheduled, span, masks)
         elif undo is not None:
             undo.restore(fillers.to(logits.device))
@@ -304,14 +287,15 @@ class SpecDecodeModelRunner(ModelRunner):
         device, _ = graphs.load_facts(pad, facts, extra)
         shift, num_drafts = chain_graphs.apply((pad.num_seqs, pad.context, pad.query_len), n)
         ids = device.input_ids[: n * q].view(n, q)
-        sampled = None if all(st.params.greedy for st in states) else self._sampling(states, shift)
+        sampled = None if all(st.params.greedy for st in states) else self.verifier.sampling(states, shift)
         batch = graphs.derive(pad, n)
         logits, streams, undo = graphs.replay_step(batch)
         penalised = states if any(st.params.has_penalties for st in states) else None
         if sampled is None and penalised is None:
             out = verify_graphs.verify(batch, logits, num_drafts, undo, q)
         else:
-            out = self._verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled, penalised)
+            out = self.verifier.verify_rows(logits, ids[:, 1:], num_drafts, undo, q, batch.num_tokens, sampled,
+                                            penalised)
         catch = [self.proposer.catch_up_span(sp.context_len, [], sp.block_table, sp.window_block_table, self.k)[0]
                  for sp in spans]
         stream_rows = self._catch_up_rows(n, q, logits.device)
@@ -319,10 +303,10 @@ class SpecDecodeModelRunner(ModelRunner):
         if q < self.k + 1:
             kept = torch.cat([kept, kept.new_full((n, self.k + 1 - q), -1)], dim=1)
         drafted = self._propose_chained(scheduled, catch, kept, out.num_accepted, stream_rows, streams, shift)
-        verifies = [_Verify(i, i * q, self.requests[s.seq_id], []) for i, s in enumerate(scheduled)]
+        verifies = [Verification(i, i * q, self.requests[s.seq_id], []) for i, s in enumerate(scheduled)]
         logprobs = []
         if any(v.state.params.logprobs is not None for v in verifies):
-            logprobs = self._logprobs(logits[: n * q], out.output_token_ids, verifies)
+            logprobs = self.verifier.logprobs(logits[: n * q], out.output_token_ids, verifies)
         verified = _HostCopy(self.platform, [out.output_token_ids, out.num_accepted] + logprobs)
         drafted = _HostCopy(self.platform, list(drafted))
 
@@ -349,7 +333,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 and all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in scheduled))
 
     def _draft_on_device(self, scheduled: list[ScheduledSeq], streams: torch.Tensor, starts: list[int],
-                         plain: list, plain_samples, verifies: list[_Verify], verified
+                         plain: list, plain_samples, verifies: list[Verification], verified
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch the MTP catch-up and drafting over each span's kept positions, which the device knows:
         a verification's accepted drafts and bonus token, a plain sample's token. ([n, k] drafts, their
@@ -433,7 +417,7 @@ class SpecDecodeModelRunner(ModelRunner):
                                    token_ids=[state.output_token_ids[-1]] + drafts[:n])
 
     def _complete(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], plain: list,
-                  plain_out, verifies: list[_Verify], verified, drafted: tuple[torch.Tensor, torch.Tensor] | None,
+                  plain_out, verifies: list[Verification], verified, drafted: tuple[torch.Tensor, torch.Tensor] | None,
                   windows: list[list[int]] | None) -> ModelRunnerOutput:
         """The second half of a step: the new tokens on the host, then the drafts ``drafted`` on the device
         (every span's), or drafting here (``windows``: the spans' window block tables at launch); the
@@ -474,114 +458,6 @@ class SpecDecodeModelRunner(ModelRunner):
                 rows[i], row = row, row + 1 + s.num_drafts
         return rows
 
-    def _verify(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, draft_mask: torch.Tensor,
-                fillers: torch.Tensor | None, starts: list[int], scheduled: list[ScheduledSeq],
-                span: int | None = None, masks: tuple[torch.Tensor, dict[int, int]] | None = None):
-        """Verify every verification's drafts (a ``VerifyOutput`` on the device, and the logprobs of its rows
-        where asked); rows written by rejected drafts and by ``fillers`` (bool [T], on the host) are put
-        back. ``span``: the tokens of every scheduled span (fillers included), where all are one length.
-        ``masks``: the grammar bitmask and each scheduled index's first row in it."""
-        device, vocab = logits.device, logits.shape[-1]
-        s = len(verifies)
-        penalised = any(v.state.params.has_penalties for v in verifies)
-        want_logprobs = any(v.state.params.logprobs is not None for v in verifies)
-        if (span and s == len(scheduled) and not (penalised or want_logprobs or masks)
-                and all(v.state.params.greedy for v in verifies)
-                and all(v.first_row == i * span for i, v in enumerate(verifies))):
-            return self._verify_uniform(logits, verifies, undo, span, len(draft_mask)), None
-        num = np.array([len(v.drafts) for v in verifies], dtype=np.int64)
-        k = int(num.max())
-        cols = np.arange(k + 1)
-        first = np.array([v.first_row for v in verifies], dtype=np.int64)
-        gather = first[:, None] + np.minimum(cols, num[:, None])  # past a span's drafts: its last row again
-        drafts = np.zeros((s, k), dtype=np.int64)
-        drafts[cols[:k] < num[:, None]] = [t for v in verifies for t in v.drafts]
-        # each draft token's verification and its offset (1-based) there; -1: not a draft
-        owner = np.full(len(draft_mask), -1, dtype=np.int64)
-        offset = np.zeros(len(draft_mask), dtype=np.int64)
-        first_token = np.array([starts[v.index] + len(scheduled[v.index].token_ids) for v in verifies]) - num
-        within = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
-        tokens = np.repeat(first_token, num) + within
-        owner[tokens], offset[tokens] = np.repeat(np.arange(s), num), within + 1
-        greedy = np.array([v.state.params.greedy for v in verifies], dtype=np.int64)
-        sizes = (gather.size, drafts.size, s, len(owner), len(owner), s)
-        host = np.concatenate([gather.reshape(-1), drafts.reshape(-1), num, owner, offset, greedy])
-        gather_d, drafts_d, num_d, owner, offset, greedy_d = self.platform.upload(torch.from_numpy(host)).split(sizes)
-        drafts_d = drafts_d.view(s, k)
-        rows = logits[gather_d]  # [S * (K + 1), V]
-        if masks is not None:  # first, as the plain sampler: logprobs are those of the constrained logits
-            bitmask, first_mask = masks
-            index = [first_mask[v.index] + min(c, len(v.drafts)) for v in verifies for c in range(k + 1)]
-            rows = self.sampler.ops.apply_token_bitmask(rows, bitmask[index].to(device))
-        raw = rows
-        if penalised:
-            rows = self.sampler.penalise_verification(rows.view(s, k + 1, vocab), [v.state for v in verifies],
-                                                      drafts_d).view(s * (k + 1), vocab)
-        if greedy.all():
-            out = greedy_verify(rows.view(s, k + 1, vocab), drafts_d, num_d)
-        else:
-            params = [v.state.params for v in verifies for _ in range(k + 1)]
-            probs = self._target_probs(rows, params).view(s, k + 1, vocab)
-            uniforms, noise = verify_noise([base_seed(v.state) for v in verifies],
-                                           [len(v.state.output_token_ids) for v in verifies], k + 1, vocab, device)
-            out = rejection_sample(probs, drafts_d, num_d, uniforms, noise, greedy=greedy_d.bool())
-        if penalised:  # the next step may be penalised by them before they reach the host
-            self.sampler.count_outputs([v.state for v in verifies], out.output_token_ids, out.num_accepted)
-        rejected = (owner >= 0) & (offset > out.num_accepted[owner.clamp(min=0)])
-        if fillers is not None:
-            rejected |= fillers.to(device)
-        undo.restore(rejected)
-        return out, (self._logprobs(raw, out.output_token_ids, verifies) if want_logprobs else None)
-
-    @staticmethod
-    def _logprobs(rows: torch.Tensor, tokens: torch.Tensor, verifies: list[_Verify]) -> list[torch.Tensor]:
-        """The plain sampler's logprobs of every verification row (the model's own distribution, before
-        penalties and temperature): [rows, 1 + n] ids, the row's output token then its top n, and their
-        logprobs, n the most any verification asked for."""
-        n = max(v.state.params.logprobs or 0 for v in verifies)
-        raw = torch.log_softmax(rows, dim=-1)
-        top = torch.topk(raw, min(n, raw.shape[-1]), dim=-1).indices
-        ids = torch.cat([tokens.reshape(-1, 1).clamp(min=0), top], dim=1)
-        return [ids, raw.gather(1, ids)]
-
-    def _verify_uniform(self, logits: torch.Tensor, verifies: list[_Verify], undo: CacheUndo, span: int,
-                        num_tokens: int):
-        """:meth:`_verify` of a step of greedy verifications only, each ``span`` tokens long (fillers after
-        its drafts included), whose logits rows are its tokens'. Token ``t`` is its span's draft
-        ``t % span``, rejected past the accepted count (a filler is past every draft)."""
-        s = len(verifies)
-        drafts = np.zeros((s, span), dtype=np.int64)  # the drafts, then the draft counts in the last column
-        for i, v in enumerate(verifies):
-            drafts[i, : len(v.drafts)] = v.drafts
-            drafts[i, -1] = len(v.drafts)
-        host = self.platform.upload(torch.from_numpy(drafts))
-        return self._verify_rows(logits, host[:, :-1], host[:, -1], undo, span, num_tokens)
-
-    def _verify_rows(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, undo: CacheUndo,
-                     span: int, num_tokens: int, sampled: tuple | None = None,
-                     penalised: list[CachedRequestState] | None = None):
-        """Verification of ``drafts`` [s, span - 1] (device; ``num_drafts`` [s] of each are real) in the first
-        ``s`` spans of ``span`` logits rows each, greedy or (``sampled``, from :meth:`_sampling`) lossless,
-        penalised where ``penalised`` (the spans' states) is given; the rows rejected tokens wrote are put
-        back."""
-        s = drafts.shape[0]
-        rows = logits[: s * span]
-        if penalised is not None:
-            rows = self.sampler.penalise_verification(rows.reshape(s, span, -1), penalised, drafts).view(s * span, -1)
-        if sampled is None:
-            out = greedy_verify(rows.reshape(s, span, -1), drafts, num_drafts)
-        else:
-            params, hashed, first, greedy = sampled
-            probs = self._target_probs(rows, [p for p in params for _ in range(span)])
-            uniforms, noise = verify_noise_at(hashed, first, span, rows.shape[-1])
-            out = rejection_sample(probs.view(s, span, -1), drafts, num_drafts, uniforms, noise, greedy=greedy)
-        if penalised is not None:
-            self.sampler.count_outputs(penalised, out.output_token_ids, out.num_accepted)
-        offset, owner = self._uniform_layout(num_tokens, span, logits.device)
-        accepted = torch.cat([out.num_accepted, out.num_accepted.new_zeros(len(owner) // span - s + 1)])
-        undo.restore(offset > accepted[owner])
-        return out
-
     def _catch_up_rows(self, n: int, q: int, device: torch.device) -> torch.Tensor:
         """The verification rows of ``n`` spans of ``q`` tokens that a chained catch-up reads, ``k + 1`` a
         span: its ``q`` rows, the last repeated past them (never kept)."""
@@ -590,39 +466,6 @@ class SpecDecodeModelRunner(ModelRunner):
             positions = torch.arange(self.k + 1, device=device).clamp(max=q - 1)
             rows = self._stream_rows[n, q] = (torch.arange(n, device=device).unsqueeze(1) * q + positions).view(-1)
         return rows
-
-    def _uniform_layout(self, num_tokens: int, span: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(offset of each token within its span, its span) for ``num_tokens`` tokens in spans of ``span``;
-        tokens past the last whole span belong to an extra one."""
-        key = (num_tokens, span)
-        cached = self._layouts.get(key)
-        if cached is None:
-            tokens = torch.arange(num_tokens, device=device)
-            cached = self._layouts[key] = (tokens % span, tokens // span)
-        return cached
-
-    def _sampling(self, states: list[CachedRequestState], shift: torch.Tensor) -> tuple:
-        """What :meth:`_verify_rows` samples a chained step's verifications with: per sequence its parameters,
-        its hashed seeds and greedy flag (one copy) and its first row's output position, which is the
-        host's count moved on by the step before's accepted drafts (``shift``, device) and its new token."""
-        host = torch.cat([stream_seeds([base_seed(st) for st in states]),
-                          torch.tensor([[len(st.output_token_ids) + 1, st.params.greedy] for st in states])], 1)
-        device = self.platform.upload(host)
-        return [st.params for st in states], device[:, :2], device[:, 2] + shift, device[:, 3].bool()
-
-    def _target_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
-        """The target's sampling distribution of each row (temperature, top-k, top-p, min-p); greedy rows
-        keep their argmax (temperature 1). The parameters reach the device in one copy, which does not wait
-        for the device where the platform can copy so."""
-        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
-        host = torch.tensor([[p.temperature if not p.greedy else 1.0, p.top_p, p.min_p, p.top_k] for p in params],
-                            dtype=torch.float64)
-        device = self.platform.upload(host)
-        temperature, top_p, min_p, top_k = device.to(logits.dtype).unbind(1)
-        scaled = logits / temperature.unsqueeze(1)
-        if filtered:
-            scaled = self.sampler.ops.top_k_top_p_min_p(scaled, device[:, 3].long(), top_p, min_p)
-        return torch.softmax(scaled, dim=-1)
 
     def _draft(self, so: SchedulerOutput, streams: torch.Tensor, starts: list[int], new_tokens: dict[int, list[int]],
                windows: list[list[int]]) -> dict[int, tuple[list[int], list[float]]]:
