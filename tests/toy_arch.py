@@ -84,5 +84,5 @@ def load_model(cfg, path, ops, dtype, device, hook, quantization, numerics, expe
 ARCHITECTURE = Architecture(
     name=NAME, model_types=(MODEL_TYPE,), config_class=ToyConfig, manifest=manifest, cache_layout=cache_layout,
     load_model=load_model, default_numerics=lambda cfg: "transformers", numerics=("transformers",),
-    build_weights=build_weights, prepare_params=v4.stack_shared_experts,
+    build_weights=build_weights, prepare_params=v4.stack_shared_experts, drafters={"mtp": v4.DeepseekV4MTP},
 )

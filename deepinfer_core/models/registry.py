@@ -41,6 +41,9 @@ class Architecture:
     default_numerics: Callable[[ModelConfig], str]
     build_weights: Callable[..., Any]
     prepare_params: Callable[..., None] | None = None
+    #: speculative method -> the draft model's class, built by the target from the checkpoint's drafter
+    #: weights (V4: ``{"mtp": DeepseekV4MTP}``); spec_decode reaches it as ``model.drafter``
+    drafters: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     numerics: tuple[str, ...] = ("transformers",)
     extra: Mapping[str, Any] = field(default_factory=dict)
 

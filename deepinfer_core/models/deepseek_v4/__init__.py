@@ -10,6 +10,7 @@ import torch
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config, cache_layout
 from deepinfer_core.models.deepseek_v4.manifest import manifest
 from deepinfer_core.models.deepseek_v4.model import NUMERICS, DeepseekV4Model
+from deepinfer_core.models.deepseek_v4.mtp import DeepseekV4MTP
 from deepinfer_core.models.deepseek_v4.weights import ModelWeights, build_weights, stack_shared_experts
 from deepinfer_core.models.registry import Architecture
 
@@ -44,7 +45,8 @@ ARCHITECTURE = Architecture(
     numerics=NUMERICS,
     build_weights=build_weights,
     prepare_params=stack_shared_experts,
+    drafters={"mtp": DeepseekV4MTP},
 )
 
 __all__ = ["ARCHITECTURE", "NUMERICS", "DeepseekV4Config", "DeepseekV4Model", "ModelWeights", "default_numerics",
-           "load_model", "manifest"]
+           "DeepseekV4MTP", "load_model", "manifest"]

@@ -74,7 +74,8 @@ class DeepseekV4Model:
         self.cache_layout = cache_layout(cfg)
         self.cache_specs = self.cache_layout.layers
         #: the checkpoint's draft model (its mtp.* layers), None where it has none
-        self.drafter = DeepseekV4MTP(self, weights.mtp) if weights.mtp else None
+        drafter = cfg.architecture.drafters.get("mtp")
+        self.drafter: DeepseekV4MTP | None = drafter(self, weights.mtp) if weights.mtp and drafter else None
 
     @property
     def has_mtp(self) -> bool:
