@@ -185,8 +185,8 @@ def test_speed_mode_serves_waves_of_requests_at_most_a_batch_at_once(bsd, monkey
 
     running, schedule = [], Scheduler.schedule
 
-    def spy(self):
-        out = schedule(self)
+    def spy(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
         running.append((self.config.max_num_seqs, len(self.running)))
         return out
 
