@@ -59,8 +59,11 @@ _EXPERT = EXPERT_FILE_NAME
 
 
 def manifest_of(cfg: ModelConfig) -> CheckpointManifest:
-    """The checkpoint manifest of ``cfg``'s architecture."""
-    return cfg.architecture.manifest(cfg)
+    """The checkpoint manifest of ``cfg``'s architecture, built once per config object."""
+    manifest = cfg.__dict__.get("_manifest")
+    if manifest is None:
+        manifest = cfg.__dict__["_manifest"] = cfg.architecture.manifest(cfg)
+    return manifest
 
 
 def expected_shapes(cfg: ModelConfig, with_mtp: bool, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
