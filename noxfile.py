@@ -26,7 +26,7 @@ def golden(session):
     """Op conformance of one backend against cpu_ref: ``nox -s golden -- nvidia_sm100``."""
     backend = session.posargs[0] if session.posargs else "cpu_ref"
     session.install(TORCH, *PACKAGES)
-    session.run("pytest", "-q", "tests/test_conformance.py", f"--backend={backend}", "-m", "not gpu",
+    session.run("pytest", "-q", "tests/ops/test_conformance.py", f"--backend={backend}", "-m", "not gpu",
                 *session.posargs[1:])
 
 

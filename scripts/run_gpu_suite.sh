@@ -8,9 +8,9 @@
 #                -e backends/nvidia_sm100, only when the backends' entry points are not installed yet
 #                (works offline: nothing is downloaded)
 #   env          nvidia-smi, versions, `deepinfer backends` (which implementation serves each op)
-#   gpu_suite    pytest -m gpu tests/gpu: op conformance at tiny + v4_flash, engine vs cpu_ref float64,
+#   gpu_suite    pytest -m gpu backends/nvidia_sm100/tests/gpu: op conformance at tiny + v4_flash, engine vs cpu_ref float64,
 #                bad input, device/topology/NCCL hooks; each test's time in gpu_suite_times.tsv as it ends
-#   conformance  pytest tests/test_conformance.py --backend nvidia_sm100, tiny (all dtypes) and the
+#   conformance  pytest tests/ops/test_conformance.py --backend nvidia_sm100, tiny (all dtypes) and the
 #                slow v4_flash preset (bfloat16, float32)
 # The exit status is non-zero when a step failed; LOG_DIR/summary.txt lists each step's status.
 # Environment: PYTHON (default python3), PYTEST_ARGS (extra pytest arguments, e.g. "-x"),
@@ -99,14 +99,14 @@ STEPS=" ${GPU_SUITE_STEPS:-gpu_suite conformance} "
 # --- the GPU suite ---------------------------------------------------------------------------------
 if [[ "$STEPS" == *" gpu_suite "* ]]; then
     : > "$LOG_DIR/gpu_suite_times.tsv"
-    DEEPINFER_TEST_TIMES="$LOG_DIR/gpu_suite_times.tsv" "$PY" -m pytest tests/gpu -m gpu -rfEs -v --durations=15 \
+    DEEPINFER_TEST_TIMES="$LOG_DIR/gpu_suite_times.tsv" "$PY" -m pytest backends/nvidia_sm100/tests/gpu -m gpu -rfEs -v --durations=15 \
         --junitxml="$LOG_DIR/gpu_suite.xml" "${EXTRA[@]}" 2>&1 | tee "$LOG_DIR/gpu_suite.log"
     record gpu_suite "${PIPESTATUS[0]}"
 fi
 
 # --- the conformance suite for nvidia_sm100 (tiny in every dtype, then v4_flash) -------------------
 if [[ "$STEPS" == *" conformance "* ]]; then
-    "$PY" -m pytest tests/test_conformance.py --backend nvidia_sm100 -m "slow or not slow" -rfEs -q \
+    "$PY" -m pytest tests/ops/test_conformance.py --backend nvidia_sm100 -m "slow or not slow" -rfEs -q \
         --durations=15 --junitxml="$LOG_DIR/conformance.xml" "${EXTRA[@]}" 2>&1 | tee "$LOG_DIR/conformance.log"
     record conformance "${PIPESTATUS[0]}"
 fi

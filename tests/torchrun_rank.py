@@ -1,4 +1,4 @@
-"""One rank of a torchrun-launched expert-parallel engine (run by tests/test_torchrun.py):
+"""One rank of a torchrun-launched expert-parallel engine (run by tests/parallel/test_torchrun.py):
 ``python -m torch.distributed.run --standalone --nproc-per-node N tests/torchrun_rank.py MODEL OUT``.
 
 Rank ``r`` generates prompts ``r, r + N, ...`` (unequal work: a rank idles while the others finish) and

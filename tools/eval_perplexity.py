@@ -4,7 +4,7 @@ Two evaluation sets, both cut into chunks of the training sequence length (each 
 sequence at position 0; every token after the first is predicted exactly once):
 
 * the stored slice ``data/heldout_slice.txt`` (a few KB of a held-out stdlib file; machine independent):
-  float64, the regression baseline that ``tests/test_trained_model.py`` recomputes;
+  float64, the regression baseline that ``tests/models/test_trained_model.py`` recomputes;
 * the held-out split of *this* machine's stdlib (``tools/build_corpus.py``): ``--heldout-tokens`` worth of
   evenly spaced windows, float32, informative only (it depends on the Python version).
 

@@ -26,7 +26,7 @@ calls whose shapes depend on that row alone:
   correctly rounded ``+ - * /``.
 
 The other ops are batch-invariant in the reference already (per-row reductions of fixed length, or
-exactly rounded arithmetic) and the catalogue marks them so; ``tests/test_batch_invariance.py`` checks
+exactly rounded arithmetic) and the catalogue marks them so; ``tests/engine/test_batch_invariance.py`` checks
 both claims.
 """
 
