@@ -47,8 +47,9 @@ def triton_applies(ctx: BuildContext) -> bool:
 
 def triton_fp8_applies(ctx: BuildContext) -> bool:
     """The Triton FP8 GEMM and grouped MoE serve unless ``DEEPINFER_NVIDIA_FP8_TRITON=0``: called directly,
-    both passed ``backends/nvidia_sm100/tests/gpu/test_fp8_gpu.py`` at V4-Flash shapes on an H200 (bfloat16 and float32, CUDA graph
-    capture included) once the quantisation sign bit and the float32 models on FP8 tensor cores were fixed."""
+    both passed ``backends/nvidia_sm100/tests/gpu/test_fp8_gpu.py`` at V4-Flash shapes on an H200 (bfloat16
+    and float32, CUDA graph capture included) once the quantisation sign bit and the float32 models on FP8
+    tensor cores were fixed."""
     return os.environ.get(FP8_TRITON_ENV, "") != "0" and triton_applies(ctx)
 
 
