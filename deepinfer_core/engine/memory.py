@@ -22,12 +22,11 @@ from deepinfer_core.model.cache import (
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.loader import (
     expected_file_names,
-    expected_shapes,
     fp8_weight_names,
     manifest_of,
     quant_config,
 )
-from deepinfer_core.model.manifest import stored_bytes
+from deepinfer_core.model.manifest import EXPERT_FILE_NAME, stored_bytes
 from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Platform
@@ -39,18 +38,6 @@ class PoolSizes:
     num_window_blocks: int
     num_state_slots: int
     budget_bytes: int
-
-
-def _loaded_shapes(cfg: ModelConfig, with_mtp: bool, num_experts: int | None) -> dict[str, tuple[int, ...]]:
-    """:func:`expected_shapes` with each shared expert's w1 and w3 stacked into one ``w13``, as loaded."""
-    out = {}
-    for name, shape in expected_shapes(cfg, with_mtp, num_experts).items():
-        if name.endswith("shared_experts.w3.weight"):
-            continue
-        if name.endswith("shared_experts.w1.weight"):
-            name, shape = name.removesuffix("w1.weight") + "w13", (2 * shape[0], shape[1])
-        out[name] = shape
-    return out
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transformers", with_mtp: bool = True,
@@ -66,11 +53,11 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
     for name, shape in expected_file_names(cfg, with_mtp=with_mtp).items():
         b = stored_bytes(manifest.stored_format(name), shape)
         out["stored"] += b
-        out["stored_experts"] += b if ".ffn.experts." in name else 0
+        out["stored_experts"] += b if EXPERT_FILE_NAME.match(name) else 0
     fp4 = quant_config(cfg).expert_dtype == "fp4"
     fp8 = fp8_weight_names(cfg, numerics) if quant_config(cfg).declared else set()
-    for name, shape in _loaded_shapes(cfg, with_mtp, num_experts).items():
-        n, expert = math.prod(shape), ".ffn.experts." in name
+    for name, shape in manifest.loaded_shapes(with_mtp, num_experts).items():
+        n, expert = math.prod(shape), manifest.rows[name].experts
         plain = n * manifest.parameter_dtype(name, dtype).itemsize
         if expert and fp4:
             kept = n // 2 + n // 32  # packed e2m1 + one e8m0 scale per 32

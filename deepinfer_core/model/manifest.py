@@ -40,8 +40,8 @@ class TensorSpec:
     ``fp8``: the numerics under which FP8 mode keeps it in E4M3 (``"transformers"``, ``"deepseek"``).
     ``fp32``: kept in float32 when the model runs in bf16/fp16. ``integer``: an index table (kept int64).
     ``experts``: a routed-expert stack, [E, N, K]. ``in_file``: False for a parameter the loader makes
-    from others (a stacked shared expert). ``drafter``: part of the checkpoint's draft model (optional
-    in a checkpoint)."""
+    from others (a stacked shared expert); ``loaded``: False for a file tensor the loader folds into such
+    a parameter. ``drafter``: part of the checkpoint's draft model (optional in a checkpoint)."""
 
     name: str
     shape: tuple[int, ...]
@@ -51,6 +51,7 @@ class TensorSpec:
     integer: bool = False
     experts: bool = False
     in_file: bool = True
+    loaded: bool = True
     drafter: bool = False
 
     def __post_init__(self) -> None:
@@ -116,6 +117,15 @@ class CheckpointManifest:
         out = {}
         for r in self.rows.values():
             if not r.in_file or (r.drafter and not with_drafter):
+                continue
+            out[r.name] = (num_experts, *r.shape[1:]) if r.experts and num_experts is not None else r.shape
+        return out
+
+    def loaded_shapes(self, with_drafter: bool = True, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Every parameter the model holds once loaded (after the architecture's re-layout), with its shape."""
+        out = {}
+        for r in self.rows.values():
+            if not r.loaded or (r.drafter and not with_drafter):
                 continue
             out[r.name] = (num_experts, *r.shape[1:]) if r.experts and num_experts is not None else r.shape
         return out

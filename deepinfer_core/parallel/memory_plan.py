@@ -24,6 +24,7 @@ import torch
 
 from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from deepinfer_core.engine.memory import kv_bytes, layer_kv_bytes, plan_pools, weight_bytes
+from deepinfer_core.model.cache_layout import cache_layout
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, resolve_kv_cache_spec
 from deepinfer_core.model.loader import has_drafter_weights
 from deepinfer_core.models import default_numerics
@@ -142,10 +143,12 @@ class Footprint:
 
 
 def _kind(cfg: ModelConfig, layer: int) -> str:
+    """What the plan calls a layer, from the branches it owns: a drafter's, sliding-window only, or the
+    V4 family's CSA (with indexer keys) and HCA."""
     if layer >= cfg.num_hidden_layers:
         return "mtp"
-    rate = cfg.compress_rate(layer)
-    return "sliding" if not rate else ("csa" if cfg.is_csa(layer) else "hca")
+    owned = cache_layout(cfg).layers[layer].owned
+    return "sliding" if not owned else ("csa" if "index" in owned else "hca")
 
 
 def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: str = "deepseek", devices: int = 1,

@@ -126,9 +126,10 @@ def manifest(cfg: DeepseekV4Config) -> CheckpointManifest:
         add(p + "ffn.gate.weight", (e, d), **kw)
         add(p + "ffn.experts.w13", (e, 2 * inter, d), experts=True, **kw)
         add(p + "ffn.experts.w2", (e, d, inter), experts=True, **kw)
-        for w, shape in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
-            add(p + f"ffn.shared_experts.{w}.weight", shape, **kw)
-        # w1 and w3 are stacked on load into one [2I, D] projection
+        # w1 and w3 are stacked on load into one [2I, D] projection, w13
+        for w, shape in (("w1", (inter, d)), ("w3", (inter, d))):
+            add(p + f"ffn.shared_experts.{w}.weight", shape, loaded=False, **kw)
+        add(p + "ffn.shared_experts.w2.weight", (d, inter), **kw)
         add(p + "ffn.shared_experts.w13", (2 * inter, d), in_file=False, **kw)
         rate = 0 if mtp else cfg.compress_rate(layer)  # MTP blocks: plain sliding-window attention
         csa = not mtp and cfg.is_csa(layer)
