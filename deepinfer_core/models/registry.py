@@ -45,7 +45,6 @@ class Architecture:
     #: weights (V4: ``{"mtp": DeepseekV4MTP}``); spec_decode reaches it as ``model.drafter``
     drafters: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     numerics: tuple[str, ...] = ("transformers",)
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: architecture name -> (module exposing ARCHITECTURE, model_types it also answers to)
@@ -106,8 +105,3 @@ def resolve_architecture(raw: Mapping[str, Any], where: str = "config.json") -> 
     served = ", ".join(f"{n} (model_type {'/'.join(t)})" for n, (_, t) in sorted(_REGISTRY.items()))
     raise UnsupportedModelError(f"unsupported model_type {model_type!r} (architectures {names}) in {where}; "
                                 f"deepinfer serves {served}")
-
-
-def architecture_of(cfg: ModelConfig) -> Architecture:
-    """The architecture a parsed model config belongs to."""
-    return cfg.architecture
