@@ -7,6 +7,7 @@ block and output norm.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +27,9 @@ class DeepseekV4MTP:
     def __init__(self, target: DeepseekV4Model, weights: list[MTPBlock]):
         if not weights:
             raise ValueError("this checkpoint has no mtp.* weights")
-        self.target, self.weights = target, weights
+        # a proxy: the target owns its drafter, so a strong reference back would make the pair (and every
+        # weight) a cycle that only the cyclic garbage collector frees
+        self.target, self.weights = weakref.proxy(target), weights
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, streams: torch.Tensor, next_ids: torch.Tensor,
