@@ -10,15 +10,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deepinfer_core.model.errors import UnsupportedModelError
 
-if TYPE_CHECKING:
-    from deepinfer_core.config import ModelConfig
-    from deepinfer_core.model.cache_layout import CacheLayout
-    from deepinfer_core.model.manifest import CheckpointManifest
-    from deepinfer_core.models.interface import Model
+# The registry sits below everything it describes (config.py asks it which architecture a config.json
+# names), so its annotations name those types in words: ModelConfig, CheckpointManifest, CacheLayout, Model.
+ModelConfig = CheckpointManifest = CacheLayout = Model = Any
 
 
 @dataclass(frozen=True)

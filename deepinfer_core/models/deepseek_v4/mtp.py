@@ -8,7 +8,7 @@ block and output norm.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -16,15 +16,12 @@ from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.metadata import ForwardBatch
 from deepinfer_core.models.deepseek_v4.weights import MoE, MTPBlock
 
-if TYPE_CHECKING:
-    from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
-
 
 class DeepseekV4MTP:
     """The MTP layers ``weights`` of ``target``; layer ``depth`` sits after the target's decoder layers
     (``num_hidden_layers + depth`` in the cache layout)."""
 
-    def __init__(self, target: DeepseekV4Model, weights: list[MTPBlock]):
+    def __init__(self, target: Any, weights: list[MTPBlock]):  # target: the DeepseekV4Model that owns it
         if not weights:
             raise ValueError("this checkpoint has no mtp.* weights")
         # a proxy: the target owns its drafter, so a strong reference back would make the pair (and every
