@@ -68,16 +68,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
-        from deepinfer_core.models.registry import resolve_architecture
-
-        raw = {"model_type": getattr(hf_config, "model_type", None),
-               "architectures": getattr(hf_config, "architectures", None)}
-        return resolve_architecture(raw, "the given config").config_class(hf_config)
+        """The config of an in-memory Hugging Face config object, as its architecture parses it."""
+        return cls(hf_config).architecture.config_class(hf_config)
 
     @property
     def architecture(self) -> Any:
-        """The :class:`~deepinfer_core.models.registry.Architecture` serving this config."""
-        raise NotImplementedError
+        """The :class:`~deepinfer_core.models.registry.Architecture` serving this config (an architecture's
+        config class names its own)."""
+        from deepinfer_core.models.registry import resolve_architecture
+
+        raw = {"model_type": getattr(self.hf_config, "model_type", None),
+               "architectures": getattr(self.hf_config, "architectures", None)}
+        return resolve_architecture(raw, "the model config")
 
     def __getattr__(self, name: str) -> Any:
         if name == "hf_config":
