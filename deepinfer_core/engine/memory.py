@@ -17,8 +17,8 @@ from deepinfer_core.model.cache import (
     bytes_per_block,
     bytes_per_state_slot,
     layer_bytes_per_block,
-    layer_cache_specs,
 )
+from deepinfer_core.model.cache_layout import cache_layout
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.loader import (
     expected_file_names,
@@ -113,7 +113,7 @@ def kv_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCach
 def layer_kv_bytes(cfg: ModelConfig, spec: KVCacheSpec) -> list[tuple[int, int]]:
     """Per layer (the drafter's after the target's): the (compressed-pool, window-pool) bytes one block
     costs in the pools it owns."""
-    return [layer_bytes_per_block(layer, spec) for layer in layer_cache_specs(cfg)]
+    return [layer_bytes_per_block(layer, spec) for layer in cache_layout(cfg).layers]
 
 
 def profile_activation_bytes(model: Model, sched: SchedulerConfig, block_size: int,

@@ -31,14 +31,8 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache_layout import BranchSpec, LayerCache, cache_layout, check_block_size
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec, check_kv_cache_spec, state_dtype
 
-#: the V4 family's names for a branch's geometry and a layer's view (kept for the code that reads them)
+#: the V4 family's name for a branch's geometry (kept for the code that reads it)
 CompressorSpec = BranchSpec
-LayerCacheSpec = LayerCache
-
-
-def layer_cache_specs(cfg: ModelConfig) -> list[LayerCache]:
-    """Per layer (the drafter's after the target's), which branches it owns or reads."""
-    return list(cache_layout(cfg).layers)
 
 
 def _spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, spec: KVCacheSpec | None) -> KVCacheSpec:
