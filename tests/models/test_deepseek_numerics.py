@@ -298,6 +298,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).abs().max(-1).values / b.abs().max()
 
 
+def assert_equal_to_the_port(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> None:
+    """float64: every position to 1e-12. float32: the engine and the port sum in different orders, so an
+    activation a last bit apart can sit on an E4M3 boundary and round the other way (measured: 1 position
+    of 40, moved by 1e-2 of the logits' scale, depending on the random weights); every other position to
+    1e-6, none beyond 5e-2, the greedy tokens all equal."""
+    diff = rel(ours, theirs)
+    if dtype == torch.float64:
+        assert diff.max() <= 1e-12, diff
+        return
+    assert (diff > 1e-6).sum() <= 1 and diff.max() <= 0.05, diff
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
 IDS = prompt(SEQ, 384, seed=5)
 
 
@@ -374,20 +387,19 @@ def test_deepseek_numerics_with_fp8_kept_weights_equal_the_port(checkpoint, dtyp
     ours = engine_logits(model, IDS)
     assert torch.equal(ours, engine_logits(engine(checkpoint, "deepseek", dtype), IDS))
     theirs = oracle_logits(checkpoint, IDS, dtype, quant=True, engine_rope=True)
-    assert rel(ours, theirs).max() <= (1e-12 if dtype == torch.float64 else 1e-6)
+    assert_equal_to_the_port(ours, theirs, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_the_fp8_kv_entries_hold_what_the_port_caches(checkpoint, dtype):
     """Under deepseek numerics the cache stores DeepSeek's FP8 entries (uint8 rows: E4M3 values with
     ue8m0 scales per 64, RoPE values in the model's dtype), where the port keeps act_quant'ed values:
-    with the same RoPE rounding every position's logits agree to 1e-12 (float64; measured 5e-16) and
-    1e-6 (float32, the port's own summation order; measured 3.2e-7), the greedy tokens all equal."""
+    with the same RoPE rounding every position's logits agree to 1e-12 (float64; measured 5e-16), and in
+    float32 as :func:`assert_equal_to_the_port` says, the greedy tokens all equal."""
     model = engine(checkpoint, "deepseek", dtype)
     runner = SimpleRunner(model, 1, SEQ, block_size=16)
     assert runner.cache.kv_spec.layout == "fp8_ds"
     assert {p.dtype for p in [*runner.cache.window_kv, *runner.cache.comp_kv.values()]} == {torch.uint8}
     ours = runner.step({0: IDS}, all_logits=True)[0]
     theirs = oracle_logits(checkpoint, IDS, dtype, quant=True, engine_rope=True)
-    assert rel(ours, theirs).max() <= (1e-12 if dtype == torch.float64 else 1e-6)
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert_equal_to_the_port(ours, theirs, dtype)
