@@ -24,7 +24,13 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.quant.fp4 import dequantize_fp4_block, fake_quant_act_fp4, fake_quant_act_ue8m0, hadamard
+from deepinfer_core.quant.fp4 import (
+    dequantize_fp4_block,
+    fake_quant_act_fp4,
+    fake_quant_act_ue8m0,
+    fake_quant_fp4_e4m3_scale,
+    hadamard,
+)
 from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
 from deepinfer_core.quant.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 
@@ -265,6 +271,44 @@ def indexer_topk(
     return select_topk(scores, valid, candidates, topk)
 
 
+@op(
+    "(q: [T, H, d], weights: [T, H], keys: [N, d], candidates: Long[T, C], scale: float) -> [T, C]",
+    "The lightning indexer's scores without the selection: score(t, c) = sum_h weights[t,h] * "
+    "relu(q[t,h] . keys[candidates[t,c]]) * scale, -inf where candidates[t,c] = -1; computed in at least "
+    "float32 and returned so.",
+)
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scale: float
+) -> torch.Tensor:
+    acc = acc_dtype(q.dtype)
+    cand_keys, valid = gather_rows(keys, candidates)  # [T, C, d]
+    dots = torch.einsum("thd,tcd->thc", q.to(acc), cand_keys.to(acc))
+    scores = (torch.relu(dots) * scale * weights.to(acc).unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+@op(
+    "(scores: [T, C], valid: Bool[T, C], block: int, topk_blocks: int) -> Bool[T, C]",
+    "Level one of a two-level top-k (DeepSeek-V4.1's candidate filter): columns in blocks of `block` "
+    "consecutive ones, each block scored by its max score (-inf where it has no valid column); the block "
+    "of a row's last valid column pinned (+inf); the topk_blocks best blocks kept (ties towards the lower "
+    "block), blocks scoring -inf never; returns which valid columns lie in kept blocks.",
+)
+def candidate_blocks(scores: torch.Tensor, valid: torch.Tensor, block: int, topk_blocks: int) -> torch.Tensor:
+    width = scores.shape[-1]
+    num_blocks = -(-width // block)
+    padded = torch.full((scores.shape[0], num_blocks * block), float("-inf"), dtype=scores.dtype,
+                        device=scores.device)
+    padded[:, :width] = scores.masked_fill(~valid, float("-inf"))
+    block_scores = padded.view(-1, num_blocks, block).amax(dim=-1)
+    newest = (valid.sum(dim=-1, keepdim=True) - 1).div(block, rounding_mode="floor")  # -1: none valid
+    block_scores = block_scores.masked_fill(torch.arange(num_blocks, device=scores.device) == newest, float("inf"))
+    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[:, :topk_blocks]
+    kept = torch.zeros_like(block_scores, dtype=torch.bool)
+    kept.scatter_(1, order, block_scores.gather(1, order) > float("-inf"))
+    return kept.repeat_interleave(block, dim=-1)[:, :width] & valid
+
+
 # --- manifold-constrained hyper-connections --------------------------------------------------------
 
 
@@ -296,21 +340,8 @@ def hc_pre(
     mm: Callable = _mm,
     sigmoid: Callable = torch.sigmoid,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n = streams.shape[1]
-    acc = acc_dtype(streams.dtype)
-    flat = _unweighted_rms(streams.flatten(1).to(acc), norm_eps)
-    mixes = mm(flat, fn.to(acc))
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.to(acc).split([n, n, n * n])
-    s = scale.to(acc)
-    pre = sigmoid(pre_w * s[0] + pre_b) + hc_eps
-    post = 2 * sigmoid(post_w * s[1] + post_b)
-    comb = torch.softmax(comb_w.reshape(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
+    pre, post, comb = hc_mixes(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, mm=mm, sigmoid=sigmoid)
+    collapsed = (pre.unsqueeze(-1) * streams.to(pre.dtype)).sum(dim=1).to(streams.dtype)
     return post, comb, collapsed
 
 
@@ -348,6 +379,50 @@ def hc_head(
     flat = _unweighted_rms(streams.flatten(1).to(acc), norm_eps)
     pre = sigmoid(mm(flat, fn.to(acc)) * scale.to(acc) + base.to(acc)) + hc_eps
     return (pre.unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
+
+
+@op(
+    "(streams: [T, n, D], fn: [(2+n)n, nD], base: [(2+n)n], scale: [3], sinkhorn_iters: int, "
+    "hc_eps: float, norm_eps: float) -> (pre: [T, n], post: [T, n], comb: [T, n, n])",
+    "hc_pre's three mixes without the collapse (single-pass mHC computes a sublayer's pre for the next "
+    "sublayer), in at least float32.",
+    batch_invariant=False,
+)
+def hc_mixes(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    mm: Callable = _mm,
+    sigmoid: Callable = torch.sigmoid,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = streams.shape[1]
+    acc = acc_dtype(streams.dtype)
+    mixes = mm(_unweighted_rms(streams.flatten(1).to(acc), norm_eps), fn.to(acc))
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.to(acc).split([n, n, n * n])
+    s = scale.to(acc)
+    pre = sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = 2 * sigmoid(post_w * s[1] + post_b)
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+@op(
+    "(streams: [T, n, D], pre: [T, n]) -> [T, D]",
+    "sum_i pre[t, i] * streams[t, i], in at least float32, returned in streams.dtype.",
+)
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    acc = acc_dtype(streams.dtype)
+    return (pre.to(acc).unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
 
 
 # --- mixture of experts ----------------------------------------------------------------------------
@@ -625,18 +700,18 @@ def moe_experts_fp4(
 
 def _experts_quant_act(x: torch.Tensor, w13_of: Callable, w2_of: Callable, num_experts: int,
                        topk_ids: torch.Tensor, topk_weights: torch.Tensor, swiglu_limit: float, *,
-                       linear: Callable, swiglu: Callable) -> torch.Tensor:
+                       linear: Callable, swiglu: Callable, block: int = 128) -> torch.Tensor:
     """DeepSeek's Expert.forward behind its quantised linears, per expert in ascending id order;
     ``w13_of(e, dtype)`` / ``w2_of(e, dtype)``: expert e's weights in ``dtype``."""
     k = topk_ids.shape[-1]
     acc = acc_dtype(x.dtype)
-    xq = fake_quant_act_ue8m0(x).to(acc)
+    xq = fake_quant_act_ue8m0(x, block).to(acc)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for expert, pairs in expert_pairs(topk_ids, num_experts):
         token_idx = pairs // k
         gate_up = linear(xq[token_idx], w13_of(expert, acc))
         h = swiglu(gate_up.to(x.dtype).to(acc), swiglu_limit) * topk_weights.reshape(-1)[pairs, None].to(acc)
-        hq = fake_quant_act_ue8m0(h.to(x.dtype)).to(acc)
+        hq = fake_quant_act_ue8m0(h.to(x.dtype), block).to(acc)
         y = linear(hq, w2_of(expert, acc)).to(x.dtype)
         out.index_add_(0, token_idx, y.to(acc))
     return out.to(x.dtype)
@@ -658,6 +733,17 @@ def act_quant_sim(x: torch.Tensor, block: int, fmt: str, rotate: bool) -> torch.
         raise ValueError(f"unknown fmt {fmt!r}; expected 'e4m3' or 'e2m1'")
     y = hadamard(x) if rotate else x
     return fake_quant_act_ue8m0(y, block) if fmt == "e4m3" else fake_quant_act_fp4(y, block)
+
+
+@op(
+    "(x: [..., K], block: int) -> [..., K]",
+    "DeepSeek-V4.1's compressed-KV quantisation, simulated (quantise, then dequantise): per block "
+    "consecutive values along K (the last group may be partial) the E4M3 scale s = e4m3(max(amax, 6 * 2^-9) "
+    "/ 6) (round to nearest even), q = e2m1(x / s) (nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to even, "
+    "signed, saturating); out = q * s. Computed in at least float32, returned in x.dtype.",
+)
+def fp4_kv_sim(x: torch.Tensor, block: int) -> torch.Tensor:
+    return fake_quant_fp4_e4m3_scale(x, block)
 
 
 # --- DeepSeek's FP8 KV entry (quant.kv_fp8) -------------------------------------------------------
@@ -761,6 +847,30 @@ def moe_experts_act_quant(
     """moe_experts_fp4's quant_act arithmetic on experts held in a float dtype."""
     return _experts_quant_act(x, lambda e, dt: w13[e].to(dt), lambda e, dt: w2[e].to(dt), w13.shape[0],
                               topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu)
+
+
+@op(
+    "(x: [T, D], w13: [E, 2I, D], w2: [E, D, I], topk_ids: Long[T, k], topk_weights: [T, k], "
+    "swiglu_limit: float, block: int) -> [T, D]",
+    "moe_experts_act_quant with the activations quantised per `block` channels instead of 128 "
+    "(DeepSeek-V4.1: 32).",
+    batch_invariant=False,
+    syncs_host=True,
+)
+def moe_experts_quant_act(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    block: int,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    return _experts_quant_act(x, lambda e, dt: w13[e].to(dt), lambda e, dt: w2[e].to(dt), w13.shape[0],
+                              topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu, block=block)
 
 
 # --- the tables read off the declarations, and their registration ----------------------------------

@@ -157,3 +157,25 @@ def fake_quant_act_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     codes = _nearest_e2m1_codes(groups / scale)
     values = _e2m1_table(x.device, acc)[codes.long()]
     return (values * scale).view(*x.shape[:-1], groups_n * block)[..., :k].to(x.dtype)
+
+
+#: the smallest amax an E4M3-scaled FP4 group keeps (DeepSeek-V4.1's compressed KV): its scale stays nonzero
+FP4_E4M3_AMAX_EPS = 6.0 * 2.0**-9
+
+
+def fake_quant_fp4_e4m3_scale(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """DeepSeek-V4.1's compressed-KV quantisation simulated (``fp4_act_quant`` with E4M3 scales): per
+    ``block`` values (the last group may be partial) the scale ``e4m3(max(amax, 6 * 2^-9) / 6)`` (round to
+    nearest even), each ``x / scale`` rounded to the nearest e2m1 value (ties to even, saturating at 6),
+    multiplied back; computed in float32 (float64 stays float64), returned in ``x.dtype``."""
+    k = x.shape[-1]
+    groups_n = -(-k // block)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
+    padded[..., :k] = x
+    groups = padded.view(*x.shape[:-1], groups_n, block)
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_E4M3_AMAX_EPS)
+    scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).to(acc)
+    codes = _nearest_e2m1_codes((groups / scale).clamp(-FP4_MAX, FP4_MAX))
+    values = _e2m1_table(x.device, acc)[codes.long()]
+    return (values * scale).view(*x.shape[:-1], groups_n * block)[..., :k].to(x.dtype)
