@@ -114,10 +114,11 @@ def quant_config(cfg: ModelConfig) -> QuantConfig:
     if method != "fp8" or fmt != "e4m3":
         raise CheckpointError(f"{where}: quantization_config quant_method {method!r} fmt {fmt!r} is not "
                               "supported (DeepSeek's block FP8: quant_method 'fp8', fmt 'e4m3')")
-    block = tuple(qc.get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK))
-    if block != (FP8_BLOCK, FP8_BLOCK):
-        raise CheckpointError(f"{where}: weight_block_size {list(block)} is not supported (only "
-                              f"[{FP8_BLOCK}, {FP8_BLOCK}])")
+    want = manifest_of(cfg).fp8_block
+    block = tuple(qc.get("weight_block_size") or want)
+    if block != want:
+        raise CheckpointError(f"{where}: weight_block_size {list(block)} is not supported (this architecture "
+                              f"publishes {list(want)})")
     scale_fmt = qc.get("scale_fmt")
     if scale_fmt not in (None, "ue8m0"):
         raise CheckpointError(f"{where}: scale_fmt {scale_fmt!r} is not supported (None or 'ue8m0')")
@@ -226,15 +227,17 @@ def has_drafter_weights(cfg: ModelConfig, path: Path) -> bool:
 
 
 def check_scale(name: str, weight: torch.Tensor | tuple[int, ...], scale: torch.Tensor | tuple[int, ...],
-                block: int = FP8_BLOCK) -> None:
-    """One scale per 128x128 tile of ``weight``, or a :class:`CheckpointError` naming both shapes."""
+                block: int | tuple[int, int] = FP8_BLOCK) -> None:
+    """One scale per ``block`` tile of ``weight`` (128x128 by default), or a :class:`CheckpointError`
+    naming both shapes."""
     wshape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight)
     sshape = tuple(scale.shape) if isinstance(scale, torch.Tensor) else tuple(scale)
-    want = scale_shape(*wshape[-2:], block)
+    rows, cols = (block, block) if isinstance(block, int) else block
+    want = (-(-wshape[-2] // rows), -(-wshape[-1] // cols))
     if sshape != want:
         raise CheckpointError(
             f"block scale of {name} has shape {sshape}, expected {want} "
-            f"(one per {block}x{block} tile of its {wshape} weight)"
+            f"(one per {rows}x{cols} tile of its {wshape} weight)"
         )
 
 
@@ -286,7 +289,7 @@ def _fmt_of(name: str, entry: _Entry, scale: _Entry | None, expert: bool, quant:
 
 
 def _check_shape(name: str, entry: _Entry, fmt: str, want: tuple[int, ...], scale: _Entry | None,
-                 quant: QuantConfig) -> None:
+                 block: tuple[int, int]) -> None:
     got = entry.shape
     if fmt == "fp4":
         stored = (*want[:-1], want[-1] // 2)
@@ -302,7 +305,7 @@ def _check_shape(name: str, entry: _Entry, fmt: str, want: tuple[int, ...], scal
         raise CheckpointError(f"tensor {name} ({entry.where()}) has shape {got}, expected {want}")
     if fmt == "fp8" and scale is not None:
         try:
-            check_scale(name, got, scale.shape, quant.block[0])
+            check_scale(name, got, scale.shape, block)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} ({scale.where()})") from None
 
@@ -313,6 +316,11 @@ def _plan(cfg: ModelConfig, manifest: CheckpointManifest, entries: dict[str, _En
     """(items, stack name -> the formats of its experts in the file); raises on any tensor
     that is unknown, mis-shaped or mis-typed, and on any that is missing."""
     num_experts = manifest.num_experts
+
+    def stack_experts(key: str) -> range:
+        """The experts of stack ``key`` to load: ``experts`` for the target's, all of a drafter's own size."""
+        return experts if shapes[key][0] == len(experts) else range(shapes[key][0])
+
     scales = {n.removesuffix(".scale") + ".weight": e for n, e in entries.items() if n.endswith(".scale")}
     items: list[_Item] = []
     unknown: list[str] = []
@@ -333,35 +341,36 @@ def _plan(cfg: ModelConfig, manifest: CheckpointManifest, entries: dict[str, _En
         if m:
             prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
             key = prefix + (".w13" if which in ("w1", "w3") else ".w2")
-            if key not in shapes or e >= num_experts:
-                unknown.append(f"{name} ({entry.where()}; the config has {num_experts} experts)")
+            total = manifest.rows[key].shape[0] if key in manifest.rows else num_experts
+            if key not in shapes or e >= total:
+                unknown.append(f"{name} ({entry.where()}; the config has {total} experts there)")
                 continue
             fmt = _fmt_of(name, entry, scale, True, quant)
             inter = shapes[key][1] // 2  # w13 stacks the gate (w1) rows, then the up (w3) rows
             want = shapes[key][1:] if which == "w2" else (inter, shapes[key][2])
-            _check_shape(name, entry, fmt, want, scale, quant)
-            if e not in experts:
+            _check_shape(name, entry, fmt, want, scale, manifest.block_of(name))
+            if e not in stack_experts(key):
                 continue
             stack_fmt.setdefault(key, set()).add(fmt)
             if which == "w2":
                 rows = slice(0, shapes[key][1])
             else:
                 rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-            items.append(_Item(name, entry, fmt, scale, key, e - experts.start, rows))
+            items.append(_Item(name, entry, fmt, scale, key, e - stack_experts(key).start, rows))
             filled.add(f"{key}:{e}:{which}")
         elif merged:
             fmt = _fmt_of(name, entry, scale, True, quant)
             if fmt != "float":
                 raise CheckpointError(f"merged experts {name} ({entry.where()}) are {entry.dtype}: quantised "
                                       "merged experts are not read; use DeepSeek's per-expert layout")
-            _check_shape(name, entry, fmt, (num_experts, *shapes[name][1:]), None, quant)
+            _check_shape(name, entry, fmt, (num_experts, *shapes[name][1:]), None, manifest.block_of(name))
             stack_fmt[name] = {fmt}
             items.append(_Item(name, entry, fmt, None, name))
             parts = ("w1", "w3") if name.endswith("w13") else ("w2",)
             filled.update(f"{name}:{e}:{w}" for e in experts for w in parts)
         elif name in shapes:
             fmt = _fmt_of(name, entry, scale, False, quant)
-            _check_shape(name, entry, fmt, shapes[name], scale, quant)
+            _check_shape(name, entry, fmt, shapes[name], scale, manifest.block_of(name))
             items.append(_Item(name, entry, fmt, scale, name))
             filled.add(name)
         else:
@@ -375,7 +384,8 @@ def _plan(cfg: ModelConfig, manifest: CheckpointManifest, entries: dict[str, _En
     for key in stacks:
         prefix, which = key.rsplit(".", 1)
         parts = ("w1", "w3") if which == "w13" else ("w2",)
-        missing += [f"{prefix}.{e}.{w}.weight" for e in experts for w in parts if f"{key}:{e}:{w}" not in filled]
+        missing += [f"{prefix}.{e}.{w}.weight" for e in stack_experts(key) for w in parts
+                    if f"{key}:{e}:{w}" not in filled]
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
     return items, stack_fmt
@@ -485,7 +495,7 @@ def read_checkpoint(
 
     def dequantized(item: _Item, tensor: torch.Tensor, scale: torch.Tensor | None, out: torch.dtype) -> torch.Tensor:
         if item.fmt == "fp8":
-            return dequantize_fp8(tensor, scale, dtype=acc).to(out)
+            return dequantize_fp8(tensor, scale, manifest.block_of(item.name), dtype=acc).to(out)
         if item.fmt == "fp4":
             return dequantize_fp4_block(tensor, scale, dtype=out)
         return tensor.to(out)

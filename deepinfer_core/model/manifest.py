@@ -22,14 +22,14 @@ STORED_FORMATS = ("fp8", "fp4", "bf16", "fp32", "int32")
 EXPERT_FILE_NAME = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
-def stored_bytes(stored: str, shape: tuple[int, ...]) -> int:
+def stored_bytes(stored: str, shape: tuple[int, ...], block: tuple[int, int] = (128, 128)) -> int:
     """Bytes of one file tensor of logical ``shape`` [.., out, in] stored as ``stored``, its block scale
-    included (FP8: one per 128x128 tile; FP4: one e8m0 per 32 values)."""
+    included (FP8: one per ``block`` tile, 128x128 by default; FP4: one e8m0 per 32 values)."""
     n = math.prod(shape)
     if stored == "fp4":
         return n // 2 + n // 32
     if stored == "fp8":
-        return n + math.prod(shape[:-2]) * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128)
+        return n + math.prod(shape[:-2]) * math.ceil(shape[-2] / block[0]) * math.ceil(shape[-1] / block[1])
     return n * (2 if stored == "bf16" else 4)
 
 
@@ -41,7 +41,9 @@ class TensorSpec:
     ``fp32``: kept in float32 when the model runs in bf16/fp16. ``integer``: an index table (kept int64).
     ``experts``: a routed-expert stack, [E, N, K]. ``in_file``: False for a parameter the loader makes
     from others (a stacked shared expert); ``loaded``: False for a file tensor the loader folds into such
-    a parameter. ``drafter``: part of the checkpoint's draft model (optional in a checkpoint)."""
+    a parameter. ``drafter``: part of the checkpoint's draft model (optional in a checkpoint). ``block``: the
+    (rows, columns) one FP8 scale covers (DeepSeek-V4: 128x128 tiles; V4.1: 32x32, its Engram tables 1x32).
+    ``group``: what part of the model the tensor serves where that is not the text model (``"vision"``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -53,6 +55,8 @@ class TensorSpec:
     in_file: bool = True
     loaded: bool = True
     drafter: bool = False
+    block: tuple[int, int] = (128, 128)
+    group: str = "text"
 
     def __post_init__(self) -> None:
         if self.stored not in STORED_FORMATS:
@@ -60,7 +64,7 @@ class TensorSpec:
 
     def stored_bytes(self) -> int:
         """Bytes in the published files, block scales included."""
-        return sum(stored_bytes(self.stored, shape) for _, shape in self.file_parts())
+        return sum(stored_bytes(self.stored, shape, self.block) for _, shape in self.file_parts())
 
     def file_parts(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(file name, logical shape) of each tensor a published checkpoint holds for this parameter:
@@ -85,6 +89,8 @@ class CheckpointManifest:
     ignored: re.Pattern[str] = re.compile(r"(?!)")
     #: parameter -> the one it may be tied to (a head tied to the embedding)
     tied: dict[str, str] = field(default_factory=dict)
+    #: the ``quantization_config.weight_block_size`` the architecture's FP8 linears are published in
+    fp8_block: tuple[int, int] = (128, 128)
 
     @classmethod
     def of(cls, rows: Iterable[TensorSpec], **kw) -> CheckpointManifest:
@@ -92,8 +98,16 @@ class CheckpointManifest:
 
     @property
     def num_experts(self) -> int:
-        """Routed experts per stack (0: none)."""
-        return next((r.shape[0] for r in self.rows.values() if r.experts), 0)
+        """Routed experts per stack of the target model (0: none)."""
+        return next((r.shape[0] for r in self.rows.values() if r.experts and not r.drafter),
+                    next((r.shape[0] for r in self.rows.values() if r.experts), 0))
+
+    def block_of(self, file_name: str) -> tuple[int, int]:
+        """The FP8 scale tile of tensor ``file_name`` (an expert's part: its stack's)."""
+        m = EXPERT_FILE_NAME.match(file_name)
+        key = f"{m.group(1)}.{'w2' if m.group(3) == 'w2' else 'w13'}" if m else file_name
+        row = self.rows.get(key)
+        return row.block if row is not None else self.fp8_block
 
     def drafter_file_names(self) -> Iterator[str]:
         """File names (canonical) of the drafter's tensors, experts both stacked and one by one."""
@@ -112,22 +126,26 @@ class CheckpointManifest:
         return bool(self.ignored.search(name))
 
     def shapes(self, with_drafter: bool = True, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
-        """Every parameter a checkpoint holds, with its shape (routed-expert stacks of ``num_experts``,
-        all by default)."""
+        """Every parameter a checkpoint holds, with its shape (the target's routed-expert stacks of
+        ``num_experts``, all by default; a drafter's stacks of another size keep theirs)."""
         out = {}
+        full = self.num_experts
         for r in self.rows.values():
             if not r.in_file or (r.drafter and not with_drafter):
                 continue
-            out[r.name] = (num_experts, *r.shape[1:]) if r.experts and num_experts is not None else r.shape
+            resized = r.experts and num_experts is not None and r.shape[0] == full
+            out[r.name] = (num_experts, *r.shape[1:]) if resized else r.shape
         return out
 
     def loaded_shapes(self, with_drafter: bool = True, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
         """Every parameter the model holds once loaded (after the architecture's re-layout), with its shape."""
         out = {}
+        full = self.num_experts
         for r in self.rows.values():
             if not r.loaded or (r.drafter and not with_drafter):
                 continue
-            out[r.name] = (num_experts, *r.shape[1:]) if r.experts and num_experts is not None else r.shape
+            resized = r.experts and num_experts is not None and r.shape[0] == full
+            out[r.name] = (num_experts, *r.shape[1:]) if resized else r.shape
         return out
 
     def file_names(self, with_drafter: bool = True) -> dict[str, tuple[int, ...]]:

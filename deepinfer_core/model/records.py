@@ -123,9 +123,9 @@ def build_records(cls: type, params: Mapping[str, torch.Tensor], layout: Layout,
                 raise CheckpointError(f"no tensor {full}")
             values[name] = params.get(full)
         elif kind is Linear:
-            if full not in params:
+            if full not in params and not optional:
                 raise CheckpointError(f"no tensor {full}")
-            values[name] = Linear(params[full], params.get(full + "_scale"))
+            values[name] = Linear(params[full], params.get(full + "_scale")) if full in params else None
         elif optional and not any(k.startswith(full) for k in params):
             values[name] = None
         else:

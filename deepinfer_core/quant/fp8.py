@@ -40,27 +40,32 @@ def _block_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=AMAX_EPS) / amax.new_full((), FP8_MAX)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, ue8m0: bool = False
+def quantize_fp8_block(w: torch.Tensor, block: int | tuple[int, int] = FP8_BLOCK, ue8m0: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [..., N, K] -> (E4M3 [..., N, K], float32 scales [..., ceil(N/block), ceil(K/block)]);
-    ``ue8m0``: each scale rounded up to a power of two (DeepSeek's published scales)."""
+    """Weight [..., N, K] -> (E4M3 [..., N, K], float32 scales [..., ceil(N/br), ceil(K/bc)]) for tiles of
+    ``block`` = (br, bc) (an int: square tiles); ``ue8m0``: each scale rounded up to a power of two
+    (DeepSeek's published scales)."""
     *lead, n, k = w.shape
-    rows, cols = scale_shape(n, k, block)
-    padded = torch.zeros((*lead, rows * block, cols * block), dtype=torch.float32, device=w.device)
+    br, bc = (block, block) if isinstance(block, int) else block
+    rows, cols = _cdiv(n, br), _cdiv(k, bc)
+    padded = torch.zeros((*lead, rows * br, cols * bc), dtype=torch.float32, device=w.device)
     padded[..., :n, :k] = w
-    tiles = padded.view(*lead, rows, block, cols, block)
+    tiles = padded.view(*lead, rows, br, cols, bc)
     scale = _block_scale(tiles.abs().amax(dim=(-3, -1)))
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = _round_e4m3(tiles / scale.unsqueeze(-1).unsqueeze(-3)).view(*lead, rows * block, cols * block)
+    q = _round_e4m3(tiles / scale.unsqueeze(-1).unsqueeze(-3)).view(*lead, rows * br, cols * bc)
     return q[..., :n, :k].contiguous(), scale
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int | tuple[int, int] = FP8_BLOCK,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """E4M3 weight [..., N, K] with one scale per ``block`` x ``block`` tile -> ``dtype`` (float64: exact)."""
+    """E4M3 weight [..., N, K] with one scale per ``block`` x ``block`` tile (or per (rows, columns)
+    ``block``) -> ``dtype`` (float64: exact)."""
     n, k = weight.shape[-2:]
-    return weight.to(dtype) * _expand(scale.to(dtype), n, k, block)
+    rows, cols = (block, block) if isinstance(block, int) else block
+    s = scale.to(dtype).repeat_interleave(rows, -2)[..., :n, :].repeat_interleave(cols, -1)[..., :k]
+    return weight.to(dtype) * s
 
 
 def quantize_act_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ def to_published(tensors: dict[str, torch.Tensor], manifest: CheckpointManifest)
             packed, scale = quantize_fp4_block(value)
             out[name], out[name.removesuffix(".weight") + ".scale"] = packed.view(torch.int8), scale
         elif fmt == "fp8":
-            q, scale = quantize_fp8_block(value, ue8m0=True)
+            q, scale = quantize_fp8_block(value, manifest.block_of(name), ue8m0=True)
             exponent = torch.log2(scale).round().to(torch.int32) + 127
             out[name] = q
             out[name.removesuffix(".weight") + ".scale"] = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
