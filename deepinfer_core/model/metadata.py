@@ -26,6 +26,7 @@ class SeqSpan:
     window_block_table: list[int]  # window pool: logical block -> physical block (-1 = released)
     state_slot: int
     write_from: int = 0  # compressed entries of windows starting before this position are not written
+    history: list[int] | None = None  # n-gram models: the token ids just before context_len (see ngram_index)
 
     @property
     def seq_len(self) -> int:
@@ -65,7 +66,9 @@ class CompressorMeta:
 _META_FIELDS = tuple(f.name for f in fields(CompressorMeta))
 #: the batch-level index tensors, in the order of ``ForwardBatch.tensors``
 _TOP_FIELDS = ("input_ids", "positions", "window_slots", "window_indices", "logits_indices", "block_tables",
-               "token_seq", "window_tables", "window_first")
+               "token_seq", "window_tables", "window_first", "ngram_tokens", "ngram_index")
+#: n-gram history entries: a position before the sequence start, a dead token (an image token)
+BEFORE_START, DEAD = -1, -2
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,16 @@ class ForwardBatch:
     window_first: torch.Tensor | None = None  # [S]
     window_layout: tuple[int, int] | None = None  # (sliding_window, block_size) of the window tables
     storage: torch.Tensor | None = None  # the flat tensor every tensor of ``tensors()`` is a view of, packed
+    # n-gram models (Engram): every token's last n token ids, [T, n], column s the id at position p - s, as
+    # rows of cat(input_ids, ngram_tokens, [BEFORE_START, DEAD]) (see ngram_ids): tokens of this step are
+    # read from input_ids on the device, where a previous step's sample may only arrive there
+    ngram_tokens: torch.Tensor | None = None  # [H] the history tokens before each span's first new token
+    ngram_index: torch.Tensor | None = None  # [T, n]
+
+    def ngram_ids(self) -> torch.Tensor:
+        """[T, n] token ids (or BEFORE_START / DEAD) at positions p, p-1, ..., p-n+1 of every token."""
+        tail = torch.tensor([BEFORE_START, DEAD], dtype=self.input_ids.dtype, device=self.input_ids.device)
+        return torch.cat([self.input_ids, self.ngram_tokens, tail])[self.ngram_index]
 
     def window_rows(self) -> torch.Tensor:
         """``window_indices``; where the batch was built without them (unpadded), derived on the batch's
@@ -230,13 +243,18 @@ def build_forward_batch(
     logits_indices: list[int] | None = None,
     device: torch.device | str = "cpu",
     pad: GraphPadding | None = None,
+    ngram: int = 0,
 ) -> ForwardBatch:
     """Flatten ``spans`` into one batch; ``token_ids`` holds every span's new tokens in order.
 
     With ``pad`` (decode steps only) every index tensor has the graph's fixed shape: padding sequences
-    write to the trash (-1) and read nothing.
+    write to the trash (-1) and read nothing. ``ngram`` > 0 (an n-gram model): every span carries its
+    ``history`` (the ``min(ngram - 1, context_len)`` tokens before its new ones) and the batch each
+    token's n-gram (:meth:`ForwardBatch.ngram_ids`).
     """
     if pad is not None:
+        if ngram:
+            raise ValueError("n-gram models run eagerly: no padded (graph) batch carries n-gram histories")
         return _build_padded(token_ids, spans, compressor_specs, block_size, sliding_window, device, pad)
     lo = torch.long
     num_new = torch.tensor([s.num_new for s in spans], dtype=lo)
@@ -269,7 +287,45 @@ def build_forward_batch(
     for rate, overlap in {(spec.rate, spec.overlap) for spec in compressor_specs}:
         batch.compressors[rate, overlap] = _compressor_meta(rate, overlap, lay, block_size)
         batch.entry_widths[rate] = longest // rate
+    if ngram:
+        batch.ngram_tokens, batch.ngram_index = _ngram_index(spans, starts, ngram)
     return batch.to(device)
+
+
+def _ngram_index(spans: list[SeqSpan], starts: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(history tokens, [T, n] rows of cat(input_ids, history tokens, [BEFORE_START, DEAD]))."""
+    tokens: list[int] = []
+    rows: list[list[tuple[str, int]]] = []
+    for span, first in zip(spans, starts):
+        history = list(span.history or [])
+        want = min(n - 1, span.context_len)
+        if len(history) != want:
+            raise ValueError(f"a span at position {span.context_len} carries {len(history)} history tokens; an "
+                             f"{n}-gram model needs the {want} before it")
+        base = len(tokens)
+        tokens.extend(history)
+        for j in range(span.num_new):
+            row = []
+            for shift in range(n):
+                k = j - shift  # this step's token k of the span, or the history's position context_len + k
+                if k >= 0:
+                    row.append(("new", first + k))
+                elif span.context_len + k < 0:
+                    row.append(("before", 0))
+                else:
+                    row.append(("history", base + len(history) + k))
+            rows.append(row)
+    total, held = (starts[-1] if starts else 0), len(tokens)
+
+    def resolve(kind: str, i: int) -> int:
+        if kind == "new":
+            return i
+        if kind == "before":
+            return total + held
+        return total + held + 1 if tokens[i] == DEAD else total + i
+
+    index = torch.tensor([[resolve(*e) for e in row] for row in rows], dtype=torch.long).view(-1, n)
+    return torch.tensor(tokens, dtype=torch.long).clamp(min=0), index
 
 
 def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) -> CompressorMeta:

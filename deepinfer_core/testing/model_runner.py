@@ -23,6 +23,8 @@ class SimpleRunner:
             model.dtype, model.device, fill=fill, spec=spec,
         )
         self.lens = [0] * num_seqs
+        self.tokens: list[list[int]] = [[] for _ in range(num_seqs)]  # what each sequence has been fed
+        self.ngram = getattr(model, "ngram_size", 0)
 
     def table(self, seq: int) -> list[int]:
         return list(range(seq * self.max_blocks, (seq + 1) * self.max_blocks))
@@ -36,18 +38,20 @@ class SimpleRunner:
         (what the MTP block reads)."""
         spans, ids, rows, owners = [], [], [], []
         for seq, toks in chunks.items():
-            spans.append(SeqSpan(self.lens[seq], len(toks), self.table(seq), self.table(seq), seq))
+            history = self.tokens[seq][max(0, self.lens[seq] - self.ngram + 1):] if self.ngram else None
+            spans.append(SeqSpan(self.lens[seq], len(toks), self.table(seq), self.table(seq), seq, history=history))
             start = len(ids)
             ids.extend(toks)
             rows.extend(range(start, len(ids)) if all_logits else [len(ids) - 1])
             owners.extend([seq] * (len(toks) if all_logits else 1))
         batch = build_forward_batch(
             ids, spans, self.model.compressor_specs(), self.block_size, self.model.cfg.sliding_window,
-            logits_indices=rows, device=self.model.device,
+            logits_indices=rows, device=self.model.device, ngram=self.ngram,
         )
         logits, streams = self.model.forward(batch, self.cache)
         for seq, toks in chunks.items():
             self.lens[seq] += len(toks)
+            self.tokens[seq].extend(toks)
         out: dict[int, list[torch.Tensor]] = {}
         for owner, row in zip(owners, logits):
             out.setdefault(owner, []).append(row)

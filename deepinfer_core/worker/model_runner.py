@@ -65,7 +65,7 @@ class ModelRunner:
             if s.restore_boundary is not None:
                 self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
             spans.append(SeqSpan(s.start, len(s.token_ids), s.block_table, s.window_block_table, s.state_slot,
-                                 s.write_from))
+                                 s.write_from, self._history(s)))
             ids.extend(s.token_ids)
             if s.token_ids[-1] == PLACEHOLDER:  # the previous step's sample, still on the device
                 fill.append((len(ids) - 1, self._prev_rows[s.seq_id]))
@@ -89,6 +89,21 @@ class ModelRunner:
         self._prev_tokens = out.sampled_token_ids
         return _PendingOutput(states, positions, out.to_host(self.platform))
 
+    def _history(self, s) -> list[int] | None:
+        """An n-gram model's history of a scheduled span: the request's tokens just before its new ones
+        (all on the host by now: only a span's own first token may still be a sample on the device)."""
+        n = getattr(self.model, "ngram_size", 0)
+        if not n:
+            return None
+        state = self.requests[s.seq_id]
+        first = max(0, s.start - n + 1)
+        prompt = state.prompt_token_ids
+        history = (prompt[first:s.start] if s.start <= len(prompt) else
+                   prompt[first:] + state.output_token_ids[max(0, first - len(prompt)):s.start - len(prompt)])
+        if PLACEHOLDER in history:
+            raise RuntimeError(f"sequence {s.seq_id}: a token before position {s.start} is not on the host yet")
+        return history
+
     def _update_states(self, so: SchedulerOutput, drop_finished: bool = True) -> None:
         if drop_finished:
             self._drop(so.finished_seq_ids)
@@ -105,7 +120,8 @@ class ModelRunner:
         """The step's batch on the model's device; padded to a captured shape when a graph will run it."""
         pad = self.graph_runner.padding_for(spans, logits_rows) if self.graph_runner is not None else None
         host = build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
-                                   self.model.cfg.sliding_window, logits_rows, pad=pad)
+                                   self.model.cfg.sliding_window, logits_rows, pad=pad,
+                                   ngram=getattr(self.model, "ngram_size", 0))
         if pad is not None:
             return self.graph_runner.load(host)
         return host.with_storage(self.platform.upload(host.packed()))
