@@ -45,9 +45,10 @@ class KVCacheSpec:
     @classmethod
     def default(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                 numerics: str = "transformers") -> KVCacheSpec:
-        """``dtype`` entries, as the model computes them; under ``numerics="deepseek"`` window and
-        compressed entries in DeepSeek's FP8 entry (RoPE values in ``dtype``)."""
-        layout = FP8_LAYOUT if numerics == "deepseek" else "dense"
+        """``dtype`` entries, as the model computes them, or the layout the architecture stores under
+        ``numerics`` (DeepSeek-V4 under ``"deepseek"``: window and compressed entries in DeepSeek's FP8
+        entry, RoPE values in ``dtype``)."""
+        layout = cfg.architecture.kv_layouts.get(numerics, "dense")
         return cls(block_size, dtype, cfg.head_dim, cfg.rope_dim, cfg.index_head_dim, state_dtype(dtype), layout)
 
     @property

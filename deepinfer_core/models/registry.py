@@ -43,11 +43,19 @@ class Architecture:
     #: weights (V4: ``{"mtp": DeepseekV4MTP}``); spec_decode reaches it as ``model.drafter``
     drafters: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     numerics: tuple[str, ...] = ("transformers",)
+    #: numerics -> the KV-cache entry layout it stores by default (absent: "dense", the model's dtype)
+    kv_layouts: Mapping[str, str] = field(default_factory=dict)
 
 
 #: architecture name -> (module exposing ARCHITECTURE, model_types it also answers to)
 _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "DeepseekV4ForCausalLM": ("deepinfer_core.models.deepseek_v4", ("deepseek_v4",)),
+    "DeepseekV41ForCausalLM": ("deepinfer_core.models.deepseek_v41", ("deepseek_v41",)),
+}
+#: architecture name -> keys that together identify its config in a form that names no architecture
+#: (DeepSeek's flat ``inference/config.json``)
+_FLAT_KEYS: dict[str, tuple[str, ...]] = {
+    "DeepseekV41ForCausalLM": ("kv_source_layers", "index_source_layers", "compress_ratios", "n_layers"),
 }
 _LOADED: dict[str, Architecture] = {}
 
@@ -100,6 +108,10 @@ def resolve_architecture(raw: Mapping[str, Any], where: str = "config.json") -> 
     for name, (_, types) in _REGISTRY.items():
         if model_type in types:
             return _load(name)
+    if not names and model_type is None:
+        for name, keys in _FLAT_KEYS.items():
+            if all(k in raw for k in keys):
+                return _load(name)
     served = ", ".join(f"{n} (model_type {'/'.join(t)})" for n, (_, t) in sorted(_REGISTRY.items()))
     raise UnsupportedModelError(f"unsupported model_type {model_type!r} (architectures {names}) in {where}; "
                                 f"deepinfer serves {served}")

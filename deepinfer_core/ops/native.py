@@ -425,6 +425,25 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.to(acc).unsqueeze(-1) * streams.to(acc)).sum(dim=1).to(streams.dtype)
 
 
+@op(
+    "(streams: [T, n, D], key: [T, n, D], value: [T, D], q_weight: [n, D], k_weight: [n, D], eps: float) "
+    "-> [T, n, D]",
+    "DeepSeek-V4.1's Engram gate, per stream i: dot = sum_d streams[t,i,d] * q_weight[i,d] * k_weight[i,d] * "
+    "key[t,i,d] * rsqrt(mean_d streams[t,i]^2 + eps) * rsqrt(mean_d key[t,i]^2 + eps) / sqrt(D); gate = "
+    "sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))); out = streams + gate * value. In at least float32, "
+    "returned in streams.dtype.",
+)
+def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    acc = acc_dtype(streams.dtype)
+    h, k = streams.to(acc), key.to(acc)
+    weight = q_weight.to(acc) * k_weight.to(acc)
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(k.square().mean(-1) + eps)
+    dot = (h * weight * k).sum(-1) * rstd * h.shape[-1] ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return (h + gate.unsqueeze(-1) * value.to(acc).unsqueeze(-2)).to(streams.dtype)
+
+
 # --- mixture of experts ----------------------------------------------------------------------------
 
 SCORING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -46,6 +46,7 @@ ARCHITECTURE = Architecture(
     build_weights=build_weights,
     prepare_params=stack_shared_experts,
     drafters={"mtp": DeepseekV4MTP},
+    kv_layouts={"deepseek": "fp8_ds"},
 )
 
 __all__ = ["ARCHITECTURE", "NUMERICS", "DeepseekV4Config", "DeepseekV4Model", "ModelWeights", "default_numerics",

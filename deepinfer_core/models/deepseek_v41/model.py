@@ -1,0 +1,336 @@
+"""DeepSeek-V4.1 forward built only from resolved ops, over a flat varlen batch and a paged cache.
+
+What differs from V4 (DeepSeek's ``inference/model.py``, README §3 of the release's reference folder):
+
+* only KV-source layers compress (ratio 2: softmax-gated pooling in float32, no position bias, no
+  overlap; ratio 1: ``norm(wkv(x))``), rotating the latent after compression at position ``j * ratio``;
+  every other layer with ratio > 0 reads its source's pool;
+* index keys are ``k_norm(wk(latent))`` of the source's latent; index sources score their own queries,
+  the candidate source keeps the best ``candidate_topk_blocks`` blocks (newest pinned), later index
+  sources rank only inside them, and the other layers reuse the top-k of the index source below;
+* Q is not RMS-rescaled per head; single-pass mHC: each sublayer's ``pre`` collapses the streams for the
+  next sublayer (block 0's attention takes stream 0), and the final collapse uses the last FFN's;
+* the head runs in float32; no hash routing; Engram before its blocks.
+
+``numerics="deepseek"`` adds the reference's quantisation steps: activations E4M3 per 32 with
+power-of-two scales before every FP8 linear (routed experts included), window KV E4M3 per 32 over all
+512 values, compressed KV FP4 per 16 with E4M3 scales, index keys and queries FP4 per 32 with E8M0
+scales. ``"unquantised"`` leaves them out (the reference with its quantisation steps off).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from types import MappingProxyType
+
+import torch
+
+from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.cache_layout import BranchSpec, cache_layout
+from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
+from deepinfer_core.models.deepseek_v4.weights import HyperConnection
+from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer_core.models.deepseek_v41.weights import Attention, Block, Compressor, Engram, ModelWeights, MoE
+from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.native import select_topk
+
+NUMERICS = ("deepseek", "unquantised")
+#: activations and window KV: E4M3 per this many values; index keys/queries FP4 per this many
+ACT_BLOCK = 32
+#: compressed KV: FP4 per this many values, E4M3 scales
+COMPRESSED_BLOCK = 16
+
+
+def inv_freq(rope_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """RoPE frequencies as ``inference/model.py`` computes them: ``base^(-2i/d)``, with YaRN where
+    ``scaling`` is given (wavelengths beyond the training context divided by ``factor``, a linear ramp
+    between ``beta_fast`` and ``beta_slow`` rotations); no attention-scale factor."""
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if not scaling:
+        return freqs
+    original = scaling["original_max_position_embeddings"]
+
+    def corrected_dim(rotations: float) -> float:
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corrected_dim(scaling["beta_fast"])), 0)
+    high = min(math.ceil(corrected_dim(scaling["beta_slow"])), rope_dim - 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    smooth = 1 - ramp
+    return freqs / scaling["factor"] * (1 - smooth) + freqs * smooth
+
+
+class RotaryTables:
+    """cos/sin (float32 angles) of the window-only layers' RoPE (``"main"``: ``rope_theta``, no YaRN) and
+    of every layer with compressed KV (``"compress"``: ``compress_rope_theta`` with YaRN)."""
+
+    def __init__(self, cfg: DeepseekV41Config, device: torch.device | str):
+        scaling = cfg.rope_scaling if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", "yarn") == "yarn" else None
+        self.inv_freq = {"main": inv_freq(cfg.rope_dim, cfg.rope_theta, None).to(device),
+                         "compress": inv_freq(cfg.rope_dim, cfg.compress_rope_theta, scaling).to(device)}
+
+    def __call__(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float().unsqueeze(-1) * self.inv_freq[kind]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class _Step:
+    """What layers hand down the stack within one forward: the candidates per rate, the candidate-block
+    mask of the candidate source, the top-k each index source chose."""
+
+    def __init__(self) -> None:
+        self.candidates: dict[int, torch.Tensor] = {}
+        self.blocks: torch.Tensor | None = None
+        self.topk: dict[int, torch.Tensor] = {}
+
+
+class DeepseekV41Model:
+    """Runs the forward over ``weights`` through ``ops``."""
+
+    def __init__(self, cfg: DeepseekV41Config, weights: ModelWeights, ops: OpTable, dtype: torch.dtype,
+                 numerics: str = "deepseek", engram_hash=None):
+        if numerics not in NUMERICS:
+            raise ValueError(f"unknown numerics {numerics!r}; expected one of {NUMERICS}")
+        self.cfg, self.weights, self.ops, self.dtype, self.numerics = cfg, weights, ops, dtype, numerics
+        self.device = weights.device
+        self.rope = RotaryTables(cfg, self.device)
+        self.cache_layout = cache_layout(cfg)
+        self.cache_specs = self.cache_layout.layers
+        #: n-gram hashing of the Engram layers (None without Engram); see :meth:`engram`
+        self.engram_hash = engram_hash
+        #: tokens per n-gram the batch must carry (0: no Engram)
+        self.ngram_size = cfg.engram_max_ngram_size if cfg.has_engram else 0
+        self.drafter = None  # the DSpark stages are loaded and checked; drafting is not wired yet
+
+    @property
+    def has_mtp(self) -> bool:
+        return False
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.weights.named_parameters()
+
+    @property
+    def p(self):
+        return MappingProxyType(dict(self.named_parameters()))
+
+    def compressor_specs(self) -> set[BranchSpec]:
+        return self.cache_layout.branch_specs()
+
+    def ops_in_use(self, mtp: bool = True, kv_fp8: bool | None = None) -> set[str]:
+        used = {"embedding", "rms_norm", "rotary_emb", "linear", "grouped_linear", "swiglu", "sparse_attention",
+                "hc_mixes", "hc_collapse", "hc_post", "moe_route"}
+        if self.numerics == "deepseek":
+            used |= {"act_quant_sim", "moe_experts_quant_act"}
+        else:
+            used.add("moe_experts")
+        if any(r for r in self.cfg.compress_ratios[: self.cfg.num_hidden_layers]):
+            used |= {"indexer_scores"} | ({"fp4_kv_sim"} if self.numerics == "deepseek" else set())
+            if any(self.cfg.compress_rate(s) > 1 for s in self.cfg.kv_source_layer_ids):
+                used.add("compress_windows")
+        if self.cfg.candidate_source_layer_id >= 0:
+            used.add("candidate_blocks")
+        return used
+
+    # --- top level -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of ``batch.logits_indices`` rows, the last layer's streams [T, n, D])."""
+        ops, cfg, w = self.ops, self.cfg, self.weights
+        x = ops.embedding(batch.input_ids, w.embed).to(self.dtype)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32 if self.dtype != torch.float64
+                          else torch.float64, device=x.device)
+        pre[:, 0] = 1.0  # block 0's attention takes stream 0
+        rope = {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
+        hashes = self.engram_rows(batch) if self.engram_hash is not None else None
+        step = _Step()
+        for layer, block in enumerate(w.layers):
+            if block.engram is not None:
+                streams = self.engram(block.engram, streams, hashes[:, cfg.engram_layer_ids.index(layer)])
+            streams, pre = self.block(block, layer, streams, pre, batch, cache, rope, step)
+        hidden = ops.rms_norm(ops.hc_collapse(streams[batch.logits_indices], pre[batch.logits_indices]), w.norm,
+                              cfg.rms_norm_eps)
+        return self.logits(hidden), streams
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head in float32 (float64 stays float64), as the reference keeps it."""
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        return self.ops.linear(hidden.to(acc), self.weights.head.weight.to(acc))
+
+    def linear(self, x: torch.Tensor, lin) -> torch.Tensor:
+        return self.ops.linear(x, lin.weight)
+
+    def qlinear(self, x: torch.Tensor, lin) -> torch.Tensor:
+        """A linear the release stores in FP8: under deepseek numerics its input is first quantised as the
+        reference's ``act_quant`` does (E4M3 per 32, power-of-two scales)."""
+        if self.numerics == "deepseek":
+            x = self.ops.act_quant_sim(x, ACT_BLOCK, "e4m3", False)
+        return self.ops.linear(x, lin.weight)
+
+    def quant(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """Under deepseek numerics: ``"window"`` KV E4M3 per 32, ``"compressed"`` KV FP4 per 16 with E4M3
+        scales, ``"index"`` keys and queries FP4 per 32 with E8M0 scales; otherwise ``x``."""
+        if self.numerics != "deepseek":
+            return x
+        if kind == "window":
+            return self.ops.act_quant_sim(x, ACT_BLOCK, "e4m3", False)
+        if kind == "compressed":
+            return self.ops.fp4_kv_sim(x, COMPRESSED_BLOCK)
+        return self.ops.act_quant_sim(x, ACT_BLOCK, "e2m1", False)
+
+    # --- decoder block ---------------------------------------------------------------------------
+
+    def mixes(self, hc: HyperConnection, streams: torch.Tensor):
+        cfg = self.cfg
+        return self.ops.hc_mixes(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                 cfg.rms_norm_eps)
+
+    def block(self, w: Block, layer: int, streams, pre, batch, cache, rope, step: _Step):
+        """One block of single-pass mHC: returns (streams, the ``pre`` for the next block's attention)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        attn_pre, post, comb = self.mixes(w.attn_hc, streams)
+        h = ops.rms_norm(ops.hc_collapse(streams, pre), w.attn_norm, eps)
+        streams = ops.hc_post(self.attention(w.attn, layer, h, batch, cache, rope, step), streams, post, comb)
+        ffn_pre, post, comb = self.mixes(w.ffn_hc, streams)
+        h = ops.rms_norm(ops.hc_collapse(streams, attn_pre), w.ffn_norm, eps)
+        return ops.hc_post(self.moe(w.moe, h), streams, post, comb), ffn_pre
+
+    # --- attention -------------------------------------------------------------------------------
+
+    def attention(self, a: Attention, layer: int, h, batch: ForwardBatch, cache: ModelCache, rope,
+                  step: _Step) -> torch.Tensor:
+        ops, cfg = self.ops, self.cfg
+        eps, n_tok = cfg.rms_norm_eps, h.shape[0]
+        rate = cfg.compress_rate(layer)
+        cos, sin = rope["compress" if rate else "main"]
+
+        q_res = ops.rms_norm(self.qlinear(h, a.wq_a), a.q_norm, eps)
+        q = self.qlinear(q_res, a.wq_b).view(n_tok, cfg.num_attention_heads, cfg.head_dim)
+        q = ops.rotary_emb(q, cos, sin, False)
+        kv = ops.rms_norm(self.qlinear(h, a.wkv), a.kv_norm, eps)
+        kv = ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1)
+        window_pool = cache.window_kv[layer]
+        window_pool[batch.window_slots] = self.quant(kv, "window").to(window_pool.dtype)
+
+        extra_pool = extra_idx = None
+        if rate:
+            extra_pool = cache.comp_kv[layer]
+            if a.compressor is not None:
+                self.compress(a, layer, h, batch, cache)
+            if rate not in step.candidates:
+                step.candidates[rate] = compressed_candidates(batch, rate, cache.block_size)
+            if a.indexer is not None:
+                step.topk[layer] = self.indexer(a, layer, h, q_res, cache, rope, step.candidates[rate], step)
+            extra_idx = step.topk[cfg.index_source(layer)]
+        out = ops.sparse_attention(q, window_pool, batch.window_rows(), a.sinks, cfg.head_dim**-0.5, extra_pool,
+                                   extra_idx)
+        out = ops.rotary_emb(out, cos, sin, True)
+        out = ops.grouped_linear(out.reshape(n_tok, cfg.o_groups, -1), a.wo_a)
+        return self.qlinear(out.reshape(n_tok, -1), a.wo_b)
+
+    def compress(self, a: Attention, layer: int, h, batch: ForwardBatch, cache: ModelCache) -> None:
+        """A KV source: the latents of every group that closed this step, their index keys (from the latent
+        before RoPE) and their entries (rotated at the group's first position), written to the pools."""
+        ops, cfg = self.ops, self.cfg
+        c: Compressor = a.compressor
+        rate = cfg.compress_rate(layer)
+        meta = batch.compressors[rate, False]
+        if rate == 1:  # one token per group: no pooling, no gate, no state
+            latent = ops.rms_norm(self.linear(h, c.wkv), c.norm, cfg.rms_norm_eps)
+            latent = latent[meta.cur_idx[:, 0] - meta.ring_read.numel()]
+        else:
+            latent = self.pool(c, h, meta, cache.comp_state[layer])
+        if latent is None:
+            return
+        cos, sin = self.rope("compress", meta.entry_positions, self.dtype)
+        ix = a.indexer
+        if ix is not None and ix.wk is not None:
+            keys = ops.rms_norm(self.linear(latent, ix.wk), ix.k_norm, cfg.rms_norm_eps)
+            keys = self.quant(ops.rotary_emb(keys.unsqueeze(1), cos, sin, False).squeeze(1), "index")
+            pool = cache.index_keys[layer]
+            pool[meta.entry_slots] = keys.to(pool.dtype)
+        entries = self.quant(ops.rotary_emb(latent.unsqueeze(1), cos, sin, False).squeeze(1), "compressed")
+        pool = cache.comp_kv[layer]
+        pool[meta.entry_slots] = entries.to(pool.dtype)  # slot -1: the trash block
+
+    def pool(self, c: Compressor, h, meta, state) -> torch.Tensor | None:
+        """Ratio > 1: project this step's tokens (float32), softmax-pool every group that closed (its rows
+        from the ring and this step), keep each sequence's last rows in the ring; the normed latents."""
+        ring_kv, ring_gate = state
+        acc = ring_kv.dtype
+        kv = self.ops.linear(h.to(acc), c.wkv.weight.to(acc))
+        gate = self.ops.linear(h.to(acc), c.wgate.weight.to(acc))
+        latent = None
+        if meta.entry_slots.numel():
+            src_kv = torch.cat([ring_kv[meta.ring_read], kv, kv.new_zeros((1, kv.shape[1]))])
+            src_gate = torch.cat([ring_gate[meta.ring_read], gate, gate.new_full((1, gate.shape[1]), float("-inf"))])
+            pooled = self.ops.compress_windows(src_kv[meta.cur_idx], src_gate[meta.cur_idx])
+            latent = self.ops.rms_norm(pooled.to(self.dtype), c.norm, self.cfg.rms_norm_eps)
+        ring_kv[meta.ring_write] = kv[meta.ring_write_src]
+        ring_gate[meta.ring_write] = gate[meta.ring_write_src]
+        return latent
+
+    def indexer(self, a: Attention, layer: int, h, q_res, cache: ModelCache, rope, candidates: torch.Tensor,
+                step: _Step) -> torch.Tensor:
+        """The pool rows this index source's queries attend: its scores over the compressed candidates,
+        inside the candidate blocks where a candidate source precedes it, top ``index_topk``."""
+        ops, cfg = self.ops, self.cfg
+        ix = a.indexer
+        cos, sin = rope["compress"]
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        q = self.qlinear(q_res, ix.wq_b).view(h.shape[0], heads, dim)
+        q = self.quant(ops.rotary_emb(q, cos, sin, False), "index")
+        weights = self.linear(h, ix.weights_proj) * (dim**-0.5 * heads**-0.5)
+        scores = ops.indexer_scores(q, weights, cache.index_keys[layer], candidates, 1.0)
+        valid = candidates >= 0
+        if layer == cfg.candidate_source_layer_id:
+            step.blocks = ops.candidate_blocks(scores, valid, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        elif cfg.uses_candidates(layer):
+            valid = valid & step.blocks
+            scores = scores.masked_fill(~valid, float("-inf"))
+        return select_topk(scores, valid, candidates, cfg.index_topk)
+
+    # --- Engram ----------------------------------------------------------------------------------
+
+    def engram_rows(self, batch: ForwardBatch) -> torch.Tensor:
+        """[T, n_engram_layers, columns] table rows of every token (from its n-gram history)."""
+        if batch.ngram_index is None:
+            raise ValueError("this model has Engram layers: the batch must carry each token's n-gram history "
+                             "(build_forward_batch(..., ngram=model.ngram_size) with SeqSpan.history)")
+        return self.engram_hash(batch.ngram_ids())
+
+    def engram(self, e: Engram, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``streams + gate * value`` per stream: the rows' values projected to one key per stream and one
+        shared value, each stream gated by its normalised match with its key."""
+        cfg, n, d = self.cfg, self.cfg.hc_mult, self.cfg.hidden_size
+        looked_up = self.ops.embedding(rows.reshape(-1), e.table).reshape(rows.shape[0], -1).to(self.dtype)
+        kv = self.qlinear(looked_up, e.wkv)
+        key, value = kv.split([n * d, d], dim=-1)
+        return self.ops.engram_gate(streams, key.reshape(-1, n, d), value, e.q_weight, e.k_weight, cfg.rms_norm_eps)
+
+    # --- MoE -------------------------------------------------------------------------------------
+
+    ep = None
+    expert_load = None
+
+    def moe(self, moe: MoE, h) -> torch.Tensor:
+        ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        logits = ops.linear(h.to(acc), gate.weight.weight.to(acc))
+        weights, ids = ops.moe_route(logits, cfg.scoring_func, cfg.num_experts_per_tok, gate.bias, None,
+                                     cfg.routed_scaling_factor)
+        if self.expert_load is not None:
+            self.expert_load.record(moe, ids)
+        weights = weights.to(h.dtype)
+        if self.numerics == "deepseek":
+            routed = ops.moe_experts_quant_act(h, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit,
+                                               ACT_BLOCK)
+        else:
+            routed = ops.moe_experts(h, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
+        shared = ops.swiglu(self.qlinear(h, moe.shared.w13), cfg.swiglu_limit)
+        return routed + self.qlinear(shared, moe.shared.w2)
+
+
+__all__ = ["NUMERICS", "DeepseekV41Model", "RotaryTables", "inv_freq"]
