@@ -51,7 +51,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
     out = dict.fromkeys(keys, 0)
     manifest = manifest_of(cfg)
     for name, shape in expected_file_names(cfg, with_mtp=with_mtp).items():
-        b = stored_bytes(manifest.stored_format(name), shape)
+        b = stored_bytes(manifest.stored_format(name), shape, manifest.block_of(name))
         out["stored"] += b
         out["stored_experts"] += b if EXPERT_FILE_NAME.match(name) else 0
     fp4 = quant_config(cfg).expert_dtype == "fp4"

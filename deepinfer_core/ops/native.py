@@ -295,13 +295,16 @@ def indexer_scores(
     "block), blocks scoring -inf never; returns which valid columns lie in kept blocks.",
 )
 def candidate_blocks(scores: torch.Tensor, valid: torch.Tensor, block: int, topk_blocks: int) -> torch.Tensor:
-    width = scores.shape[-1]
+    rows, width = scores.shape
+    if width == 0:  # no columns: nothing to keep
+        return valid.clone()
     num_blocks = -(-width // block)
-    padded = torch.full((scores.shape[0], num_blocks * block), float("-inf"), dtype=scores.dtype,
-                        device=scores.device)
+    padded = torch.full((rows, num_blocks * block), float("-inf"), dtype=scores.dtype, device=scores.device)
     padded[:, :width] = scores.masked_fill(~valid, float("-inf"))
-    block_scores = padded.view(-1, num_blocks, block).amax(dim=-1)
-    newest = (valid.sum(dim=-1, keepdim=True) - 1).div(block, rounding_mode="floor")  # -1: none valid
+    block_scores = padded.view(rows, num_blocks, block).amax(dim=-1)
+    columns = torch.arange(width, device=scores.device)
+    last = torch.where(valid, columns, -1).amax(dim=-1, keepdim=True)  # -1: none valid
+    newest = last.div(block, rounding_mode="floor")  # -1: none valid
     block_scores = block_scores.masked_fill(torch.arange(num_blocks, device=scores.device) == newest, float("inf"))
     order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[:, :topk_blocks]
     kept = torch.zeros_like(block_scores, dtype=torch.bool)
@@ -889,6 +892,34 @@ def moe_experts_quant_act(
     swiglu: Callable = swiglu,
 ) -> torch.Tensor:
     return _experts_quant_act(x, lambda e, dt: w13[e].to(dt), lambda e, dt: w2[e].to(dt), w13.shape[0],
+                              topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu, block=block)
+
+
+@op(
+    "(x: [T, D], w13: U8 [E, 2I, D/2], w13_scale: E8M0|f32 [E, 2I, D/32], w2: U8 [E, D, I/2], "
+    "w2_scale: E8M0|f32 [E, D, I/32], topk_ids: Long[T, k], topk_weights: [T, k], swiglu_limit: float, "
+    "block: int) -> [T, D]",
+    "moe_experts_fp4 with quant_act=True, the activations quantised per `block` channels instead of 128 "
+    "(DeepSeek-V4.1: 32).",
+    batch_invariant=False,
+    syncs_host=True,
+)
+def moe_experts_fp4_quant_act(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    block: int,
+    *,
+    linear: Callable = F.linear,
+    swiglu: Callable = swiglu,
+) -> torch.Tensor:
+    return _experts_quant_act(x, lambda e, dt: dequantize_fp4_block(w13[e], w13_scale[e], dt),
+                              lambda e, dt: dequantize_fp4_block(w2[e], w2_scale[e], dt), w13.shape[0],
                               topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu, block=block)
 
 

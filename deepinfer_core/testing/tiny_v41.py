@@ -52,7 +52,8 @@ def tiny_v41_config(tokenizer_dir: Path = DEFAULT_MODEL_DIR, engram: bool = True
     text = {**TINY_V41, **overrides}
     if engram and text.get("engram_layer_ids"):
         layout = engram_layout_of(text, tokenizer_dir)
-        text.update(engram_num_embeddings=list(layout.num_rows), engram_compressed_vocab_size=layout.compressed_vocab_size)
+        text.update(engram_num_embeddings=list(layout.num_rows),
+                    engram_compressed_vocab_size=layout.compressed_vocab_size)
     else:
         text.update(engram_layer_ids=[], engram_num_embeddings=[])
     return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",

@@ -23,14 +23,15 @@ def default_numerics(cfg: DeepseekV41Config) -> str:
 def load_model(cfg: DeepseekV41Config, path: Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
                hook: Any, quantization: str | None, numerics: str, experts: range | None,
                show_progress: bool) -> DeepseekV41Model:
-    """The weights in ``path`` on ``device``, dequantised to ``dtype``, as a model running ``ops``."""
+    """The weights in ``path`` on ``device`` as a model running ``ops``: packed FP4 routed experts stay packed
+    under deepseek numerics, everything else is dequantised to ``dtype``."""
     from deepinfer_core.model.loader import load_weights
 
     if quantization is not None:
         raise UnsupportedModelError(f"quantization={quantization!r} is not supported for DeepSeek-V4.1 yet: its "
                                     "weights are dequantised on load (quantization=None)")
     weights = load_weights(cfg, path, dtype, device, keep_fp8=False, show_progress=show_progress, hook=hook,
-                           experts=experts, keep_fp4=False, numerics=numerics)
+                           experts=experts, keep_fp4=numerics == "deepseek", numerics=numerics)
     engram_hash = None
     if cfg.has_engram:
         from deepinfer_core.models.deepseek_v41.engram import engram_hasher

@@ -153,6 +153,23 @@ class DeepseekV41Config(ModelConfig):
             out["vision_config"] = self.vision_config
         return out
 
+    def to_flat(self) -> dict[str, Any]:
+        """DeepSeek's flat ``inference/config.json`` form of this config (``ModelArgs`` field names)."""
+        out = {flat: getattr(self.hf_config, hf) for flat, hf in FLAT_NAMES.items()}
+        scaling = self.rope_scaling or {}
+        out.update({flat: scaling[key] for flat, key in FLAT_ROPE.items() if key in scaling})
+        out.setdefault("original_seq_len", 0)
+        quant = self.quantization_config or {}
+        out["dtype"] = "fp8" if quant.get("quant_method") == "fp8" else "bf16"
+        out["expert_dtype"] = quant.get("expert_dtype")
+        out["norm_topk_prob"] = self.norm_topk_prob
+        if self.vision_config:
+            vision = self.vision_config
+            out.update({flat: vision[key] for flat, key in FLAT_VISION.items() if key in vision})
+        else:
+            out["vision_n_layers"] = 0
+        return out
+
     # --- the questions the engine asks ----------------------------------------------------------------
 
     @property

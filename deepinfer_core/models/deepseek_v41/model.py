@@ -72,7 +72,9 @@ class RotaryTables:
 
     def __call__(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float().unsqueeze(-1) * self.inv_freq[kind]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        # as the reference's complex64 table (torch.polar rounds cos/sin its own way in the last bit)
+        rotation = torch.polar(torch.ones_like(angles), angles)
+        return rotation.real.to(dtype), rotation.imag.to(dtype)
 
 
 class _Step:
@@ -121,7 +123,8 @@ class DeepseekV41Model:
         used = {"embedding", "rms_norm", "rotary_emb", "linear", "grouped_linear", "swiglu", "sparse_attention",
                 "hc_mixes", "hc_collapse", "hc_post", "moe_route"}
         if self.numerics == "deepseek":
-            used |= {"act_quant_sim", "moe_experts_quant_act"}
+            fp4 = self.weights.layers[0].moe.experts.is_fp4
+            used |= {"act_quant_sim", "moe_experts_fp4_quant_act" if fp4 else "moe_experts_quant_act"}
         else:
             used.add("moe_experts")
         if any(r for r in self.cfg.compress_ratios[: self.cfg.num_hidden_layers]):
@@ -130,6 +133,8 @@ class DeepseekV41Model:
                 used.add("compress_windows")
         if self.cfg.candidate_source_layer_id >= 0:
             used.add("candidate_blocks")
+        if self.cfg.has_engram:
+            used.add("engram_gate")
         return used
 
     # --- top level -------------------------------------------------------------------------------
@@ -324,7 +329,10 @@ class DeepseekV41Model:
         if self.expert_load is not None:
             self.expert_load.record(moe, ids)
         weights = weights.to(h.dtype)
-        if self.numerics == "deepseek":
+        if ex.is_fp4:  # kept packed under deepseek numerics
+            routed = ops.moe_experts_fp4_quant_act(h, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids,
+                                                   weights, cfg.swiglu_limit, ACT_BLOCK)
+        elif self.numerics == "deepseek":
             routed = ops.moe_experts_quant_act(h, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit,
                                                ACT_BLOCK)
         else:
