@@ -47,6 +47,8 @@ def branch_bytes_per_block(branch: BranchSpec, spec: KVCacheSpec) -> int:
     """Bytes one block costs in one branch pool: its entries and, with overlap, its boundary records."""
     if branch.kv_entry:
         out = spec.compressed_bytes_per_block(branch.rate)
+    elif spec.is_fp4:  # packed indexer keys
+        out = spec.compressed_bytes_per_block(branch.rate, indexer=True)
     else:  # dense values of the branch's own width (indexer keys: index_head_dim)
         out = spec.block_size // branch.rate * branch.dim * spec.dtype.itemsize
     if branch.stateful and branch.overlap:  # the boundary records
@@ -101,11 +103,18 @@ class ModelCache:
         def pool(rows: int, dim: int, dt: torch.dtype = spec.dtype) -> torch.Tensor:
             return torch.full((rows, dim), fill, dtype=dt, device=device)
 
-        def kv_pool(rows: int) -> torch.Tensor:
-            if not spec.is_fp8:
+        def kv_pool(rows: int, width: int | None = None) -> torch.Tensor:
+            if not spec.is_packed:
                 return pool(rows, spec.head_dim)
             byte = 0xFF if fill != fill else int(fill)  # 0xFF: NaN codes, scales and RoPE values
-            return torch.full((rows, spec.entry_bytes), byte, dtype=torch.uint8, device=device)
+            return torch.full((rows, width or spec.entry_bytes), byte, dtype=torch.uint8, device=device)
+
+        def entry_pool(rows: int, branch: BranchSpec) -> torch.Tensor:
+            if branch.kv_entry:
+                return kv_pool(rows, spec.compressed_entry_bytes)
+            if spec.is_fp4:  # packed indexer keys
+                return kv_pool(rows, spec.index_entry_bytes)
+            return pool(rows, branch.dim)
 
         layout = self.layout
         self.window_pools = [kv_pool(num_window_blocks * block_size) for _ in layout.window_owners]
@@ -116,7 +125,7 @@ class ModelCache:
         self.boundary_pools: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for branch in layout.branch_pools:
             rows = num_blocks * block_size // branch.rate
-            self.entry_pools.append(kv_pool(rows) if branch.kv_entry else pool(rows, branch.dim))
+            self.entry_pools.append(entry_pool(rows, branch))
             state = boundary = None
             if branch.stateful:
                 shape = (num_state_slots * branch.rows, branch.source_dim)

@@ -10,6 +10,10 @@ records are kept in ``state_dtype``. Layouts :class:`~deepinfer_core.model.cache
   uint8 rows of :func:`~deepinfer_core.quant.kv_fp8.kv_fp8_entry_bytes` (E4M3 values with ue8m0 scales
   per 64, the RoPE values in ``dtype``: 584 bytes for DeepSeek-V4-Flash in bf16); indexer keys dense.
   The default under ``numerics="deepseek"``, whose model.py stores exactly these values.
+* ``"fp4_ds"`` (DeepSeek-V4.1's "FP4 KV", vLLM's ``nvfp4_ds_mla``): uint8 rows of
+  :mod:`~deepinfer_core.quant.kv_fp4`: window entries E4M3 with E8M0 scales per 32 (528 B at head_dim 512),
+  compressed entries packed e2m1 with E4M3 scales per 16 (288 B), indexer keys packed e2m1 with E8M0
+  scales per 32 (68 B at 128). V4.1's default under ``numerics="deepseek"``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from deepinfer_core.model.cache_layout import check_block_size
 #: entry layouts ModelCache can allocate
 DENSE_LAYOUTS = ("dense",)
 FP8_LAYOUT = "fp8_ds"
-SUPPORTED_LAYOUTS = (*DENSE_LAYOUTS, FP8_LAYOUT)
+FP4_LAYOUT = "fp4_ds"
+SUPPORTED_LAYOUTS = (*DENSE_LAYOUTS, FP8_LAYOUT, FP4_LAYOUT)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,20 +61,46 @@ class KVCacheSpec:
         return self.layout == FP8_LAYOUT
 
     @property
+    def is_fp4(self) -> bool:
+        return self.layout == FP4_LAYOUT
+
+    @property
+    def is_packed(self) -> bool:
+        """Entries are uint8 rows (decoded by the attention that reads them)."""
+        return self.layout in (FP8_LAYOUT, FP4_LAYOUT)
+
+    @property
     def nope_dim(self) -> int:
         return self.head_dim - self.rope_dim
 
     @property
     def entry_bytes(self) -> int:
-        """Bytes of one window or compressed entry."""
+        """Bytes of one window entry (and, but for ``fp4_ds``, of one compressed entry)."""
         if self.is_fp8:
             from deepinfer_core.quant.kv_fp8 import kv_fp8_entry_bytes
 
             return kv_fp8_entry_bytes(self.head_dim, self.rope_dim, self.dtype)
+        if self.is_fp4:
+            from deepinfer_core.quant.kv_fp4 import entry_bytes
+
+            return entry_bytes("window", self.head_dim)
         return self.head_dim * self.dtype.itemsize
 
     @property
+    def compressed_entry_bytes(self) -> int:
+        """Bytes of one compressed entry."""
+        if self.is_fp4:
+            from deepinfer_core.quant.kv_fp4 import entry_bytes
+
+            return entry_bytes("compressed", self.head_dim)
+        return self.entry_bytes
+
+    @property
     def index_entry_bytes(self) -> int:
+        if self.is_fp4:
+            from deepinfer_core.quant.kv_fp4 import entry_bytes
+
+            return entry_bytes("index", self.index_head_dim)
         return self.index_head_dim * self.dtype.itemsize
 
     @property
@@ -79,7 +110,7 @@ class KVCacheSpec:
 
     def compressed_bytes_per_block(self, rate: int, indexer: bool = False) -> int:
         """Bytes of the ``block_size // rate`` compressed entries (indexer keys) of one block in one layer."""
-        return self.block_size // rate * (self.index_entry_bytes if indexer else self.entry_bytes)
+        return self.block_size // rate * (self.index_entry_bytes if indexer else self.compressed_entry_bytes)
 
 
 def check_kv_cache_spec(spec: Any, cfg: ModelConfig, block_size: int) -> None:
@@ -89,8 +120,11 @@ def check_kv_cache_spec(spec: Any, cfg: ModelConfig, block_size: int) -> None:
         raise TypeError(f"deepinfer_kv_cache_spec returned {type(spec).__name__}, expected a KVCacheSpec or None")
     wrong = []
     if spec.layout not in SUPPORTED_LAYOUTS:
-        wrong.append(f"layout {spec.layout!r}: ModelCache allocates only {DENSE_LAYOUTS} entries or "
-                     f"{FP8_LAYOUT!r} (DeepSeek's FP8 entry)")
+        wrong.append(f"layout {spec.layout!r}: ModelCache allocates only {DENSE_LAYOUTS} entries, "
+                     f"{FP8_LAYOUT!r} (DeepSeek's FP8 entry) or {FP4_LAYOUT!r} (DeepSeek-V4.1's packed entries)")
+    elif spec.layout not in ("dense", *cfg.architecture.kv_layouts.values()):
+        wrong.append(f"layout {spec.layout!r}: {cfg.architecture.name} stores dense entries or "
+                     f"{sorted(set(cfg.architecture.kv_layouts.values()))}")
     if spec.block_size != block_size:
         wrong.append(f"block_size {spec.block_size}: the cache is planned with {block_size} blocks (a backend "
                      "changes cache_config.block_size in deepinfer_configure)")

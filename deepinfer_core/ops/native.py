@@ -32,6 +32,8 @@ from deepinfer_core.quant.fp4 import (
     hadamard,
 )
 from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
+from deepinfer_core.quant.kv_fp4 import FORMATS as KV_FP4_FORMATS
+from deepinfer_core.quant.kv_fp4 import pack_kv_fp4, unpack_kv_fp4
 from deepinfer_core.quant.kv_fp8 import pack_kv_fp8, unpack_kv_fp8
 
 # --- the catalogue ---------------------------------------------------------------------------------
@@ -766,6 +768,36 @@ def act_quant_sim(x: torch.Tensor, block: int, fmt: str, rotate: bool) -> torch.
 )
 def fp4_kv_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     return fake_quant_fp4_e4m3_scale(x, block)
+
+
+# --- DeepSeek-V4.1's packed KV entries (quant.kv_fp4) ---------------------------------------------
+
+
+@op(
+    "(x: [N, D], kind: str) -> U8 [N, B]",
+    "DeepSeek-V4.1's packed KV entry of each row (quant.kv_fp4). kind 'window': the E4M3 codes of all D "
+    "values, each group of 32 divided by s = 2^ceil(log2(max(amax, 1e-4) / 448)) (round to nearest even, "
+    "saturating), then one byte log2(s) + 127 per group (D + D/32 bytes); 'compressed': e2m1 codes (nearest "
+    "of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to even, signed) of x / s per group of 16 with s = e4m3(max(amax, "
+    "6 * 2^-9) / 6), packed two a byte (even value in the low nibble), then each group's E4M3 scale byte "
+    "(D/2 + D/16 bytes); 'index': e2m1 codes per group of 32 with s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)) "
+    "packed, then one byte log2(s) + 127 per group (D/2 + D/32 bytes). Computed in float32 (float64 stays "
+    "float64).",
+)
+def kv_fp4_pack(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind not in KV_FP4_FORMATS:
+        raise ValueError(f"unknown packed KV kind {kind!r}; expected one of {sorted(KV_FP4_FORMATS)}")
+    return pack_kv_fp4(x, kind)
+
+
+@op(
+    "(rows: U8 [N, B], kind: str, dim: int) -> f32 [N, dim]",
+    "The values of kv_fp4_pack's rows of that kind (codes times their group's scale), in float32.",
+)
+def kv_fp4_unpack(rows: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
+    if kind not in KV_FP4_FORMATS:
+        raise ValueError(f"unknown packed KV kind {kind!r}; expected one of {sorted(KV_FP4_FORMATS)}")
+    return unpack_kv_fp4(rows, kind, dim, torch.float32)
 
 
 # --- DeepSeek's FP8 KV entry (quant.kv_fp8) -------------------------------------------------------

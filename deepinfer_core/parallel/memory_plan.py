@@ -143,12 +143,19 @@ class Footprint:
 
 
 def _kind(cfg: ModelConfig, layer: int) -> str:
-    """What the plan calls a layer, from the branches it owns: a drafter's, sliding-window only, or the
-    V4 family's CSA (with indexer keys) and HCA."""
+    """What the plan calls a layer, from the branches it owns or reads: a drafter's, sliding-window only,
+    V4's CSA (overlapping windows with indexer keys) and HCA, V4.1's KV sources and the readers of
+    another layer's pools."""
     if layer >= cfg.num_hidden_layers:
         return "mtp"
-    owned = cache_layout(cfg).layers[layer].owned
-    return "sliding" if not owned else ("csa" if "index" in owned else "hca")
+    lc = cache_layout(cfg).layers[layer]
+    if not lc.branches:
+        return "sliding"
+    if not lc.owned:
+        return "reader"
+    if "index" in lc.owned:
+        return "csa" if lc.specs["index"].overlap else "source"
+    return "hca"
 
 
 def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: str = "deepseek", devices: int = 1,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deepinfer_core.model.cache import ModelCache
@@ -14,10 +16,12 @@ class SimpleRunner:
     """Each sequence owns ``max_blocks`` consecutive blocks and one state slot; nothing is freed."""
 
     def __init__(self, model: Model, num_seqs: int, max_len: int, block_size: int = 16,
-                 fill: float = float("nan")):
+                 fill: float = float("nan"), kv_layout: str | None = None):
         self.model, self.block_size = model, block_size
         self.max_blocks = -(-max_len // block_size)
         spec = KVCacheSpec.default(model.cfg, block_size, model.dtype, model.numerics)
+        if kv_layout is not None:  # another entry layout than the numerics store by default
+            spec = dataclasses.replace(spec, layout=kv_layout)
         self.cache = ModelCache(
             model.cfg, num_seqs * self.max_blocks, num_seqs * self.max_blocks, num_seqs, block_size,
             model.dtype, model.device, fill=fill, spec=spec,

@@ -128,7 +128,7 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
     k = spec.num_speculative_tokens if spec is not None else 0
     graphs = None
     if not args.enforce_eager and platform.supports_graphs:
-        syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_fp8))
+        syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_packed))
         if syncing:
             logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
         else:

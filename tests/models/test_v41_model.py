@@ -124,6 +124,22 @@ def test_deepseek_numerics_follow_model_py_with_its_quantisation(tiny, schedule)
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
 
 
+def test_the_cache_holds_packed_entries_equal_to_the_dense_values(tiny):
+    """Under deepseek numerics the pools hold the release's packed rows (528 B window entries, 288 B
+    compressed entries, 68 B index keys: 890 B of global KV per token at the release's widths; here 66,
+    36 and 17 B at head_dim 64 and index_head_dim 32), which decode to exactly the values a dense cache
+    holds: the logits are bit-identical."""
+    model = load_model(tiny, dtype=torch.float32, numerics="deepseek")
+    packed = SimpleRunner(model, 1, 64, block_size=8)
+    dense = SimpleRunner(model, 1, 64, block_size=8, kv_layout="dense")
+    assert packed.cache.kv_spec.layout == "fp4_ds"
+    widths = {(p.dtype, p.shape[1]) for p in packed.cache.window_pools}
+    assert widths == {(torch.uint8, 64 + 2)}
+    assert {(p.dtype, p.shape[1]) for p in packed.cache.entry_pools} == {(torch.uint8, 32 + 4), (torch.uint8, 16 + 1)}
+    for chunk in (IDS[:13], IDS[13:20], [IDS[20]], [IDS[21]]):
+        assert torch.equal(packed.step({0: chunk}, all_logits=True)[0], dense.step({0: chunk}, all_logits=True)[0])
+
+
 def test_the_candidate_filter_and_the_indexer_bite(tiny):
     """Without the candidate filter (every block kept) or with a larger top-k the logits change: the test
     prompts exercise both levels of the selection."""
@@ -218,3 +234,20 @@ def test_the_manifest_is_what_model_py_declares_for_the_release():
     assert counts == {torch.float8_e4m3fn: 357, torch.int8: 47_232, torch.float8_e8m0fnu: 47_589,
                       torch.bfloat16: 520, torch.float32: 387}
     assert sum(manifest(cfg).stored_bytes().values()) == 510_286_023_000
+
+
+@pytest.mark.parametrize("form", ["inference/config.json", "config.transcribed.json"])
+def test_plan_of_the_release(form, tmp_path):
+    """``deepinfer plan`` on either config form: the bytes as stored within 1% of the release's tensor
+    payload (exactly it), 890 B of global KV per token, the four KV sources and 36 window/reader layers."""
+    from deepinfer_core.parallel.memory_plan import footprint
+
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "config.json").write_text((RELEASE / form).read_text())
+    fp = footprint(ModelConfig.from_pretrained(folder), torch.bfloat16, "deepseek", devices=8)
+    assert abs(fp.stored_bytes - 510_286_023_000) <= 0.01 * 510_286_023_000
+    assert fp.stored_bytes == 510_286_023_000
+    assert fp.compressed_bytes_per_token == 890
+    kinds = {k.kind: k.layers for k in fp.kv}
+    assert kinds == {"sliding": 2, "source": 4, "reader": 34, "mtp": 3}

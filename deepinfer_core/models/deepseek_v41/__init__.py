@@ -51,6 +51,7 @@ ARCHITECTURE = Architecture(
     numerics=NUMERICS,
     build_weights=build_weights,
     prepare_params=stack_shared_experts,
+    kv_layouts={"deepseek": "fp4_ds"},
 )
 
 __all__ = ["ARCHITECTURE", "NUMERICS", "DeepseekV41Config", "DeepseekV41Model", "ModelWeights", "load_model",

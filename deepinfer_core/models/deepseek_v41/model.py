@@ -120,6 +120,8 @@ class DeepseekV41Model:
         return self.cache_layout.branch_specs()
 
     def ops_in_use(self, mtp: bool = True, kv_fp8: bool | None = None) -> set[str]:
+        """The ops :meth:`forward` calls; ``kv_fp8``: over a cache of packed entries (None: the layout the
+        numerics store by default)."""
         used = {"embedding", "rms_norm", "rotary_emb", "linear", "grouped_linear", "swiglu", "sparse_attention",
                 "hc_mixes", "hc_collapse", "hc_post", "moe_route"}
         if self.numerics == "deepseek":
@@ -127,8 +129,11 @@ class DeepseekV41Model:
             used |= {"act_quant_sim", "moe_experts_fp4_quant_act" if fp4 else "moe_experts_quant_act"}
         else:
             used.add("moe_experts")
+        packed = self.numerics == "deepseek" if kv_fp8 is None else kv_fp8
+        if packed:
+            used |= {"kv_fp4_pack", "kv_fp4_unpack"}
         if any(r for r in self.cfg.compress_ratios[: self.cfg.num_hidden_layers]):
-            used |= {"indexer_scores"} | ({"fp4_kv_sim"} if self.numerics == "deepseek" else set())
+            used |= {"indexer_scores"} | ({"fp4_kv_sim"} if self.numerics == "deepseek" and not packed else set())
             if any(self.cfg.compress_rate(s) > 1 for s in self.cfg.kv_source_layer_ids):
                 used.add("compress_windows")
         if self.cfg.candidate_source_layer_id >= 0:
@@ -185,6 +190,28 @@ class DeepseekV41Model:
             return self.ops.fp4_kv_sim(x, COMPRESSED_BLOCK)
         return self.ops.act_quant_sim(x, ACT_BLOCK, "e2m1", False)
 
+    def store(self, pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, kind: str) -> None:
+        """Write ``x`` [N, D] to rows ``slots`` of ``pool``: packed entries (``fp4_ds``: uint8 rows of
+        :mod:`~deepinfer_core.quant.kv_fp4`, quantised as they are packed), else the values as the
+        numerics quantise them, in the pool's dtype."""
+        if pool.dtype == torch.uint8:
+            pool[slots] = self.ops.kv_fp4_pack(x, kind)
+        else:
+            pool[slots] = self.quant(x, kind).to(pool.dtype)
+
+    def load(self, pool: torch.Tensor, indices: torch.Tensor, kind: str, dim: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, indices into them) of the rows ``indices`` reads (-1: none): a dense pool as it is; a
+        packed one decoded whole when that is less work, else the read rows gathered and decoded."""
+        if pool.dtype != torch.uint8:
+            return pool, indices
+        if indices.numel() >= pool.shape[0]:
+            return self.ops.kv_fp4_unpack(pool, kind, dim).to(self.dtype), indices
+        flat = indices.reshape(-1)
+        rows = self.ops.kv_fp4_unpack(pool[flat.clamp(min=0)], kind, dim).to(self.dtype)
+        slots = torch.arange(flat.numel(), device=flat.device).view(indices.shape)
+        return rows, torch.where(indices >= 0, slots, -1)
+
     # --- decoder block ---------------------------------------------------------------------------
 
     def mixes(self, hc: HyperConnection, streams: torch.Tensor):
@@ -217,7 +244,7 @@ class DeepseekV41Model:
         kv = ops.rms_norm(self.qlinear(h, a.wkv), a.kv_norm, eps)
         kv = ops.rotary_emb(kv.unsqueeze(1), cos, sin, False).squeeze(1)
         window_pool = cache.window_kv[layer]
-        window_pool[batch.window_slots] = self.quant(kv, "window").to(window_pool.dtype)
+        self.store(window_pool, batch.window_slots, kv, "window")
 
         extra_pool = extra_idx = None
         if rate:
@@ -229,8 +256,10 @@ class DeepseekV41Model:
             if a.indexer is not None:
                 step.topk[layer] = self.indexer(a, layer, h, q_res, cache, rope, step.candidates[rate], step)
             extra_idx = step.topk[cfg.index_source(layer)]
-        out = ops.sparse_attention(q, window_pool, batch.window_rows(), a.sinks, cfg.head_dim**-0.5, extra_pool,
-                                   extra_idx)
+        window_pool, window_idx = self.load(window_pool, batch.window_rows(), "window", cfg.head_dim)
+        if extra_pool is not None:
+            extra_pool, extra_idx = self.load(extra_pool, extra_idx, "compressed", cfg.head_dim)
+        out = ops.sparse_attention(q, window_pool, window_idx, a.sinks, cfg.head_dim**-0.5, extra_pool, extra_idx)
         out = ops.rotary_emb(out, cos, sin, True)
         out = ops.grouped_linear(out.reshape(n_tok, cfg.o_groups, -1), a.wo_a)
         return self.qlinear(out.reshape(n_tok, -1), a.wo_b)
@@ -253,12 +282,10 @@ class DeepseekV41Model:
         ix = a.indexer
         if ix is not None and ix.wk is not None:
             keys = ops.rms_norm(self.linear(latent, ix.wk), ix.k_norm, cfg.rms_norm_eps)
-            keys = self.quant(ops.rotary_emb(keys.unsqueeze(1), cos, sin, False).squeeze(1), "index")
-            pool = cache.index_keys[layer]
-            pool[meta.entry_slots] = keys.to(pool.dtype)
-        entries = self.quant(ops.rotary_emb(latent.unsqueeze(1), cos, sin, False).squeeze(1), "compressed")
-        pool = cache.comp_kv[layer]
-        pool[meta.entry_slots] = entries.to(pool.dtype)  # slot -1: the trash block
+            keys = ops.rotary_emb(keys.unsqueeze(1), cos, sin, False).squeeze(1)
+            self.store(cache.index_keys[layer], meta.entry_slots, keys, "index")
+        entries = ops.rotary_emb(latent.unsqueeze(1), cos, sin, False).squeeze(1)
+        self.store(cache.comp_kv[layer], meta.entry_slots, entries, "compressed")  # slot -1: the trash block
 
     def pool(self, c: Compressor, h, meta, state) -> torch.Tensor | None:
         """Ratio > 1: project this step's tokens (float32), softmax-pool every group that closed (its rows
@@ -288,7 +315,8 @@ class DeepseekV41Model:
         q = self.qlinear(q_res, ix.wq_b).view(h.shape[0], heads, dim)
         q = self.quant(ops.rotary_emb(q, cos, sin, False), "index")
         weights = self.linear(h, ix.weights_proj) * (dim**-0.5 * heads**-0.5)
-        scores = ops.indexer_scores(q, weights, cache.index_keys[layer], candidates, 1.0)
+        keys, rows = self.load(cache.index_keys[layer], candidates, "index", dim)
+        scores = ops.indexer_scores(q, weights, keys, rows, 1.0)
         valid = candidates >= 0
         if layer == cfg.candidate_source_layer_id:
             step.blocks = ops.candidate_blocks(scores, valid, cfg.candidate_block_size, cfg.candidate_topk_blocks)
