@@ -46,8 +46,10 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
     hold them (every expert); for a model holding ``num_experts`` routed-expert slots per MoE layer (all
     its experts by default), ``loaded`` as FP8 mode keeps them (E4M3 and packed FP4 where the checkpoint
     declares them) and ``dequantised`` every weight in ``dtype`` (float32 where the engine keeps float32,
-    what a float run holds). Each with its routed-expert part (``*_experts``)."""
-    keys = ("stored", "stored_experts", "loaded", "loaded_experts", "dequantised", "dequantised_experts")
+    what a float run holds). Each with its routed-expert part (``*_experts``); ``loaded_tables``: the
+    lookup tables kept FP8 (DeepSeek-V4.1's Engram tables), part of ``loaded``."""
+    keys = ("stored", "stored_experts", "loaded", "loaded_experts", "dequantised", "dequantised_experts",
+            "loaded_tables")
     out = dict.fromkeys(keys, 0)
     manifest = manifest_of(cfg)
     for name, shape in expected_file_names(cfg, with_mtp=with_mtp).items():
@@ -61,6 +63,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
         plain = n * manifest.parameter_dtype(name, dtype).itemsize
         if expert and fp4:
             kept = n // 2 + n // 32  # packed e2m1 + one e8m0 scale per 32
+        elif manifest.rows[name].kept:  # E4M3 + an E8M0 scale per tile
+            rows, cols = manifest.rows[name].block
+            kept = n + math.prod(shape[:-2]) * math.ceil(shape[-2] / rows) * math.ceil(shape[-1] / cols)
         elif name in fp8:  # E4M3 + a float32 scale per 128x128 tile
             kept = n + math.prod(shape[:-2]) * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128) * 4
         else:
@@ -69,6 +74,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
         out["dequantised_experts"] += plain if expert else 0
         out["loaded"] += kept
         out["loaded_experts"] += kept if expert else 0
+        out["loaded_tables"] += kept if manifest.rows[name].kept else 0
     return out
 
 

@@ -48,6 +48,8 @@ def run_footprint(args: argparse.Namespace) -> int:
     gb = 1e9
     print(f"weights: {fp.stored_bytes:,} B as stored ({fp.stored_expert_bytes / gb:.1f} GB routed experts), "
           f"{fp.loaded_bytes:,} B as loaded ({fp.dequantised_bytes / gb:.1f} GB dequantised)")
+    if fp.table_bytes:
+        print(f"  of which {fp.table_bytes:,} B lookup tables kept FP8 (Engram), on every rank")
     print(f"per rank over {fp.devices} device(s)"
           + (f" with {args.num_redundant_experts} redundant experts" if args.num_redundant_experts else "")
           + f": {fp.rank_bytes / gb:.2f} GB")

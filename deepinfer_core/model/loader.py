@@ -462,6 +462,7 @@ def read_checkpoint(
     device = torch.device(device)
     dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
     kept_fp8 = manifest.fp8_names(numerics) if keep_fp8 else set()
+    kept_fp8 |= {r.name for r in manifest.rows.values() if r.kept}
     acc = torch.float32  # dequantised in float32 (as a float32 checkpoint of the same values), then cast
     params: dict[str, torch.Tensor] = {}
 
@@ -554,7 +555,8 @@ def read_checkpoint(
                 else:
                     target.copy_(dequantized(item, tensor, scale, target.dtype))
             elif item.fmt == "fp8" and key in kept_fp8:
-                params[key], params[key + "_scale"] = tensor, scale
+                kept_table = manifest.rows[key].kept  # a table keeps its power-of-two scales as E8M0 bytes
+                params[key], params[key + "_scale"] = tensor, e8m0_from_float(scale) if kept_table else scale
             else:
                 params[key] = dequantized(item, tensor, scale, param_dtype(key))
     finally:

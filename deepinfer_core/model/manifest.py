@@ -57,6 +57,7 @@ class TensorSpec:
     drafter: bool = False
     block: tuple[int, int] = (128, 128)
     group: str = "text"
+    kept: bool = False  # stays FP8 with its block scales in every mode (a lookup table read a few rows at a time)
 
     def __post_init__(self) -> None:
         if self.stored not in STORED_FORMATS:

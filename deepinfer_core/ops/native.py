@@ -99,6 +99,16 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @op(
+    "(ids: Long[T], weight: E4M3 [V, D], scale: f32|E8M0 [V, D/G]) -> f32 [T, D]",
+    "Row lookup of a table kept in FP8, each row's groups of G = D / scale.shape[1] values scaled by their "
+    "scale: weight[ids] * scale[ids] (per group), in float32.",
+)
+def embedding_fp8(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    group = weight.shape[-1] // scale.shape[-1]
+    return weight[ids].float() * scale[ids].float().repeat_interleave(group, dim=-1)
+
+
+@op(
     "(x: [..., D], weight: [D] | None, eps: float) -> [..., D]",
     "x * rsqrt(mean(x^2) + eps) (* weight when given), computed in at least float32, returned in x.dtype.",
 )

@@ -133,6 +133,7 @@ class Footprint:
     longest_context: int | None = None  # of one sequence on one rank
     max_seqs: int | None = None  # of ``context`` tokens on one rank
     notes: list[str] = field(default_factory=list)
+    table_bytes: int = 0  # of the loaded bytes (and of every rank's): lookup tables kept FP8 (Engram)
 
     @property
     def compressed_bytes_per_token(self) -> float:
@@ -182,7 +183,7 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: s
     pools = kv_bytes(cfg, block_size, dtype, spec)
     fp = Footprint(w["stored"], w["stored_experts"], w["loaded"], w["loaded_experts"], w["dequantised"], devices,
                    rank, list(kinds.values()), pools.window_per_seq, pools.state_slot, device_memory,
-                   context or cfg.max_position_embeddings)
+                   context or cfg.max_position_embeddings, table_bytes=w["loaded_tables"])
     if device_memory is not None:
         free = device_memory - fp.rank_bytes
         fixed = fp.window_bytes_per_seq + fp.state_bytes_per_seq

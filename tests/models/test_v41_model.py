@@ -251,3 +251,5 @@ def test_plan_of_the_release(form, tmp_path):
     assert fp.compressed_bytes_per_token == 890
     kinds = {k.kind: k.layers for k in fp.kv}
     assert kinds == {"sliding": 2, "source": 4, "reader": 34, "mtp": 3}
+    # the Engram tables apart: kept as stored, 256 E4M3 values and 8 E8M0 scales a row (README §3.7)
+    assert fp.table_bytes == 264 * (384_006_168 + 384_016_682)

@@ -113,7 +113,7 @@ def manifest(cfg: DeepseekV41Config) -> CheckpointManifest:
         if not drafter and layer in cfg.engram_layer_ids:
             rows_n = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
             ehd, cols = cfg.engram_head_dim, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-            add(p + "engram.embed.weight", (rows_n, ehd), block=ENGRAM_TILE)
+            add(p + "engram.embed.weight", (rows_n, ehd), block=ENGRAM_TILE, kept=True)
             add(p + "engram.wkv.weight", (d * (n + 1), cols * ehd))
             add(p + "engram.q_weight", (n, d))
             add(p + "engram.k_weight", (n, d))

@@ -139,7 +139,7 @@ class DeepseekV41Model:
         if self.cfg.candidate_source_layer_id >= 0:
             used.add("candidate_blocks")
         if self.cfg.has_engram:
-            used.add("engram_gate")
+            used |= {"engram_gate", "embedding_fp8"}
         return used
 
     # --- top level -------------------------------------------------------------------------------
@@ -338,7 +338,12 @@ class DeepseekV41Model:
         """``streams + gate * value`` per stream: the rows' values projected to one key per stream and one
         shared value, each stream gated by its normalised match with its key."""
         cfg, n, d = self.cfg, self.cfg.hc_mult, self.cfg.hidden_size
-        looked_up = self.ops.embedding(rows.reshape(-1), e.table).reshape(rows.shape[0], -1).to(self.dtype)
+        table = e.table
+        if table.scale is None:
+            looked_up = self.ops.embedding(rows.reshape(-1), table.weight)
+        else:
+            looked_up = self.ops.embedding_fp8(rows.reshape(-1), table.weight, table.scale)
+        looked_up = looked_up.reshape(rows.shape[0], -1).to(self.dtype)
         kv = self.qlinear(looked_up, e.wkv)
         key, value = kv.split([n * d, d], dim=-1)
         return self.ops.engram_gate(streams, key.reshape(-1, n, d), value, e.q_weight, e.k_weight, cfg.rms_norm_eps)

@@ -69,10 +69,11 @@ class MoE:
 
 @dataclass
 class Engram:
-    """The n-gram memory before a block: ``table`` [rows, head_dim] (dequantised), ``wkv`` [(n+1)D, cols*hd]
-    (one key per stream, one shared value), the gate's ``q_weight`` and ``k_weight`` [n, D]."""
+    """The n-gram memory before a block: ``table`` [rows, head_dim] kept E4M3 with a scale per 32 values of
+    a row (rows are dequantised as they are looked up), ``wkv`` [(n+1)D, cols*hd] (one key per stream, one
+    shared value), the gate's ``q_weight`` and ``k_weight`` [n, D]."""
 
-    table: torch.Tensor
+    table: Linear
     wkv: Linear
     q_weight: torch.Tensor
     k_weight: torch.Tensor
