@@ -22,6 +22,7 @@ from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint, load_hf_model
+from deepinfer_core.testing.tiny_v41 import build_tiny_v41
 
 BLOCK_SIZE = 16
 _PATHS: dict[tuple[str, str], Path] = {}
@@ -46,7 +47,9 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
     def get(name: str = "tiny") -> Path:
         key = (base, name)
         if key not in _PATHS:
-            _PATHS[key] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"engine_{name}"), name)
+            folder = tmp_path_factory.mktemp(f"engine_{name}")
+            # "v41": the tiny DeepSeek-V4.1 (testing.tiny_v41); the rest: tiny DeepSeek-V4 configs
+            _PATHS[key] = build_tiny_v41(folder / "v41") if name == "v41" else build_tiny_checkpoint(folder, name)
         return _PATHS[key]
 
     return get

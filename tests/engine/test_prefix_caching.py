@@ -42,7 +42,7 @@ def _family(base_len=90, seed=0):
     return [base[:n] + make_prompt(rng.randrange(0, 6), 100 + n) for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny_hc1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["tiny", "v41", pytest.param("tiny_hc1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("one_by_one", [True, False], ids=["sequential", "concurrent"])
 def test_caching_on_equals_off(tiny_path, make_llm, name, one_by_one):  # noqa: F811
     prompts = _family()
