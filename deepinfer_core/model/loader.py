@@ -319,7 +319,8 @@ def _plan(cfg: ModelConfig, manifest: CheckpointManifest, entries: dict[str, _En
 
     def stack_experts(key: str) -> range:
         """The experts of stack ``key`` to load: ``experts`` for the target's, all of a drafter's own size."""
-        return experts if shapes[key][0] == len(experts) else range(shapes[key][0])
+        full = manifest.rows[key].shape[0]
+        return experts if full == num_experts else range(full)
 
     scales = {n.removesuffix(".scale") + ".weight": e for n, e in entries.items() if n.endswith(".scale")}
     items: list[_Item] = []

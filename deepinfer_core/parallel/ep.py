@@ -115,9 +115,7 @@ def place_experts(model, rows: list[int], expected: int) -> None:
     """Re-stack every routed-expert stack of ``model`` (main layers and MTP blocks) as ``stack[rows]``:
     a rank's physical slots out of the experts it loaded (``expected`` of them in every stack)."""
     index = torch.tensor(rows, dtype=torch.long)
-    for ex in records(model.weights, leaves=(Experts,)):
-        if not isinstance(ex, Experts):
-            continue
+    for ex in expert_stacks(model):
         if ex.w13.weight.shape[0] != expected:
             raise ValueError(f"an expert stack holds {ex.w13.weight.shape[0]} experts, the dispatcher "
                              f"shards {expected}")
@@ -125,6 +123,15 @@ def place_experts(model, rows: list[int], expected: int) -> None:
             lin: Linear = getattr(ex, name)
             scale = None if lin.scale is None else take_rows(lin.scale, index)
             setattr(ex, name, replace(lin, weight=take_rows(lin.weight, index), scale=scale))
+
+
+def expert_stacks(model) -> list[Experts]:
+    """The routed-expert stacks a rank shards: its target's layers' and its drafter's (a checkpoint's
+    drafter weights no drafter runs are left whole)."""
+    stacks = [block.moe.experts for block in model.weights.layers]
+    if getattr(model, "drafter", None) is not None:
+        stacks += [ex for ex in records(model.drafter.weights, leaves=(Experts,)) if isinstance(ex, Experts)]
+    return stacks
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

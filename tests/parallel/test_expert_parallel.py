@@ -110,3 +110,21 @@ def test_an_idle_rank_runs_placeholder_steps(engines):
     placeholders = [a["placeholder_steps"] - b["placeholder_steps"] for a, b in zip(after, before)]
     assert steps[0] == steps[1] >= 20 + 1  # lock-step: two prefill chunks, then a decode step per token
     assert placeholders == [0, steps[1]]  # rank 1 had nothing, and met rank 0 in every MoE collective
+
+
+def test_two_expert_parallel_ranks_equal_one_process_v41(tiny_path):
+    """DeepSeek-V4.1 (shared KV pools, Engram, packed FP4 experts) under two expert-parallel ranks: the
+    single process's greedy tokens, through chunked prefill and preemption."""
+    kw = dict(model=str(tiny_path("v41")), dtype="float32", block_size=BLOCK, max_num_batched_tokens=24,
+              num_blocks=9, num_window_blocks=4, max_num_seqs=6)
+    single = LLM(**kw)
+    parallel = LLM(**kw, data_parallel_size=2, enable_expert_parallel=True, distributed_timeout_s=120)
+    try:
+        assert [info["local_experts"] for info in parallel.llm_engine.rank_info] == [(0, 4), (4, 8)]
+        prompts = [make_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+        params = [greedy(m) for m in MAX_TOKENS]
+        expected = _tokens(single, prompts, params)
+        assert single.llm_engine.scheduler.num_preemptions > 0
+        assert _tokens(parallel, prompts, params) == expected
+    finally:
+        parallel.llm_engine.shutdown()

@@ -353,7 +353,9 @@ class DeepseekV41Model:
     ep = None
     expert_load = None
 
-    def moe(self, moe: MoE, h) -> torch.Tensor:
+    def moe(self, moe: MoE, h, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts (through the expert-parallel dispatcher when there is one) plus the shared
+        expert; ``token_ids`` is unused (no hash routing in V4.1)."""
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         logits = ops.linear(h.to(acc), gate.weight.weight.to(acc))
@@ -362,14 +364,20 @@ class DeepseekV41Model:
         if self.expert_load is not None:
             self.expert_load.record(moe, ids)
         weights = weights.to(h.dtype)
+        x = h
+        if self.ep is not None:  # each (token, expert) pair goes to the expert's rank, one row per pair
+            x, ids, weights, handle = self.ep.dispatch(h, ids, weights)
+            ids, weights = ids.unsqueeze(1), weights.unsqueeze(1)
         if ex.is_fp4:  # kept packed under deepseek numerics
-            routed = ops.moe_experts_fp4_quant_act(h, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids,
+            routed = ops.moe_experts_fp4_quant_act(x, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids,
                                                    weights, cfg.swiglu_limit, ACT_BLOCK)
         elif self.numerics == "deepseek":
-            routed = ops.moe_experts_quant_act(h, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit,
+            routed = ops.moe_experts_quant_act(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit,
                                                ACT_BLOCK)
         else:
-            routed = ops.moe_experts(h, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
+            routed = ops.moe_experts(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
+        if self.ep is not None:
+            routed = self.ep.combine(routed, handle)
         shared = ops.swiglu(self.qlinear(h, moe.shared.w13), cfg.swiglu_limit)
         return routed + self.qlinear(shared, moe.shared.w2)
 
