@@ -26,9 +26,16 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "sparse_attention": (0, 2, 6), "indexer_topk": (0, 1, 3), "hc_pre": (0,), "hc_head": (0,),
     "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6), "moe_experts_fp4": (0, 5, 6), "rms_norm": (0,),
     "rotary_emb": (0, 1, 2), "compress_windows": (0, 1), "hc_post": (0, 1, 2, 3),
+    # DeepSeek-V4.1
+    "indexer_scores": (0, 1, 3), "candidate_blocks": (0, 1), "hc_mixes": (0,), "hc_collapse": (0, 1),
+    "fp4_kv_sim": (0,),
 }
-#: per op: the per-row index list that is padded to the batch's widest row (cut to its own alone)
-TRIMMED = {"sparse_attention": 6, "indexer_topk": 3}
+#: per op: the per-row list padded to the batch's widest row (-1 slots, or False in a mask), cut to its
+#: own width alone, and the other per-row arguments cut alike
+TRIMMED = {"sparse_attention": (6,), "indexer_topk": (3,), "indexer_scores": (3,), "candidate_blocks": (1, 0)}
+#: ops with an output column per slot of that list: alone a row gives its own width, inside the batch it
+#: must give the same there and this padding beyond
+COLUMN_OUTPUTS = {"indexer_scores": float("-inf"), "candidate_blocks": False}
 #: other cases of an op, named ``op[variant]`` (the routing's other scorings and hash routing)
 VARIANTS = ("moe_route[sigmoid]", "moe_route[softmax]", "moe_route[hash]")
 
@@ -105,6 +112,19 @@ def make_case(op: str, rows: int, dtype: torch.dtype, seed: int, w: dict = SMALL
         gate = rn(T, w["L"], hd)
         gate[:, 0, :4] = float("-inf")
         return rn(T, w["L"], hd), gate
+    if op == "indexer_scores":
+        cand = _prefix_lists(g, T, pool, 3 * w["window"], extra_pad=9)
+        return rn(T, w["iheads"], w["idim"]), rn(T, w["iheads"]), rn(pool, w["idim"]), cand, 0.25
+    if op == "candidate_blocks":
+        valid = _prefix_lists(g, T, pool, 3 * w["window"], extra_pad=9) >= 0
+        return rn(*valid.shape).float(), valid, 4, w["window"] // 4
+    if op == "hc_mixes":
+        return (rn(T, n, D), rn((2 + n) * n, n * D, std=(n * D) ** -0.5).float(), rn((2 + n) * n, std=0.5).float(),
+                0.5 + rn(3).abs().float(), 20, 1e-6, 1e-20)
+    if op == "hc_collapse":
+        return rn(T, n, D), torch.rand(T, n, generator=g)
+    if op == "fp4_kv_sim":
+        return rn(T, hd, std=3.0), 16
     raise KeyError(op)
 
 
@@ -117,15 +137,26 @@ def alone(op: str, args: tuple, row: int) -> tuple:
     op = base_op(op)
     out = [a[row : row + 1] if i in ROW_ARGS[op] and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
     if op in TRIMMED:
-        lst = out[TRIMMED[op]]
-        used = lst[0] >= 0
-        out[TRIMMED[op]] = lst[:, : int(used.nonzero().max()) + 1 if used.any() else 0]
+        lst = out[TRIMMED[op][0]]
+        used = lst[0] if lst.dtype == torch.bool else lst[0] >= 0
+        width = int(used.nonzero().max()) + 1 if used.any() else 0
+        for i in TRIMMED[op]:
+            out[i] = out[i][:, :width]
     return tuple(out)
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def own_width(op: str, full: torch.Tensor, one: torch.Tensor) -> torch.Tensor | None:
+    """The batch's row ``full`` at the width of the row alone (None: its columns beyond are not padding)."""
+    op = base_op(op)
+    if op not in COLUMN_OUTPUTS:
+        return full
+    width = one.shape[-1]
+    return full[..., :width] if bool((full[..., width:] == COLUMN_OUTPUTS[op]).all()) else None
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Bit-identical values (``torch.equal``; NaN equal to NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
+    if a is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point():
         return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
@@ -145,6 +176,6 @@ def row_differences(op: str, fn: Callable, dtype: torch.dtype, sizes: list[int],
         for row in rows:
             one = fn(*alone(op, args, row))
             one = one if isinstance(one, tuple) else (one,)
-            if not all(same(f[row : row + 1], o) for f, o in zip(full, one)):
+            if not all(same(own_width(op, f[row : row + 1], o), o) for f, o in zip(full, one)):
                 bad.append((size, row))
     return bad

@@ -288,6 +288,7 @@ def indexer_topk(
     "The lightning indexer's scores without the selection: score(t, c) = sum_h weights[t,h] * "
     "relu(q[t,h] . keys[candidates[t,c]]) * scale, -inf where candidates[t,c] = -1; computed in at least "
     "float32 and returned so.",
+    batch_invariant=False,
 )
 def indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scale: float

@@ -76,6 +76,16 @@ class Preset:
     compress_rates: tuple[int, ...]
     kv_pool: int  # rows of the compressed-KV pool sparse_attention gathers from
     window_pool: int  # rows of the sliding-window pool (extra_kv)
+    # DeepSeek-V4.1's ops (indexer_scores, candidate_blocks, hc_mixes, hc_collapse, fp4_kv_sim,
+    # moe_experts_quant_act), at V4.1's widths where the preset is real-shaped
+    v41_hidden: int  # the mHC streams' width and the experts' hidden size
+    v41_moe_inter: int
+    v41_index_heads: int  # indexer heads (of index_dim)
+    cand_block: int  # candidate_blocks: columns a block
+    cand_topk_blocks: int  # candidate_blocks: blocks kept
+    cand_width: int  # candidate columns a query scores (more than cand_block * cand_topk_blocks: pruning bites)
+    kv_fp4_block: int  # fp4_kv_sim: values per E4M3 scale (of head_dim)
+    act_block: int  # moe_experts_quant_act: channels per activation scale
     swiglu_limit: float = 10.0
 
     @property
@@ -110,6 +120,14 @@ PRESETS: dict[str, Preset] = {
         compress_rates=(4, 128),
         kv_pool=64,
         window_pool=32,
+        v41_hidden=96,  # three activation groups
+        v41_moe_inter=48,  # a partial activation group
+        v41_index_heads=4,
+        cand_block=4,
+        cand_topk_blocks=3,
+        cand_width=30,  # 8 blocks, the last one partial
+        kv_fp4_block=16,
+        act_block=32,
     ),
     # DeepSeek-V4-Flash widths; token counts kept small so that a CPU reference stays feasible.
     "v4_flash": Preset(
@@ -138,6 +156,15 @@ PRESETS: dict[str, Preset] = {
         compress_rates=(4, 128),
         kv_pool=2048,
         window_pool=512,
+        # DeepSeek-V4.1-Flash
+        v41_hidden=5120,
+        v41_moe_inter=2304,
+        v41_index_heads=32,
+        cand_block=8,
+        cand_topk_blocks=2048,
+        cand_width=20483,  # 2561 blocks (the last partial), 513 of them pruned
+        kv_fp4_block=16,
+        act_block=32,
     ),
 }
 
@@ -180,9 +207,10 @@ class CaseResult:
 
 
 #: outputs (by op) whose values are copies or masks of the inputs: compared exactly
-EXACT_OPS = frozenset({"embedding", "apply_token_bitmask", "top_k_top_p_min_p"})
+EXACT_OPS = frozenset({"embedding", "apply_token_bitmask", "top_k_top_p_min_p", "candidate_blocks", "embedding_fp8"})
 
-OUTPUT_NAMES = {"hc_pre": ("post", "comb", "collapsed"), "moe_route": ("weights", "ids")}
+OUTPUT_NAMES = {"hc_pre": ("post", "comb", "collapsed"), "moe_route": ("weights", "ids"),
+                "hc_mixes": ("pre", "post", "comb")}
 
 
 # --- generation helpers ----------------------------------------------------------------------------
@@ -1161,3 +1189,335 @@ def _check_moe_experts_act_quant(
 ):
     """Re-quantisation flips of the intermediate, as for moe_experts_fp4 with quant_act."""
     _check_with_requant_flips(case, actual, expected, dtype, label, max_fraction=0.02)
+
+
+# --- DeepSeek-V4.1: indexer scores, candidate blocks, single-pass mHC, FP4 KV, 32-channel experts ----
+
+
+@_gen("indexer_scores")
+def _indexer_scores(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """V4.1's indexer heads over every compressed candidate of a query (the scores candidate_blocks ranks):
+    NaN pool rows that no candidate references, -1 slots at row ends and scattered, a row of only -1."""
+    T, IH, d, width = p.tokens, p.v41_index_heads, p.index_dim, p.cand_width
+    pool_rows = width + width // 2 + 2
+    used = _used_rows(g, pool_rows, width + width // 4)
+    keys = _nan_pool(g, pool_rows, d, used, dtype)
+    candidates = _index_rows(g, T, width, used, empty_rows=(1,))
+    q = _randn(g, T, IH, d).to(dtype)
+    weights = _randn(g, T, IH, std=IH**-0.5).to(dtype)
+    out = (_param_dtype(dtype),)  # scores come back in the accumulation dtype
+    return [
+        Case("indexer_scores", "every_candidate", (q, weights, keys, candidates, d**-0.5), out_dtypes=out),
+        # the model folds the softmax scale into the weights and passes scale 1
+        Case("indexer_scores", "prescaled_weights", (q, (weights.double() * d**-0.5).to(dtype), keys, candidates,
+                                                     1.0), out_dtypes=out),
+    ]
+
+
+def candidate_block_rows(p: Preset, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [7, W], valid [7, W]) of rows that make candidate_blocks prune (W = ``p.cand_width``, blocks
+    of ``p.cand_block``, the last one partial, more than ``p.cand_topk_blocks`` + 2 of them):
+
+    0. every column valid; the newest block (the partial last one) scores lowest: only its pin keeps it
+    1. no valid column (NaN and huge scores on the invalid ones): nothing kept
+    2. a prefix ending one column into a block; ``topk_blocks + 1`` older blocks tie for the best maximum,
+       so the pin and the tie towards the lower block decide which one is cut
+    3. valid columns scattered among invalid ones: the pinned block is the one of the last valid column
+       (not the one the number of valid columns points at), which scores lowest
+    4. fewer reachable blocks than ``topk_blocks``: every one kept but an older one whose valid columns
+       all score -inf
+    5. the newest block among the best (its pin changes nothing)
+    6. invalid columns holding the best scores and NaN: never counted
+    """
+    block, keep, width = p.cand_block, p.cand_topk_blocks, p.cand_width
+    n_blocks = -(-width // block)
+    assert width % block and n_blocks >= keep + 3, "the preset's candidate rows must make the filter prune"
+    scores = _randn(g, 7, width)
+    valid = torch.zeros(7, width, dtype=torch.bool)
+    low, high = -100.0, 50.0
+    # 0
+    valid[0] = True
+    scores[0, (n_blocks - 1) * block :] += low
+    # 1
+    scores[1, _perm(g, width)[: width // 3]] = 1e4
+    scores[1, 0] = float("nan")
+    # 2
+    newest = n_blocks - 2
+    valid[2, : newest * block + 1] = True
+    scores[2, newest * block] += low
+    tied = _perm(g, newest)[: keep + 1]
+    scores[2, tied * block + _randint(g, 0, block, keep + 1)] = high
+    # 3
+    last = width - block - 2
+    valid[3, : last + 1] = _rand(g, last + 1) < 0.6
+    valid[3, last] = True
+    first_of_newest = last // block * block
+    scores[3, first_of_newest : first_of_newest + block] += low
+    # 4
+    reach = (keep // 2) * block + 3
+    valid[4, :reach] = True
+    scores[4, :block] = float("-inf")
+    # 5
+    valid[5, : width - 1] = True
+    scores[5, (n_blocks - 1) * block :] += high
+    # 6
+    valid[6, : width // 2] = True
+    scores[6, width // 2 :] = 1e4
+    scores[6, width - 1] = float("nan")
+    return scores.to(dtype), valid
+
+
+@_gen("candidate_blocks")
+def _candidate_blocks(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """The filter over the rows of :func:`candidate_block_rows`, in the candidate dtype (bf16 scores add ties
+    of their own), and the same rows with every block kept (topk_blocks above the number of blocks)."""
+    scores, valid = candidate_block_rows(p, dtype, g)
+    n_blocks = -(-p.cand_width // p.cand_block)
+    return [
+        Case("candidate_blocks", "prune", (scores, valid, p.cand_block, p.cand_topk_blocks), out_dtypes=(torch.bool,)),
+        Case("candidate_blocks", "keep_all", (scores, valid, p.cand_block, n_blocks + 1), out_dtypes=(torch.bool,)),
+    ]
+
+
+@_gen("hc_mixes")
+def _hc_mixes(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """hc_pre's mixes at V4.1's width; one token's streams all zero (V4.1's norm eps 1e-20 keeps its
+    normalisation finite: its mixes are the biases alone)."""
+    n, D, pdt = p.hc_mult, p.v41_hidden, _param_dtype(dtype)
+    streams = _randn(g, p.tokens, n, D, std=2.0)
+    streams[0] = 0.0
+    streams = streams.to(dtype)
+    fn = _randn(g, (2 + n) * n, n * D, std=(n * D) ** -0.5).to(pdt)
+    base = _randn(g, (2 + n) * n, std=0.5).to(pdt)
+    scale = (0.5 + _rand(g, 3)).to(pdt)
+    out = (None, None, None)
+    return [
+        Case("hc_mixes", "sinkhorn20_v41_eps", (streams, fn, base, scale, 20, 1e-6, 1e-20), out_dtypes=out),
+        Case("hc_mixes", "sinkhorn1", (streams, fn, base, scale, 1, 1e-6, 1e-6), out_dtypes=out),
+    ]
+
+
+@_gen("hc_collapse")
+def _hc_collapse(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """The collapse with a ``pre`` as hc_mixes gives it (float32, in (eps, 1 + eps)), one token's saturated
+    at both ends."""
+    n, D, T, pdt = p.hc_mult, p.v41_hidden, p.tokens, _param_dtype(dtype)
+    streams = _randn(g, T, n, D, std=2.0).to(dtype)
+    pre = torch.sigmoid(_randn(g, T, n, std=2.0)) + 1e-6
+    pre[0] = torch.tensor([1 + 1e-6, 1e-6] * (n // 2) + [0.5] * (n % 2))
+    return [Case("hc_collapse", "pre_mix", (streams, pre.to(pdt)), out_dtypes=(dtype,))]
+
+
+#: e2m1 midpoints (ties: 0.25, 1.25, 2.5 and 5 round down to the even code, 0.75, 1.75 and 3.5 up)
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def fp4_kv_rows(g: torch.Generator, rows: int, width: int, block: int) -> torch.Tensor:
+    """[rows, width] float32 KV values of very different ranges (width a multiple of ``block``, at least two
+    groups a row, ``rows`` >= 4), with groups on the edges of fp4_kv_sim (which they stay on in bf16 and
+    fp16): row 0 all zero and a group of row 1 below the amax floor (scale 2^-9); a group of row 1 whose scale is
+    an E4M3 subnormal; groups of row 2 whose values lie on the e2m1 midpoints of an exact scale (amax = 6 *
+    an E4M3 value, positive in one group, negative in the other); groups of row 3 whose amax / 6 rounds
+    down to its scale (its amax saturating at 6) and up."""
+    assert width % block == 0 and width >= 2 * block and rows >= 4
+    x = _randn(g, rows, width) * torch.logspace(-3, 2, rows).unsqueeze(1)
+    x[0] = 0.0
+    edge = torch.zeros(block)
+    edge[:4] = torch.tensor([0.005, -0.003, 0.0001, 0.0])  # amax 0.005 < 6 * 2^-9
+    x[1, :block] = edge[_perm(g, block)]
+    edge[:4] = torch.tensor([0.03, -0.02, 0.0042, 0.0011])  # scale 0.005 -> 3 * 2^-9, an E4M3 subnormal
+    x[1, block : 2 * block] = edge[_perm(g, block)]
+    for group, s0, sign in ((0, 1.25, 1.0), (1, 0.375, -1.0)):
+        mids = torch.tensor(E2M1_MIDPOINTS) * s0
+        tie = torch.cat([torch.tensor([6.0 * s0 * sign]), mids, -mids, torch.zeros(block)])[:block]
+        x[2, group * block : (group + 1) * block] = tie[_perm(g, block)]
+    edge = torch.zeros(block)
+    edge[:5] = torch.tensor([6.3, -5.9, 5.1, 5.0, 0.3])  # amax / 6 = 1.05: scale 1, 6.3 / 1 saturates at 6
+    x[3, :block] = edge[_perm(g, block)]
+    edge[:5] = torch.tensor([-6.5, 3.2, 1.1, 0.6, 0.1])  # amax / 6 = 1.083: scale 1.125
+    x[3, block : 2 * block] = edge[_perm(g, block)]
+    return x
+
+
+@_gen("fp4_kv_sim")
+def _fp4_kv_sim(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """V4.1's compressed KV entries (head_dim values in groups of kv_fp4_block) with the edge groups of
+    :func:`fp4_kv_rows`, and a 3-D input whose last group is partial."""
+    block, rows = p.kv_fp4_block, 4 * p.tokens
+    x = fp4_kv_rows(g, rows, p.head_dim, block)
+    ragged = (_randn(g, rows, p.head_dim + block // 2) * torch.logspace(-2, 1, rows).unsqueeze(1)).view(
+        rows // 2, 2, -1)
+    ragged[0, 0, -block // 2 :] = 0.0  # the partial group all zero
+    return [
+        Case("fp4_kv_sim", "compressed_kv", (x.to(dtype), block), out_dtypes=(dtype,)),
+        Case("fp4_kv_sim", "partial_last_group", (ragged.to(dtype), block), out_dtypes=(dtype,)),
+    ]
+
+
+@_check("fp4_kv_sim")
+def _check_fp4_kv_sim(case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str):
+    """Exact: the scales and the roundings of x.dtype values come out the same in any precision, and every
+    result (an e2m1 value times an E4M3 scale) is exact in bf16 and fp16."""
+    _check_dtype(case, 0, actual, label)
+    assert_close(actual, expected.to(actual.dtype), dtype=dtype, name=label, exact=True)
+
+
+@_gen("moe_experts_quant_act")
+def _moe_experts_quant_act(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """moe_experts_act_quant's case at V4.1's widths with its activation groups of ``act_block`` channels.
+    Power-of-two scales make the group size matter only where a value falls into E4M3's subnormals, so x
+    has a massive channel in every 128 and the channels past the first ``act_block`` of each 128 are quiet
+    (1e-3; the weights scaled inversely, so every channel weighs in about equally): per ``act_block`` they
+    keep E4M3's precision, per 128 they would be rounded to a few subnormal steps. Hot gate rows beyond
+    the swiglu limit, -1 ids with nonzero weights."""
+    E, k, T, D, inter = p.local_experts, p.top_k, 2 * p.tokens, p.v41_hidden, p.v41_moe_inter
+    quiet = torch.arange(D) % 128 >= p.act_block
+    x = _randn(g, T, D)
+    x[:, 3::128] *= 30.0
+    x[:, quiet] *= 1e-3
+    w13 = _randn(g, E, 2 * inter, D, std=D**-0.5)
+    w13[..., quiet] *= 1e3
+    w13[..., 3::128] /= 30.0  # every channel weighs in about equally
+    w13[:, _perm(g, inter)[: max(2, inter // 32)]] *= 6.0
+    w2 = _randn(g, E, D, inter, std=inter**-0.5)
+    ids = torch.full((T, k), -1, dtype=torch.long)
+    for t in range(T):
+        n_local = 0 if t == 0 else min(E, k) if t == 1 else int(_randint(g, 0, min(E, k) + 1, 1))
+        ids[t, _perm(g, k)[:n_local]] = _perm(g, E)[:n_local]
+    weights = (0.2 + _rand(g, T, k)).to(_param_dtype(dtype))
+    args = (x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights, p.swiglu_limit, p.act_block)
+    return [Case("moe_experts_quant_act", "ep_local", args, out_dtypes=(dtype,))]
+
+
+@_check("moe_experts_quant_act")
+def _check_moe_experts_quant_act(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+):
+    """Re-quantisation flips of the intermediate, as for moe_experts_act_quant, here with 32-channel groups
+    and fewer tokens: one flip moves every output of its token, so the outputs of one token in eight may
+    lie outside the tolerance, and the cosine may drop to 0.998 (measured over seeds 0-7, tiny preset:
+    worst fraction 9% (fp16, FP4 experts), worst cosine 0.99899 (bf16); seed 0 at V4.1's widths, bf16:
+    0.35%, 0.99988). Quantised per 128 instead, the outputs are off by far (cosine 0.996 or less)."""
+    _check_with_requant_flips(case, actual, expected, dtype, label, max_fraction=0.125, min_cosine=0.998)
+
+
+# --- DeepSeek-V4.1's FP8 Engram table, Engram gate, packed KV entries and FP4 experts -----------------
+
+
+@_gen("embedding_fp8")
+def _embedding_fp8(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Engram's table rows: E4M3 values scaled per group of 32 by float32 or E8M0 scales; the rows never
+    looked up are NaN (their scales too), ids at both ends and repeated. The output is float32 whatever
+    the model dtype, computed from the same bytes: compared exactly."""
+    from deepinfer_core.quant.fp4 import e8m0_from_float
+
+    V, D, group = p.vocab, p.v41_hidden, 32
+    ids = torch.cat([torch.tensor([0, V - 1]), _randint(g, 0, V, p.tokens)])
+    ids = torch.cat([ids, ids[2:3]])
+    rows = ids.unique()
+    weight = torch.full((V, D), float("nan")).to(torch.float8_e4m3fn)
+    weight[rows] = (_randn(g, rows.numel(), D) * 100).to(torch.float8_e4m3fn)
+    scale = torch.full((V, D // group), float("nan"))
+    scale[rows] = _rand(g, rows.numel(), D // group) * 0.01 + 1e-4
+    pow2 = torch.full((V, D // group), 1.0)
+    pow2[rows] = torch.exp2(_randint(g, -12, 2, rows.numel(), D // group).float())
+    out = (torch.float32,)
+    return [
+        Case("embedding_fp8", "f32_scales", (ids, weight, scale), out_dtypes=out, upcast_reference=False),
+        Case("embedding_fp8", "e8m0_scales", (ids, weight, e8m0_from_float(pow2)), out_dtypes=out,
+             upcast_reference=False),
+    ]
+
+
+@_gen("engram_gate")
+def _engram_gate(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Engram's gate at V4.1's width over hc_mult streams: keys aligned with some streams and opposed to
+    others (gates near 0 and 1), one token's key all zero (dot 0: the 1e-6 floor under the square root) and
+    V4.1's norm eps 1e-20."""
+    n, D, T, pdt = p.hc_mult, p.v41_hidden, p.tokens, _param_dtype(dtype)
+    streams = _randn(g, T, n, D, std=2.0)
+    key = 0.5 * streams * torch.tensor([1.0, -1.0] * (n // 2) + [1.0] * (n % 2)).view(1, n, 1) + _randn(g, T, n, D)
+    key[0] = 0.0
+    value = _randn(g, T, D)
+    q_weight, k_weight = (1 + _randn(g, n, D, std=0.1)).to(pdt), (1 + _randn(g, n, D, std=0.1)).to(pdt)
+    args = (streams.to(dtype), key.to(dtype), value.to(dtype), q_weight, k_weight, 1e-20)
+    return [Case("engram_gate", "gates", args, out_dtypes=(dtype,))]
+
+
+def _kv_fp4_case_rows(p: Preset, g: torch.Generator, kind: str) -> torch.Tensor:
+    """Rows of one packed KV kind at its width (window and compressed: head_dim; index: index_dim, at least
+    one group of 32): the compressed ones with fp4_kv_rows' edge groups, the others of very different
+    ranges with an all-zero row."""
+    rows = 4 * p.tokens
+    if kind == "compressed":
+        return fp4_kv_rows(g, rows, p.head_dim, 16)
+    dim = p.head_dim if kind == "window" else -(-p.index_dim // 32) * 32
+    x = _randn(g, rows, dim) * torch.logspace(-4, 3, rows).unsqueeze(1)
+    x[0] = 0.0
+    return x
+
+
+@_gen("kv_fp4_pack")
+def _kv_fp4_pack(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Every kind's entries; the bytes compare exactly (quantised from the same dtype values everywhere:
+    the reference is not upcast)."""
+    return [Case("kv_fp4_pack", kind, (_kv_fp4_case_rows(p, g, kind).to(dtype), kind), out_dtypes=(torch.uint8,),
+                 upcast_reference=False) for kind in ("window", "compressed", "index")]
+
+
+@_check("kv_fp4_pack")
+def _check_kv_fp4_pack(case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str):
+    _check_kv_fp8_pack(case, actual, expected, ref_args, dtype, label)
+
+
+@_gen("kv_fp4_unpack")
+def _kv_fp4_unpack(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Every kind's entries packed from values in the candidate dtype, decoded to float32: exactly."""
+    from deepinfer_core.quant.kv_fp4 import pack_kv_fp4
+
+    cases = []
+    for kind in ("window", "compressed", "index"):
+        x = _kv_fp4_case_rows(p, g, kind).to(dtype)
+        cases.append(Case("kv_fp4_unpack", kind, (pack_kv_fp4(x, kind), kind, x.shape[-1]),
+                          out_dtypes=(torch.float32,), upcast_reference=False))
+    return cases
+
+
+@_check("kv_fp4_unpack")
+def _check_kv_fp4_unpack(case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str):
+    _check_dtype(case, 0, actual, label)
+    assert_close(actual, expected, name=label, exact=True)
+
+
+@_gen("moe_experts_fp4_quant_act")
+def _moe_experts_fp4_quant_act(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """moe_experts_quant_act's case (massive and quiet channels, hot gate rows, -1 ids) with the experts
+    packed in FP4 (the intermediate width rounded up to FP4's groups of 32)."""
+    from deepinfer_core.quant.fp4 import quantize_fp4_block
+
+    E, k, T, D, inter = p.local_experts, p.top_k, 2 * p.tokens, p.v41_hidden, -(-p.v41_moe_inter // 32) * 32
+    quiet = torch.arange(D) % 128 >= p.act_block
+    x = _randn(g, T, D)
+    x[:, 3::128] *= 30.0
+    x[:, quiet] *= 1e-3
+    w13 = _randn(g, E, 2 * inter, D, std=D**-0.5)
+    w13[..., quiet] *= 1e3
+    w13[..., 3::128] /= 30.0
+    w13[:, _perm(g, inter)[: max(2, inter // 32)]] *= 6.0
+    w13, s13 = quantize_fp4_block(w13)
+    w2, s2 = quantize_fp4_block(_randn(g, E, D, inter, std=inter**-0.5))
+    ids = torch.full((T, k), -1, dtype=torch.long)
+    for t in range(T):
+        n_local = 0 if t == 0 else min(E, k) if t == 1 else int(_randint(g, 0, min(E, k) + 1, 1))
+        ids[t, _perm(g, k)[:n_local]] = _perm(g, E)[:n_local]
+    weights = (0.2 + _rand(g, T, k)).to(_param_dtype(dtype))
+    args = (x.to(dtype), w13, s13, w2, s2, ids, weights, p.swiglu_limit, p.act_block)
+    return [Case("moe_experts_fp4_quant_act", "w4a8_v41", args, out_dtypes=(dtype,))]
+
+
+@_check("moe_experts_fp4_quant_act")
+def _check_moe_experts_fp4_quant_act(
+    case: Case, actual: Any, expected: Any, ref_args: tuple, dtype: torch.dtype, label: str
+):
+    """As moe_experts_quant_act."""
+    _check_moe_experts_quant_act(case, actual, expected, ref_args, dtype, label)

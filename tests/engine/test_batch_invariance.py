@@ -29,6 +29,7 @@ from deepinfer_core.ops.registry import BuildContext, MissingOpError, OpRegistry
 from deepinfer_core.plugins import build_op_table, collect_registry, load_backend
 from deepinfer_core.quant.fp4 import quantize_fp4_block
 from deepinfer_core.quant.fp8 import quantize_fp8_block
+from deepinfer_core.quant.kv_fp4 import pack_kv_fp4
 from deepinfer_core.quant.kv_fp8 import pack_kv_fp8
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import noise_seed, sampling_noise
@@ -52,9 +53,18 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "linear_fp8": (0,), "moe_experts_fp8": (0, 5, 6), "moe_experts_fp4": (0, 5, 6), "act_quant_sim": (0,),
     "apply_penalties": (0, 1, 2, 3, 4, 5), "top_k_top_p_min_p": (0, 1, 2, 3), "random_sample": (0, 1),
     "apply_token_bitmask": (0, 1), "kv_fp8_pack": (0,), "sparse_attention_fp8": (0, 2, 8),
-    "linear_fp8_ue8m0": (0,), "moe_experts_act_quant": (0, 3, 4),
+    "linear_fp8_ue8m0": (0,), "moe_experts_act_quant": (0, 3, 4), "indexer_scores": (0, 1, 3),
+    "candidate_blocks": (0, 1), "hc_mixes": (0,), "hc_collapse": (0, 1), "fp4_kv_sim": (0,),
+    "moe_experts_quant_act": (0, 3, 4), "engram_gate": (0, 1, 2), "kv_fp4_pack": (0,), "kv_fp4_unpack": (0,),
+    "moe_experts_fp4_quant_act": (0, 5, 6), "embedding_fp8": (0,),
 }
-TRIMMED = {"sparse_attention": 6, "indexer_topk": 3, "sparse_attention_fp8": 8}
+#: per op: the per-row list padded to the batch's widest row (-1 slots, or False in a mask), cut to the
+#: row's own width when it runs alone, and the other per-row arguments cut alike
+TRIMMED: dict[str, tuple[int, ...]] = {"sparse_attention": (6,), "indexer_topk": (3,), "sparse_attention_fp8": (8,),
+                                       "indexer_scores": (3,), "candidate_blocks": (1, 0)}
+#: ops with an output column per slot of that list: the row alone gives its own width, the batch's row
+#: must equal it there and hold this padding beyond
+COLUMN_OUTPUTS = {"indexer_scores": float("-inf"), "candidate_blocks": False}
 assert set(ROW_ARGS) == set(CATALOGUE)
 
 
@@ -67,6 +77,11 @@ def _prefix_lists(g: torch.Generator, rows: int, pool: int, extra_pad: int) -> t
     for r, c in enumerate(counts.tolist()):
         out[r, :c] = torch.randperm(pool, generator=g)[:c]
     return out
+
+
+def _scored_slots(rn: Callable, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(random scores, which slots are used) of index lists: candidate_blocks' arguments."""
+    return rn(*slots.shape), slots >= 0
 
 
 def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
@@ -127,21 +142,48 @@ def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
                           torch.empty(T, V, dtype=torch.float64).exponential_(generator=g).to(dtype)),
         "apply_token_bitmask": (logits, torch.randint(-(2**31), 2**31 - 1, (T, (V + 31) // 32), generator=g,
                                                        dtype=torch.int32)),
+        # DeepSeek-V4.1 (candidate_blocks' valid columns: a prefix of each row, as the engine's)
+        "indexer_scores": (rn(T, 8, 16), rn(T, 8), rn(pool, 16), _prefix_lists(g, T, pool, extra_pad=9), 0.25),
+        "candidate_blocks": (*_scored_slots(rn, _prefix_lists(g, T, pool, extra_pad=5)), 4, 2),
+        "hc_mixes": (rn(T, n, D), rn((2 + n) * n, n * D, std=(n * D) ** -0.5), rn((2 + n) * n, std=0.5),
+                     0.5 + rn(3).abs(), 20, 1e-6, 1e-20),
+        "hc_collapse": (rn(T, n, D), torch.rand(T, n, generator=g).to(dtype)),
+        "fp4_kv_sim": (rn(T, hd, std=3.0), 16),
+        "moe_experts_quant_act": (rn(T, D), rn(E, 2 * 32, D, std=D**-0.5), rn(E, D, 32, std=32**-0.5), ids,
+                                  torch.rand(T, k, generator=g).to(dtype), 7.0, 32),
+        "engram_gate": (rn(T, n, D), rn(T, n, D), rn(T, D), 1 + rn(n, D, std=0.1), 1 + rn(n, D, std=0.1), 1e-6),
+        "kv_fp4_pack": (rn(T, hd, std=3.0), "compressed"),
+        "kv_fp4_unpack": (pack_kv_fp4(rn(T, hd, std=3.0), "compressed"), "compressed", hd),
+        "moe_experts_fp4_quant_act": (rn(T, D), *quantize_fp4_block(rn(E, 2 * 64, D, std=D**-0.5)),
+                                      *quantize_fp4_block(rn(E, D, 64, std=64**-0.5)), ids,
+                                      torch.rand(T, k, generator=g).to(dtype), 7.0, 32),
+        "embedding_fp8": (torch.randint(0, V, (T,), generator=g), rn(V, D).to(torch.float8_e4m3fn),
+                          torch.rand(V, D // 32, generator=g) + 0.5),
     }
 
 
 def _alone(op: str, args: tuple, row: int) -> tuple:
     out = [a[row : row + 1] if i in ROW_ARGS[op] and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
     if op in TRIMMED:  # its own width: one past its last used slot
-        lst = out[TRIMMED[op]]
-        used = int((lst[0] >= 0).nonzero().max()) + 1 if (lst[0] >= 0).any() else 0
-        out[TRIMMED[op]] = lst[:, :used]
+        lst = out[TRIMMED[op][0]]
+        slot_used = lst[0] if lst.dtype == torch.bool else lst[0] >= 0
+        used = int(slot_used.nonzero().max()) + 1 if slot_used.any() else 0
+        for i in TRIMMED[op]:
+            out[i] = out[i][:, :used]
     return tuple(out)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _own_width(op: str, full: torch.Tensor, alone: torch.Tensor) -> torch.Tensor | None:
+    """The batch's row ``full`` at the width of the row alone (None: its padding columns are not padding)."""
+    if op not in COLUMN_OUTPUTS:
+        return full
+    width = alone.shape[-1]
+    return full[..., :width] if bool((full[..., width:] == COLUMN_OUTPUTS[op]).all()) else None
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Bit-identical (NaN equal to NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
+    if a is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point():
         inf = float("inf")
@@ -160,7 +202,7 @@ def row_differences(op: str, fn: Callable, dtype: torch.dtype, sizes=(2, 3, 5, 1
         for row in range(rows):
             alone = fn(*_alone(op, args, row))
             alone = alone if isinstance(alone, tuple) else (alone,)
-            if not all(_same(f[row : row + 1], a) for f, a in zip(full, alone)):
+            if not all(_same(_own_width(op, f[row : row + 1], a), a) for f, a in zip(full, alone)):
                 bad.append((rows, row))
     return bad
 

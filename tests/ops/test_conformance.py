@@ -198,6 +198,14 @@ def test_indexer_cases_pad_and_hide_nan_rows():
     assert few[3].shape[1] < few[4], "a case with fewer candidates than topk (output padded with -1)"
 
 
+def test_indexer_scores_cases_hide_nan_rows_behind_minus_one():
+    for case in conf.make_cases("indexer_scores", "tiny", torch.float32):
+        q, weights, keys, candidates, scale = case.args
+        assert torch.isnan(keys[0]).all() and not torch.isnan(keys[candidates[candidates >= 0]]).any()
+        assert (candidates < 0).all(-1).any() and (candidates[:, :-1] < 0).logical_and(candidates[:, 1:] >= 0).any()
+        assert q.shape[1] == conf.PRESETS["tiny"].v41_index_heads
+
+
 def test_other_cases_carry_their_edge_values():
     for case in conf.make_cases("compress_windows", "tiny", torch.float32):
         kv, gate = case.args
@@ -230,17 +238,12 @@ def test_cases_are_reproducible_from_the_seed():
         for case, tensors in zip(b, flat):
             same = [t for t in case.args if isinstance(t, torch.Tensor)]
             assert all(torch.equal(_comparable(x), _comparable(y)) for x, y in zip(tensors, same)), op
+        floating = any(isinstance(x, torch.Tensor) and x.is_floating_point() for case in a for x in case.args)
         assert any(
             not torch.equal(_comparable(x), _comparable(y))
             for ca, cc in zip(a, c)
             for x, y in zip(ca.args, cc.args)
-            if isinstance(x, torch.Tensor) and x.is_floating_point()
-        ), op
-        assert any(
-            not torch.equal(x.nan_to_num(), y.nan_to_num())
-            for ca, cc in zip(a, c)
-            for x, y in zip(ca.args, cc.args)
-            if isinstance(x, torch.Tensor) and x.is_floating_point()
+            if isinstance(x, torch.Tensor) and (x.is_floating_point() or not floating)  # bytes in: the bytes
         ), op
 
 
@@ -252,6 +255,13 @@ def test_v4_flash_preset_has_the_real_widths():
     assert (p.o_groups, p.o_lora, p.vocab, p.hc_mult, p.window) == (8, 1024, 129280, 4, 128)
     assert p.compress_rates == (4, 128)
     assert p.tokens <= 8
+    # DeepSeek-V4.1-Flash's widths for its own ops; its candidate filter prunes the rows it is given
+    assert (p.v41_hidden, p.v41_moe_inter, p.v41_index_heads, p.index_dim) == (5120, 2304, 32, 128)
+    assert (p.cand_block, p.cand_topk_blocks, p.kv_fp4_block, p.act_block) == (8, 2048, 16, 32)
+    for preset in conf.PRESETS.values():
+        assert preset.cand_width % preset.cand_block
+        assert -(-preset.cand_width // preset.cand_block) >= preset.cand_topk_blocks + 3
+    assert p.cand_width > 16384
 
 
 # --- broken implementations are caught -------------------------------------------------------------
@@ -289,6 +299,53 @@ def _reversed_bits(logits, bitmask):
     bits = 31 - torch.arange(32, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _indexer_scores_without_relu(q, weights, keys, candidates, scale):
+    ck = keys[candidates.clamp(min=0)].masked_fill((candidates < 0).unsqueeze(-1), 0)
+    s = (torch.einsum("thd,tcd->thc", q.float(), ck.float()) * scale * weights.float().unsqueeze(-1)).sum(1)
+    return s.masked_fill(candidates < 0, float("-inf"))
+
+
+def _candidate_blocks_variant(scores, valid, block, topk_blocks, pin="last", later_ties=False):
+    """candidate_blocks with the pinned block chosen otherwise (``"count"``: the block of the number of
+    valid columns minus one; None: no pin) or ties broken towards the later block."""
+    rows, width = scores.shape
+    n = -(-width // block)
+    padded = torch.full((rows, n * block), float("-inf"), dtype=torch.float64)
+    padded[:, :width] = scores.double().masked_fill(~valid, float("-inf"))
+    best = padded.view(rows, n, block).amax(-1)
+    if pin == "last":
+        newest = torch.where(valid, torch.arange(width), -1).amax(-1, keepdim=True) // block
+    else:
+        newest = (valid.sum(-1, keepdim=True) - 1) // block if pin == "count" else torch.full((rows, 1), -1)
+    best = best.masked_fill(torch.arange(n) == newest, float("inf"))
+    if later_ties:
+        order = n - 1 - torch.sort(best.flip(-1), dim=-1, descending=True, stable=True).indices
+    else:
+        order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+    order = order[:, :topk_blocks]
+    kept = torch.zeros(rows, n, dtype=torch.bool).scatter_(1, order, best.gather(1, order) > float("-inf"))
+    return kept.repeat_interleave(block, -1)[:, :width] & valid
+
+
+def _fp4_kv_variant(x, block, e4m3_scale=True, away=False, floor=6 * 2.0**-9):
+    """fp4_kv_sim with one step changed: the scale left unrounded, ties rounded away from zero, or no floor."""
+    k = x.shape[-1]
+    groups = F.pad(x.double(), (0, -k % block)).unflatten(-1, (-1, block))
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=floor) / 6
+    if e4m3_scale:
+        scale = scale.float().to(torch.float8_e4m3fn).double()
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    dist = ((groups / scale).abs().clamp(max=6).unsqueeze(-1) - table).abs()
+    nearest = dist == dist.min(-1, keepdim=True).values
+    if away:  # the last of the nearest: away from zero
+        code = 7 - nearest.flip(-1).int().argmax(-1)
+    else:  # the nearest, ties to the even code
+        even = nearest & (torch.arange(8) % 2 == 0)
+        code = torch.where(even.any(-1), even.int().argmax(-1), nearest.int().argmax(-1))
+    out = torch.copysign(table[code], groups) * scale
+    return out.flatten(-2)[..., :k].to(x.dtype)
 
 
 def _moe_experts_clamped_ids(x, w13, w2, ids, weights, limit):
@@ -366,6 +423,51 @@ MUTANTS = {
     ),
     "random_sample ignores the noise": ("random_sample", lambda probs, noise: probs.argmax(-1)),
     "apply_token_bitmask reads bits MSB first": ("apply_token_bitmask", _reversed_bits),
+    "indexer_scores reads -1 candidates": (
+        "indexer_scores",
+        lambda q, w, k, c, s: _ref["indexer_scores"](q, w, k, c.clamp(min=0), s),
+    ),
+    "indexer_scores without relu": ("indexer_scores", _indexer_scores_without_relu),
+    "candidate_blocks pins the block the count of valid columns points at": (
+        "candidate_blocks",
+        lambda s, v, b, k: _candidate_blocks_variant(s, v, b, k, pin="count"),
+    ),
+    "candidate_blocks without the pin": (
+        "candidate_blocks",
+        lambda s, v, b, k: _candidate_blocks_variant(s, v, b, k, pin=None),
+    ),
+    "candidate_blocks breaks ties towards the later block": (
+        "candidate_blocks",
+        lambda s, v, b, k: _candidate_blocks_variant(s, v, b, k, later_ties=True),
+    ),
+    "hc_mixes without Sinkhorn iterations": (
+        "hc_mixes",
+        lambda st, fn, b, sc, it, he, ne: _ref["hc_mixes"](st, fn, b, sc, 1, he, ne),
+    ),
+    "hc_mixes swaps pre and post": (
+        "hc_mixes",
+        lambda *args: (lambda pre, post, comb: (post / 2, 2 * pre, comb))(*_ref["hc_mixes"](*args)),
+    ),
+    "hc_collapse with uniform pre": ("hc_collapse", lambda st, pre: _ref["hc_collapse"](st, torch.full_like(pre, 0.5))),
+    "fp4_kv_sim with power-of-two scales": (
+        "fp4_kv_sim",
+        lambda x, block: _ref["act_quant_sim"](x, block, "e2m1", False),
+    ),
+    "fp4_kv_sim without rounding its scales to E4M3": (
+        "fp4_kv_sim",
+        lambda x, block: _fp4_kv_variant(x, block, e4m3_scale=False),
+    ),
+    "fp4_kv_sim rounds ties away from zero": ("fp4_kv_sim", lambda x, block: _fp4_kv_variant(x, block, away=True)),
+    "fp4_kv_sim without the amax floor": ("fp4_kv_sim", lambda x, block: _fp4_kv_variant(x, block, floor=0.0)),
+    "moe_experts_quant_act quantises per 128 channels": (
+        "moe_experts_quant_act",
+        lambda x, a, b, i, w, lim, block: _ref["moe_experts_act_quant"](x, a, b, i, w, lim),
+    ),
+    "moe_experts_fp4_quant_act quantises per 128 channels": (
+        "moe_experts_fp4_quant_act",
+        lambda x, a, sa, b, sb, i, w, lim, block: _ref["moe_experts_fp4"](x, a, sa, b, sb, i, w, lim, True),
+    ),
+    "embedding_fp8 ignores the scales": ("embedding_fp8", lambda ids, w, s: w[ids].float()),
 }
 
 

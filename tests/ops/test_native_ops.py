@@ -101,7 +101,8 @@ def test_native_register_skips_and_flags():
     assert set(registry.impls) == set(CATALOGUE) - {"embedding"}
     flagged = {op for op, impls in registry.impls.items() if impls[0].syncs_host}
     assert flagged == set(native.SYNCS_HOST) == {"moe_experts", "moe_experts_fp8", "moe_experts_fp4",
-                                                 "moe_experts_act_quant"}
+                                                 "moe_experts_act_quant", "moe_experts_quant_act",
+                                                 "moe_experts_fp4_quant_act"}
     assert {impls[0].priority for impls in registry.impls.values()} == {-3}
 
 
@@ -115,7 +116,8 @@ def test_syncs_host_is_a_registration_field_reported_by_the_table():
     table = resolve_ops(registry, BuildContext(backend="t"))
     assert table.syncs_host(["rms_norm", "moe_experts", "linear", "swiglu"]) == ["moe_experts", "linear"]
     assert table.syncs_host(["embedding", "not_an_op"]) == []
-    assert table.syncs_host(reversed(list(CATALOGUE))) == ["moe_experts_act_quant", "moe_experts_fp4",
+    assert table.syncs_host(reversed(list(CATALOGUE))) == ["moe_experts_fp4_quant_act", "moe_experts_quant_act",
+                                                          "moe_experts_act_quant", "moe_experts_fp4",
                                                           "moe_experts_fp8", "moe_experts", "linear"]
 
 
@@ -127,7 +129,8 @@ def test_no_function_carries_a_syncs_host_attribute(nvidia_on_cpu):
                 assert not hasattr(impl.fn, "syncs_host"), (impl.op, impl.fn)
 
 
-LOOPS = ["moe_experts", "moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant"]
+LOOPS = ["moe_experts", "moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant", "moe_experts_quant_act",
+         "moe_experts_fp4_quant_act"]
 
 
 def test_the_tables_of_both_backends_flag_the_moe_loops(nvidia_on_cpu, no_packs):

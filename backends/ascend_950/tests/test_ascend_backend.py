@@ -267,6 +267,9 @@ def test_ops_dry_run_asks_the_backend_for_both_plans(capsys):
     for op in ("kv_fp8_pack", "sparse_attention_fp8"):  # the FP8 KV entry's kernels
         assert plans["npu"][op] == "tilelang (if its self-check passes, else native)"
     assert plans["npu"]["linear_fp8_ue8m0"] == "native"
+    v41 = ("indexer_scores", "candidate_blocks", "hc_mixes", "hc_collapse", "fp4_kv_sim", "moe_experts_quant_act",
+           "embedding_fp8", "engram_gate", "kv_fp4_pack", "kv_fp4_unpack", "moe_experts_fp4_quant_act")
+    assert all(plans["here"][op] == plans["npu"][op] == "native" for op in v41)  # DeepSeek-V4.1's, no kernel yet
     assert cli.main(["ops", "--backend", "ascend_950", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     row = next(line.split() for line in lines if line.startswith("sparse_attention_fp8 "))

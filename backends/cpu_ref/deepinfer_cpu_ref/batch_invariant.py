@@ -6,18 +6,21 @@ reference's semantics and changes only how the work is cut, so that every row go
 calls whose shapes depend on that row alone:
 
 * GEMMs (``linear``, ``grouped_linear``, the projections of ``moe_experts``, their FP8 variants, the
-  ``fn`` products of ``hc_pre`` / ``hc_head``): torch's CPU ``F.linear`` (MKL) computes a row with one of three kernels
-  picked by the number of rows M (M = 1: GEMV; M = 2..3; M >= 4), so a token's projection changes in
-  the last bits with the size of its batch. Here rows are computed in tiles of exactly
-  :data:`TILE` rows (the last one zero-padded) in freshly allocated, aligned buffers: every call has
-  the same shape, and within a tile a row's result does not depend on its position or its neighbours
-  (measured: float32 and float64, 1 and 2 threads, K up to 4096).
+  ``fn`` products of ``hc_pre`` / ``hc_mixes`` / ``hc_head``): torch's CPU ``F.linear`` (MKL) computes a
+  row with one of three kernels picked by the number of rows M (M = 1: GEMV; M = 2..3; M >= 4), so a
+  token's projection changes in the last bits with the size of its batch. Here rows are computed in
+  tiles of exactly :data:`TILE` rows (the last one zero-padded) in freshly allocated, aligned buffers:
+  every call has the same shape, and within a tile a row's result does not depend on its position or
+  its neighbours (measured: float32 and float64, 1 and 2 threads, K up to 4096).
 * ``sparse_attention``: the extra (compressed) index list is padded to the batch's longest, and both
   the softmax (whose sink column sits after the last index) and the probability-weighted sum reduce
   over that padded width, so the padding changes the summation order. Here each query's width is
   its own last used slot rounded up to :data:`WIDTH_BUCKET`; queries of one width are computed
   together, in tiles of :data:`ATTENTION_TILE` queries.
-* Elementwise ``sigmoid`` / ``silu`` / ``softplus`` (``swiglu``, ``moe_route``, ``hc_pre``,
+* ``indexer_scores``: its candidates are padded to the batch's widest list, and torch's CPU GEMM picks
+  its kernel by that width, as its sum over the heads picks its order. Here each candidate's dot products
+  come from a GEMM of exactly :data:`SCORE_TILE` candidates and the heads are added one after another.
+* Elementwise ``sigmoid`` / ``silu`` / ``softplus`` (``swiglu``, ``moe_route``, ``hc_pre``, ``hc_mixes``,
   ``hc_head``): torch's kernels compute the bulk of a contiguous run with SIMD code and its remainder
   with scalar code, and the two disagree in the last bit for 1-10 % of inputs (measured, float32:
   sigmoid 52, silu 59, softplus 456 of 4096); which of a token's values fall in the remainder depends
@@ -46,6 +49,8 @@ TILE = 16
 ATTENTION_TILE = 32
 #: the extra-index width of a query in ``sparse_attention`` is rounded up to a multiple of this
 WIDTH_BUCKET = 32
+#: candidates per GEMM of ``indexer_scores``
+SCORE_TILE = 64
 
 
 def _tiled(fn: Callable, *args: tuple[torch.Tensor, float | int], tile: int | None = None
@@ -161,6 +166,28 @@ def sparse_attention(
     return out
 
 
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The reference's scores, each candidate's dot products from a GEMM of SCORE_TILE candidates (the
+    list zero-padded to a multiple), the heads' terms added in head order."""
+    acc = ref.acc_dtype(q.dtype)
+    cand_keys, valid = ref.gather_rows(keys, candidates)
+    tokens, heads, dim = q.shape
+    width = candidates.shape[-1]
+    tiles = -(-width // SCORE_TILE)
+    padded = torch.zeros((tokens, tiles * SCORE_TILE, dim), dtype=acc)
+    padded[:, :width] = cand_keys
+    per_tile = q.to(acc).unsqueeze(1).expand(tokens, tiles, heads, dim).reshape(tokens * tiles, heads, dim)
+    dots = torch.bmm(per_tile, padded.view(tokens * tiles, SCORE_TILE, dim).transpose(1, 2))
+    dots = dots.view(tokens, tiles, heads, SCORE_TILE).transpose(1, 2).reshape(tokens, heads, -1)[..., :width]
+    terms = torch.relu(dots) * scale * weights.to(acc).unsqueeze(-1)
+    scores = terms[:, 0]
+    for h in range(1, heads):
+        scores = scores + terms[:, h]
+    return scores.masked_fill(~valid, float("-inf"))
+
+
 ALL_OPS = {
     "linear": linear,
     "grouped_linear": grouped_linear,
@@ -183,3 +210,9 @@ sparse_attention_fp8 = partial(ref.sparse_attention_fp8, attention=sparse_attent
 ALL_OPS["sparse_attention_fp8"] = sparse_attention_fp8
 ALL_OPS["linear_fp8_ue8m0"] = partial(ref.linear_fp8_ue8m0, linear=linear)
 ALL_OPS["moe_experts_act_quant"] = partial(ref.moe_experts_act_quant, linear=linear, swiglu=swiglu)
+# DeepSeek-V4.1: the indexer's scores, single-pass mHC's mixes, and the experts with their activations quantised
+# per `block` channels
+ALL_OPS["indexer_scores"] = indexer_scores
+ALL_OPS["hc_mixes"] = partial(ref.hc_mixes, mm=linear, sigmoid=_sigmoid)
+ALL_OPS["moe_experts_quant_act"] = partial(ref.moe_experts_quant_act, linear=linear, swiglu=swiglu)
+ALL_OPS["moe_experts_fp4_quant_act"] = partial(ref.moe_experts_fp4_quant_act, linear=linear, swiglu=swiglu)

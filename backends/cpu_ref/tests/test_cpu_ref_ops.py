@@ -48,16 +48,22 @@ def test_every_catalogued_op_has_a_reference():
 # --- dtypes ----------------------------------------------------------------------------------------
 
 
+#: ops whose floating output is float32 whatever their inputs (decoded FP8 / FP4 storage)
+FLOAT32_OUT = {"embedding_fp8", "kv_fp4_unpack"}
+#: non-floating outputs other than ids: packed KV entries are bytes, V4.1's candidate filter is a mask
+NOT_IDS = {"kv_fp8_pack": torch.uint8, "kv_fp4_pack": torch.uint8, "candidate_blocks": torch.bool}
+
+
 @pytest.mark.parametrize("op", sorted(CATALOGUE))
 def test_float64_inputs_give_float64_outputs(op):
     for case in conf.make_cases(op, "tiny", f64):
         outs = ops.ALL_OPS[op](*case.args)
         for out in outs if isinstance(outs, tuple) else (outs,):
             if out.dtype.is_floating_point:
-                assert out.dtype == f64, f"{op}[{case.name}] returned {out.dtype}"
-            else:  # ids; DeepSeek's FP8 KV entries are bytes
-                want = torch.uint8 if op == "kv_fp8_pack" else torch.long
+                want = torch.float32 if op in FLOAT32_OUT else f64
                 assert out.dtype == want, f"{op}[{case.name}] returned {out.dtype}"
+            else:
+                assert out.dtype == NOT_IDS.get(op, torch.long), f"{op}[{case.name}] returned {out.dtype}"
 
 
 @pytest.mark.parametrize("op", sorted(CATALOGUE))
@@ -542,3 +548,329 @@ def test_apply_token_bitmask_hand_example():
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 5, 31, 34]
     assert torch.equal(out[0][[0, 5, 31, 34]], logits[0][[0, 5, 31, 34]])
     assert torch.equal(out[1], logits[1])
+
+
+# --- DeepSeek-V4.1: indexer scores, candidate blocks, single-pass mHC, FP4 KV, 32-channel experts ----
+
+
+def _indexer_scores_by_hand(q, weights, keys, candidates, scale):
+    T, H, _ = q.shape
+    out = torch.full(candidates.shape, -INF, dtype=f64)
+    for t in range(T):
+        for c, key in enumerate(candidates[t].tolist()):
+            if key >= 0:
+                out[t, c] = sum(float(weights[t, h]) * max(float(q[t, h] @ keys[key]), 0.0) * scale for h in range(H))
+    return out
+
+
+def test_indexer_scores_are_the_indexer_topk_scores_unselected():
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]], dtype=f64)
+    weights = torch.tensor([[1.0, 2.0]], dtype=f64)
+    keys = torch.tensor([[9.0, 9.0], [1.0, -5.0], [0.5, 0.5], [-1.0, 1.0], [2.0, 0.1]], dtype=f64)
+    keys[0] = NAN  # row 0 is never a candidate
+    cand = torch.tensor([[1, -1, 2, 3, 4]])
+    close(ops.indexer_scores(q, weights, keys, cand, 0.5), torch.tensor([[0.5, -INF, 0.75, 1.0, 1.1]], dtype=f64))
+    for case in conf.make_cases("indexer_scores", "tiny", f64):
+        close(ops.indexer_scores(*case.args), _indexer_scores_by_hand(*case.args))
+
+
+def _candidate_blocks_by_hand(scores, valid, block, topk_blocks):
+    """Per row: block maxima over the valid columns, the last valid column's block pinned, the best
+    topk_blocks (lower block first among equals) that are not -inf."""
+    T, W = scores.shape
+    out = torch.zeros(T, W, dtype=torch.bool)
+    n_blocks = -(-W // block)
+    for t in range(T):
+        s, v = scores[t].tolist(), valid[t].tolist()
+        best = []
+        for b in range(n_blocks):
+            vals = [s[c] for c in range(b * block, min(W, (b + 1) * block)) if v[c]]
+            best.append(max(vals) if vals else -INF)
+        cols = [c for c in range(W) if v[c]]
+        if cols:
+            best[cols[-1] // block] = INF
+        for b in sorted(range(n_blocks), key=lambda b: (-best[b], b))[:topk_blocks]:
+            if best[b] > -INF:
+                for c in range(b * block, min(W, (b + 1) * block)):
+                    out[t, c] = v[c]
+    return out
+
+
+def test_candidate_blocks_hand_examples():
+    scores = torch.tensor([[5.0, 1, 2, 9, 0, 0, 7, 3, 1]], dtype=f64)  # blocks of 2: maxima 5 9 0 7 | 1
+    everything = torch.ones_like(scores, dtype=torch.bool)
+    keep = lambda s, v, b, k: ops.candidate_blocks(s, v, b, k)[0].nonzero().flatten().tolist()  # noqa: E731
+    assert keep(scores, everything, 2, 2) == [2, 3, 8]  # the partial newest block pinned, then the best
+    assert keep(scores, everything, 2, 3) == [2, 3, 6, 7, 8]
+    assert keep(scores, everything, 2, 9) == list(range(9))
+    valid = everything.clone()
+    valid[0, 3] = False  # block 1's maximum is now 2
+    assert keep(scores, valid, 2, 3) == [0, 1, 6, 7, 8]
+    valid[0, 8] = False  # the newest block is block 3 (column 7)
+    assert keep(scores, valid, 2, 2) == [0, 1, 6, 7]
+    ties = torch.tensor([[4.0, 0, 4, 1, 0, NAN]], dtype=f64)
+    valid = torch.tensor([[True, True, True, True, True, False]])
+    assert keep(ties, valid, 2, 2) == [0, 1, 4]  # blocks 0 and 1 tie: the lower one; column 5 never
+    scattered = torch.tensor([[True, False, False, True, False, False, True, False, False]])
+    assert keep(scores, scattered, 2, 1) == [6]  # the last valid column's block, not the third block's
+    assert keep(scores, torch.zeros_like(everything), 2, 3) == []
+    minus_inf = torch.tensor([[-INF, -INF, 3.0, 0.0, 1.0]], dtype=f64)
+    assert keep(minus_inf, torch.ones(1, 5, dtype=torch.bool), 2, 3) == [2, 3, 4]  # a -inf block never
+
+
+def test_candidate_blocks_match_a_per_row_loop():
+    for case in conf.make_cases("candidate_blocks", "tiny", f64) + conf.make_cases("candidate_blocks", "tiny",
+                                                                                     torch.bfloat16):
+        assert torch.equal(ops.candidate_blocks(*case.args), _candidate_blocks_by_hand(*case.args)), case.name
+    gen = g(50)
+    for trial in range(40):
+        rows, width = 6, int(torch.randint(1, 60, (1,), generator=gen))
+        block, keep = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        scores = torch.randint(0, 4, (rows, width), generator=gen).to(f64)  # few levels: many ties
+        valid = torch.rand(rows, width, generator=gen) < torch.rand(rows, 1, generator=gen)
+        valid[0] = torch.arange(width) < int(torch.randint(0, width + 1, (1,), generator=gen))  # a prefix
+        scores[valid & (torch.rand(rows, width, generator=gen) < 0.1)] = -INF
+        got = ops.candidate_blocks(scores, valid, block, keep)
+        assert torch.equal(got, _candidate_blocks_by_hand(scores, valid, block, keep)), (trial, block, keep)
+
+
+def test_the_candidate_block_rows_prune_as_promised():
+    """conformance.candidate_block_rows: the filter prunes, the pin and the tie decide what it keeps."""
+    p = conf.PRESETS["tiny"]
+    scores, valid = conf.candidate_block_rows(p, f64, g(51))
+    block, keep = p.cand_block, p.cand_topk_blocks
+    kept = _candidate_blocks_by_hand(scores, valid, block, keep)
+    assert (valid & ~kept).any(-1).tolist() == [True, False, True, True, True, True, True]
+    assert not kept[1].any() and kept[0, -1] and kept[3, int(valid[3].nonzero().max())]
+    count_block = (int(valid[3].sum()) - 1) // block  # where a count of the valid columns would pin
+    assert not kept[3, count_block * block : (count_block + 1) * block].any()
+    tied = [b for b in range(-(-p.cand_width // block)) if scores[2, b * block : (b + 1) * block].max() == 50.0]
+    assert len(tied) == keep + 1 and kept[2, tied[0] * block]
+    assert not kept[2, tied[-1] * block : (tied[-1] + 1) * block].any()
+    assert not kept[4, :block].any() and kept[4, block : (keep // 2) * block + 3].all()
+
+
+#: every finite positive float8_e4m3fn value, ascending (code 0 = zero; subnormals m * 2^-9, then
+#: (1 + m/8) * 2^(e - 7) for e = 1..15, the last code being NaN): a value's code is its index
+E4M3_TABLE = [m * 2.0**-9 for m in range(8)] + [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16)
+                                                for m in range(8)][:-1]
+E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _nearest(table: list[float], v: float) -> float:
+    """The entry of the ascending ``table`` nearest to ``v`` >= 0, ties to the even index, saturating."""
+    if v >= table[-1]:
+        return table[-1]
+    i = next(i for i, t in enumerate(table) if t >= v)  # table[i - 1] < v <= table[i]
+    if i == 0:
+        return table[0]
+    lo, hi = table[i - 1], table[i]
+    if v - lo != hi - v:
+        return lo if v - lo < hi - v else hi
+    return lo if (i - 1) % 2 == 0 else hi
+
+
+def _fp4_kv_by_hand(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.to(f64).reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    for r, row in enumerate(flat.tolist()):
+        for start in range(0, len(row), block):
+            group = row[start : start + block]
+            scale = _nearest(E4M3_TABLE, max(max(abs(v) for v in group), 6 * 2.0**-9) / 6)
+            for j, v in enumerate(group):
+                out[r, start + j] = math.copysign(_nearest(E2M1_TABLE, abs(v) / scale) * scale, v)
+    return out.view(x.shape)
+
+
+def test_fp4_kv_sim_hand_examples():
+    s = 1.25  # amax 7.5 = 6 * 1.25: the scale is 1.25 exactly; quotients on every e2m1 midpoint
+    x = torch.tensor([[7.5, 0.25 * s, 0.75 * s, 1.25 * s, 1.75 * s, 2.5 * s, 3.5 * s, -5.0 * s]], dtype=f64)
+    want = torch.tensor([[6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, -4.0]], dtype=f64) * s
+    assert torch.equal(ops.fp4_kv_sim(x, 8), want)
+    assert torch.equal(ops.fp4_kv_sim(x.to(torch.bfloat16), 8), want.to(torch.bfloat16))
+    zero = torch.zeros(2, 16, dtype=f64)
+    assert torch.equal(ops.fp4_kv_sim(zero, 16), zero)  # the floor keeps the scale 2^-9, not 0
+    tiny = torch.tensor([[0.005, -0.001, 0.0, 0.0]], dtype=f64)  # amax below 6 * 2^-9: the scale is 2^-9
+    assert torch.equal(ops.fp4_kv_sim(tiny, 4), torch.tensor([[3.0, -0.5, 0.0, 0.0]], dtype=f64) * 2.0**-9)
+    sat = torch.tensor([[6.3, -5.9, 5.1, 5.0]], dtype=f64)  # amax / 6 = 1.05 rounds to the scale 1: saturates
+    assert torch.equal(ops.fp4_kv_sim(sat, 4), torch.tensor([[6.0, -6.0, 6.0, 4.0]], dtype=f64))
+    up = torch.tensor([[-6.5, 3.2, 0.6, 0.0]], dtype=f64)  # amax / 6 = 1.083 rounds to the scale 1.125
+    assert torch.equal(ops.fp4_kv_sim(up, 4), torch.tensor([[-6.0, 3.0, 0.5, 0.0]], dtype=f64) * 1.125)
+    groups = torch.tensor([[0.03, 1.0, 1.0, 0.0, 9.0]], dtype=f64)  # groups of 2, the last one partial
+    close(ops.fp4_kv_sim(groups, 2), _fp4_kv_by_hand(groups, 2), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [f64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fp4_kv_sim_matches_a_table_search_per_group(dtype):
+    for case in conf.make_cases("fp4_kv_sim", "tiny", dtype):
+        x, block = case.args
+        got = ops.fp4_kv_sim(x, block)
+        assert got.dtype == dtype and torch.equal(got.to(f64), _fp4_kv_by_hand(x, block)), case.name
+
+
+def test_fp4_kv_rows_carry_their_edge_groups():
+    x = conf.fp4_kv_rows(g(52), 4, 32, 16)
+    groups = x.view(4, 2, 16).abs().amax(-1)
+    assert groups[0].eq(0).all() and groups[1, 0] < 6 * 2.0**-9 < groups[1, 1] < 6 * 2.0**-6  # a subnormal scale
+    for row, group in ((2, 0), (2, 1)):
+        values = x[row, group * 16 : (group + 1) * 16].double()
+        scale = float(values.abs().max()) / 6
+        assert scale in E4M3_TABLE and set(conf.E2M1_MIDPOINTS) <= set((values.abs() / scale).tolist())
+    amax = x[3].view(2, 16).abs().amax(-1).tolist()  # amax / 6 rounds down to its scale (1), then up (1.125)
+    assert amax[0] > 6 and [_nearest(E4M3_TABLE, a / 6) for a in amax] == [1.0, 1.125]
+    ties = x[2]  # the midpoints survive rounding to the 16-bit dtypes
+    assert torch.equal(ties.to(torch.bfloat16).float(), ties) and torch.equal(ties.half().float(), ties)
+
+
+def _hc_mixes_by_hand(streams, fn, base, scale, iters, hc_eps, norm_eps):
+    T, n, D = streams.shape
+    pres, posts, combs = [], [], []
+    for t in range(T):
+        v = streams[t].reshape(-1)
+        m = fn @ (v / math.sqrt(float((v**2).mean()) + norm_eps))
+        pres.append(torch.sigmoid(m[:n] * scale[0] + base[:n]) + hc_eps)
+        posts.append(2 * torch.sigmoid(m[n : 2 * n] * scale[1] + base[n : 2 * n]))
+        c = torch.softmax((m[2 * n :] * scale[2] + base[2 * n :]).view(n, n), dim=1) + hc_eps
+        c = c / (c.sum(0, keepdim=True) + hc_eps)
+        for _ in range(iters - 1):
+            c = c / (c.sum(1, keepdim=True) + hc_eps)
+            c = c / (c.sum(0, keepdim=True) + hc_eps)
+        combs.append(c)
+    return torch.stack(pres), torch.stack(posts), torch.stack(combs)
+
+
+def test_hc_mixes_match_the_formula_and_hc_pre():
+    streams, fn, base, scale = _hc_inputs()
+    for iters in (1, 20):
+        pre, post, comb = ops.hc_mixes(streams, fn, base, scale, iters, 1e-6, 1e-6)
+        for got, want in zip((pre, post, comb), _hc_mixes_by_hand(streams, fn, base, scale, iters, 1e-6, 1e-6)):
+            close(got, want)
+        assert ((pre > 1e-6) & (pre < 1 + 1e-6)).all()
+        # hc_pre is these mixes and the collapse by pre
+        p_post, p_comb, collapsed = ops.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+        assert torch.equal(p_post, post) and torch.equal(p_comb, comb)
+        assert torch.equal(collapsed, ops.hc_collapse(streams, pre))
+    zero = torch.zeros_like(streams[:1])  # V4.1's norm eps 1e-20: an all-zero token's mixes are the biases
+    pre, post, _ = ops.hc_mixes(zero, fn, base, scale, 20, 1e-6, 1e-20)
+    close(pre, torch.sigmoid(base[:4]).unsqueeze(0) + 1e-6)
+    close(post, 2 * torch.sigmoid(base[4:8]).unsqueeze(0))
+
+
+def test_hc_collapse_matches_the_formula():
+    T, n, D = 3, 4, 7
+    streams, pre = randn(T, n, D, seed=53), torch.rand(T, n, generator=g(54), dtype=f64)
+    out = ops.hc_collapse(streams, pre)
+    for t in range(T):
+        close(out[t], sum(pre[t, i] * streams[t, i] for i in range(n)))
+    half = ops.hc_collapse(streams.to(torch.bfloat16), pre.float())
+    assert half.dtype == torch.bfloat16
+    close(half, ops.hc_collapse(streams.to(torch.bfloat16).to(f64), pre.float().to(f64)), 2e-2, 1e-2)
+
+
+def _act_quant_by_hand(row: list[float], block: int) -> list[float]:
+    """DeepSeek's act_quant per ``block`` values: the power-of-two scale that fits the amax (floored at
+    1e-4) into 448, each value rounded to E4M3 (nearest, ties to even, saturating)."""
+    out = []
+    for start in range(0, len(row), block):
+        group = row[start : start + block]
+        mantissa, exponent = math.frexp(max(max(abs(v) for v in group), 1e-4) / 448)
+        scale = 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+        out += [math.copysign(_nearest(E4M3_TABLE, abs(v) / scale) * scale, v) for v in group]
+    return out
+
+
+def _moe_experts_quant_act_by_hand(x, w13, w2, ids, weights, limit, block):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        xq = torch.tensor(_act_quant_by_hand(x[t].tolist(), block), dtype=f64)
+        for slot, e in enumerate(ids[t].tolist()):
+            if e < 0:
+                continue
+            gate, up = (w13[e] @ xq).chunk(2)
+            h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) * weights[t, slot]
+            out[t] += w2[e] @ torch.tensor(_act_quant_by_hand(h.tolist(), block), dtype=f64)
+    return out
+
+
+def test_moe_experts_quant_act_quantises_per_block_as_a_per_token_loop():
+    for case in conf.make_cases("moe_experts_quant_act", "tiny", f64):
+        close(ops.moe_experts_quant_act(*case.args), _moe_experts_quant_act_by_hand(*case.args))
+    T, D, inter, E, k = 5, 40, 24, 3, 2  # groups of 16: partial last ones on both sides
+    x = randn(T, D, seed=55) * torch.logspace(-3, 2, D, dtype=f64)
+    w13, w2 = randn(E, 2 * inter, D, seed=56), randn(E, D, inter, seed=57)
+    ids = torch.tensor([[0, 2], [-1, 1], [-1, -1], [2, 0], [1, -1]])
+    weights = randn(T, k, seed=58).abs() + 0.1
+    args = (x, w13, w2, ids, weights, 3.0)
+    close(ops.moe_experts_quant_act(*args, 16), _moe_experts_quant_act_by_hand(*args, 16))
+    assert torch.equal(ops.moe_experts_quant_act(*args, 128), ops.moe_experts_act_quant(*args))
+    assert not torch.equal(ops.moe_experts_quant_act(*args, 16), ops.moe_experts_act_quant(*args))
+
+
+def _pow2_scale(amax: float, qmax: float, eps: float) -> float:
+    """The smallest power of two s with max(amax, eps) / s <= qmax."""
+    mantissa, exponent = math.frexp(max(amax, eps) / qmax)
+    return 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+
+
+def _kv_fp4_values_by_hand(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The values a packed KV entry of ``kind`` holds: window E4M3 per 32 with power-of-two scales,
+    compressed as fp4_kv_sim per 16, index e2m1 per 32 with power-of-two scales (amax floor 6 * 2^-126)."""
+    if kind == "compressed":
+        return _fp4_kv_by_hand(x, 16)
+    out = []
+    for row in x.to(f64).tolist():
+        if kind == "window":
+            out.append(_act_quant_by_hand(row, 32))
+            continue
+        values = []
+        for start in range(0, len(row), 32):
+            group = row[start : start + 32]
+            scale = _pow2_scale(max(abs(v) for v in group), 6.0, 6 * 2.0**-126)
+            values += [math.copysign(_nearest(E2M1_TABLE, abs(v) / scale) * scale, v) for v in group]
+        out.append(values)
+    return torch.tensor(out, dtype=f64)
+
+
+@pytest.mark.parametrize("dtype", [f64, torch.float32, torch.bfloat16], ids=str)
+def test_packed_kv_entries_hold_the_quantised_values(dtype):
+    for case in conf.make_cases("kv_fp4_pack", "tiny", dtype):
+        x, kind = case.args
+        rows = ops.kv_fp4_pack(x, kind)
+        group, per_value = {"window": (32, 1.0), "compressed": (16, 0.5), "index": (32, 0.5)}[kind]
+        width = int(x.shape[1] * per_value) + x.shape[1] // group  # the codes, then a byte per group
+        assert rows.dtype == torch.uint8 and rows.shape == (x.shape[0], width)
+        values = ops.kv_fp4_unpack(rows, kind, x.shape[-1])
+        assert values.dtype == torch.float32 and torch.equal(values.to(f64), _kv_fp4_values_by_hand(x, kind)), kind
+    x = conf.make_cases("fp4_kv_sim", "tiny", dtype)[0].args[0]
+    assert torch.equal(ops.kv_fp4_unpack(ops.kv_fp4_pack(x, "compressed"), "compressed", x.shape[-1]).to(dtype),
+                       ops.fp4_kv_sim(x, 16))
+
+
+def test_packed_kv_nibbles_and_scale_bytes():
+    x = torch.tensor([[0.5, -1.0, 6.0, 0.0] + [0.0] * 12], dtype=f64)  # amax 6: scale 1 (E4M3 byte 0x38)
+    rows = ops.kv_fp4_pack(x, "compressed")
+    assert rows[0, :2].tolist() == [0x1 | (0xA << 4), 0x7] and rows[0, 8:].tolist() == [0x38]
+
+
+def test_embedding_fp8_scales_each_group_of_a_row():
+    weight = torch.tensor([[1.0, 2.0, 3.0, 4.0], [NAN] * 4, [0.5, -0.5, 448.0, -6.0]]).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[2.0, 0.25], [NAN, NAN], [1.0, 0.5]])
+    out = ops.embedding_fp8(torch.tensor([2, 0, 2]), weight, scale)
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[0.5, -0.5, 224.0, -3.0], [2.0, 4.0, 0.75, 1.0], [0.5, -0.5, 224.0, -3.0]]
+
+
+def test_engram_gate_matches_the_formula():
+    T, n, D = 3, 2, 8
+    streams, key, value = randn(T, n, D, seed=59), randn(T, n, D, seed=60), randn(T, D, seed=61)
+    key[0, 1] = 0.0  # dot 0: the gate is sigmoid(sqrt(1e-6))
+    qw, kw = 1 + randn(n, D, seed=62) / 10, 1 + randn(n, D, seed=63) / 10
+    out = ops.engram_gate(streams, key, value, qw, kw, 1e-20)
+    for t in range(T):
+        for i in range(n):
+            h, k = streams[t, i], key[t, i]
+            dot = float((h * qw[i] * kw[i] * k).sum()) / math.sqrt(float((h**2).mean()) + 1e-20)
+            dot = dot / math.sqrt(float((k**2).mean()) + 1e-20) / math.sqrt(D)
+            gate = 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
+            close(out[t, i], h + gate * value[t])
+    close(out[0, 1], streams[0, 1] + value[0] / (1 + math.exp(-1e-3)))

@@ -17,13 +17,16 @@ result independent of its batch, op by op:
   multiplies by exp(0) = 1 and adds exact zeros, so padding a list further changes nothing. The one
   batch-dependent choice left, skipping the extra pool when no query of the batch has an extra index,
   is turned off (``keep_extra``).
-* ``indexer_topk`` (which the catalogue marks invariant): its candidate tile fixed at
-  :data:`INDEXER_BLOCK_C` instead of chosen by the batch's widest candidate list.
+* ``indexer_topk`` (which the catalogue marks invariant) and ``indexer_scores``: the scores kernel with its
+  candidate tile fixed at :data:`INDEXER_BLOCK_C` instead of chosen by the batch's widest candidate list.
+* ``hc_mixes`` (DeepSeek-V4.1's single-pass mHC): the mixing projection and the sum of the squares that
+  normalises it as GEMMs above (the squares against a column of ones), then elementwise torch with the
+  n x n softmax and Sinkhorn sums added term by term (torch's reductions pick their layout by the shape).
 * ``linear_fp8``, ``linear_fp8_ue8m0``, ``moe_experts_fp8``, ``moe_experts_fp4``,
-  ``moe_experts_act_quant``: the core's native bodies (per-row activation quantisation, weights
-  dequantised exactly, experts in ascending id order) with the GEMM and SwiGLU above; correct but
-  slow (float32 GEMMs on dequantised weights). The MoE ones read expert counts back to the host, so
-  their steps are not graph-captured.
+  ``moe_experts_act_quant``, ``moe_experts_quant_act``, ``moe_experts_fp4_quant_act``: the core's native
+  bodies (per-row activation quantisation, weights dequantised exactly, experts in ascending id order)
+  with the GEMM and SwiGLU above; correct but slow (float32 GEMMs on dequantised weights). The MoE ones
+  read expert counts back to the host, so their steps are not graph-captured.
 * ``sparse_attention_fp8``: the native body (the read rows decoded exactly, per row) with the
   attention above.
 
@@ -187,6 +190,54 @@ def indexer_topk(
     return triton_ops.indexer_topk(q, weights, keys, candidates, topk, scale, block_c=INDEXER_BLOCK_C)
 
 
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return triton_ops.indexer_scores(q, weights, keys, candidates, scale, block_c=INDEXER_BLOCK_C)
+
+
+def _sum_terms(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim, keepdim=True)`` added term by term in index order (elementwise kernels only)."""
+    terms = x.unbind(dim)
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total.unsqueeze(dim)
+
+
+def hc_mixes(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """native.hc_mixes with every reduction invariant: fn . flatten(streams) and the squares' sum by the
+    GEMM above (rows normalised after the projection, as DeepSeek's model does), the rest elementwise."""
+    tokens, n, d = streams.shape
+    flat = streams.reshape(tokens, n * d).float().contiguous()
+    squares = linear(flat * flat, flat.new_ones((1, n * d)))
+    mixes = linear(flat, fn.float()) * torch.rsqrt(squares / (n * d) + norm_eps)
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    s = scale.float()
+    pre = torch.sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * s[1] + post_b)
+    logits = comb_w.reshape(tokens, n, n) * s[2] + comb_b.view(n, n)
+    top = logits[..., :1]
+    for j in range(1, n):
+        top = torch.maximum(top, logits[..., j : j + 1])
+    comb = torch.exp(logits - top)
+    comb = comb / _sum_terms(comb, -1) + hc_eps
+    comb = comb / (_sum_terms(comb, -2) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (_sum_terms(comb, -1) + hc_eps)
+        comb = comb / (_sum_terms(comb, -2) + hc_eps)
+    return pre, post, comb
+
+
 hc_pre = partial(hc_ops.hc_pre, mm=_mixing_mm)
 hc_head = partial(hc_ops.hc_head, mm=_mixing_mm)
 linear_fp8 = partial(native.linear_fp8, linear=linear)
@@ -211,8 +262,14 @@ ALL_OPS = {
 ALL_OPS["sparse_attention_fp8"] = partial(native.sparse_attention_fp8, attention=sparse_attention)
 ALL_OPS["linear_fp8_ue8m0"] = partial(native.linear_fp8_ue8m0, linear=linear)
 ALL_OPS["moe_experts_act_quant"] = partial(native.moe_experts_act_quant, linear=linear, swiglu=swiglu)
+# DeepSeek-V4.1
+ALL_OPS["indexer_scores"] = indexer_scores
+ALL_OPS["hc_mixes"] = hc_mixes
+ALL_OPS["moe_experts_quant_act"] = partial(native.moe_experts_quant_act, linear=linear, swiglu=swiglu)
+ALL_OPS["moe_experts_fp4_quant_act"] = partial(native.moe_experts_fp4_quant_act, linear=linear, swiglu=swiglu)
 #: kernels of this module that serve the default mode too: the routing's one program a token replaces
 #: torch's sort over the experts and its gathers (21 us for the sort alone at batch 1 on the H200)
 DEFAULT_OPS = {"moe_route": moe_route}
 #: the native loops over experts, which read the counts back to the host
-SYNCS_HOST = frozenset({"moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant"})
+SYNCS_HOST = frozenset({"moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant", "moe_experts_quant_act",
+                        "moe_experts_fp4_quant_act"})

@@ -255,17 +255,16 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def indexer_topk(
+def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
     keys: torch.Tensor,
     candidates: torch.Tensor,
-    topk: int,
     scale: float,
     *,
     block_c: int | None = None,
 ) -> torch.Tensor:
-    """Scores in Triton; the selection is a stable sort (ties towards the earlier candidate).
+    """The indexer's scores in Triton, float32, -inf where a candidate is -1 (or past the pool).
     ``block_c``: candidates per program (default: by the candidate count)."""
     tokens, heads, d = q.shape
     n_cand = candidates.shape[-1]
@@ -280,7 +279,23 @@ def indexer_topk(
             candidates, candidates.stride(0), n_cand, scores, scores.stride(0), heads, d, float(scale),
             BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_D=block_d, DOT_PREC=_prec(q.dtype), num_warps=4,
         )
-    return select_topk(scores, candidates, keys.shape[0], topk)
+    return scores
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    topk: int,
+    scale: float,
+    *,
+    block_c: int | None = None,
+) -> torch.Tensor:
+    """Scores in Triton (:func:`indexer_scores`); the selection is a stable sort (ties towards the earlier
+    candidate). ``block_c``: candidates per program (default: by the candidate count)."""
+    scores = indexer_scores(q, weights, keys, candidates, scale, block_c=block_c)
+    return select_topk(scores, _rows(candidates), keys.shape[0], topk)
 
 
 #: rows up to this wide are selected by one sort in registers (``select_topk_kernel``); wider ones by the
