@@ -31,6 +31,7 @@ from deepinfer_core.model.cache_layout import BranchSpec, cache_layout
 from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
 from deepinfer_core.models.deepseek_v4.weights import HyperConnection
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
 from deepinfer_core.models.deepseek_v41.weights import Attention, Block, Compressor, Engram, ModelWeights, MoE
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.native import select_topk
@@ -103,7 +104,10 @@ class DeepseekV41Model:
         self.engram_hash = engram_hash
         #: tokens per n-gram the batch must carry (0: no Engram)
         self.ngram_size = cfg.engram_max_ngram_size if cfg.has_engram else 0
-        self.drafter = None  # the DSpark stages are loaded and checked; drafting is not wired yet
+        #: the checkpoint's DSpark stages as a draft model (:mod:`.dspark`), None without them; speculative
+        #: decoding does not run it yet, so the engine's ``drafter`` stays None
+        self.dspark = DeepseekV41DSpark(self, weights.mtp) if weights.mtp and cfg.dspark_block_size else None
+        self.drafter = None
 
     @property
     def has_mtp(self) -> bool:
@@ -146,7 +150,9 @@ class DeepseekV41Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits of ``batch.logits_indices`` rows, the last layer's streams [T, n, D])."""
+        """(logits of ``batch.logits_indices`` rows, what the DSpark drafter reads: the mean over the streams
+        of each ``dspark_target_layer_ids`` layer's input, concatenated [T, targets * D]; the last layer's
+        streams [T, n, D] for a checkpoint without targets)."""
         ops, cfg, w = self.ops, self.cfg, self.weights
         x = ops.embedding(batch.input_ids, w.embed).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -156,13 +162,16 @@ class DeepseekV41Model:
         rope = {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
         hashes = self.engram_rows(batch) if self.engram_hash is not None else None
         step = _Step()
+        targets = []
         for layer, block in enumerate(w.layers):
             if block.engram is not None:
                 streams = self.engram(block.engram, streams, hashes[:, cfg.engram_layer_ids.index(layer)])
+            if layer in cfg.dspark_target_layer_ids:  # the drafter reads a target layer's input
+                targets.append(streams.mean(dim=1))
             streams, pre = self.block(block, layer, streams, pre, batch, cache, rope, step)
         hidden = ops.rms_norm(ops.hc_collapse(streams[batch.logits_indices], pre[batch.logits_indices]), w.norm,
                               cfg.rms_norm_eps)
-        return self.logits(hidden), streams
+        return self.logits(hidden), torch.cat(targets, dim=-1) if targets else streams
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head in float32 (float64 stays float64), as the reference keeps it."""
@@ -353,13 +362,14 @@ class DeepseekV41Model:
     ep = None
     expert_load = None
 
-    def moe(self, moe: MoE, h, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def moe(self, moe: MoE, h, token_ids: torch.Tensor | None = None, top_k: int | None = None) -> torch.Tensor:
         """The routed experts (through the expert-parallel dispatcher when there is one) plus the shared
-        expert; ``token_ids`` is unused (no hash routing in V4.1)."""
+        expert; ``token_ids`` is unused (no hash routing in V4.1); ``top_k``: experts per token (default:
+        the target's; the drafter's stages route fewer)."""
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         logits = ops.linear(h.to(acc), gate.weight.weight.to(acc))
-        weights, ids = ops.moe_route(logits, cfg.scoring_func, cfg.num_experts_per_tok, gate.bias, None,
+        weights, ids = ops.moe_route(logits, cfg.scoring_func, top_k or cfg.num_experts_per_tok, gate.bias, None,
                                      cfg.routed_scaling_factor)
         if self.expert_load is not None:
             self.expert_load.record(moe, ids)
