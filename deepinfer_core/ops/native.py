@@ -456,7 +456,9 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
     weight = q_weight.to(acc) * k_weight.to(acc)
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(k.square().mean(-1) + eps)
     dot = (h * weight * k).sum(-1) * rstd * h.shape[-1] ** -0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    # 1 / (1 + exp(-z)) rather than torch.sigmoid, whose CPU kernel rounds a value differently by where it
+    # falls in a vector run: a token's gate must not depend on the other tokens of the batch
+    gate = 1 / (1 + torch.exp(-torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot)))
     return (h + gate.unsqueeze(-1) * value.to(acc).unsqueeze(-2)).to(streams.dtype)
 
 
