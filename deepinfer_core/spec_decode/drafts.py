@@ -41,6 +41,11 @@ class DraftPlanner:
         config = SpeculativeConfig.from_arg(value)
         if config is None:
             return None
+        if config.method not in cfg.architecture.drafters:
+            drafters = sorted(cfg.architecture.drafters) or "none"
+            dspark = "; its DSpark stages load but do not draft yet" if getattr(cfg, "dspark_block_size", 0) else ""
+            raise ValueError(f"speculative_config method {config.method!r} is not available for "
+                             f"{cfg.architecture.name} (its drafters: {drafters}{dspark})")
         if not getattr(cfg, "num_nextn_predict_layers", 0):
             raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer "
                              "(num_nextn_predict_layers >= 1)")
