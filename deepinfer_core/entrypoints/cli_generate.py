@@ -54,9 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fraction of accelerator memory to use (default: 0.9)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    group.add_argument("--numerics", default=None, choices=("deepseek", "transformers"),
-                       help="DeepSeek's inference arithmetic (quantised activations, FP8 KV entries) or "
-                            "transformers' (default: deepseek where config.json has quantization_config)")
+    group.add_argument("--numerics", default=None, metavar="NAME",
+                       help="the model's arithmetic: 'deepseek' (DeepSeek's inference code: quantised "
+                            "activations and KV entries), 'transformers' (DeepSeek-V4: transformers' arithmetic) or "
+                            "'unquantised' (DeepSeek-V4.1: the reference without its quantisation steps); default: "
+                            "deepseek where config.json has quantization_config")
     group.add_argument("--allow-reference-fallback", action="store_true",
                        help="let ops the backend lacks fall back to the reference implementations")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
