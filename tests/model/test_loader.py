@@ -18,6 +18,7 @@ from model_fixtures import engine_logits, hf_logits, max_rel_diff, no_kernel_pac
 from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig, UnsupportedModelError
+from deepinfer_core.default_model import EMBEDDED_MODEL
 from deepinfer_core.model.loader import (
     FP8_BLOCK,
     CheckpointError,
@@ -25,6 +26,7 @@ from deepinfer_core.model.loader import (
     load_weights,
 )
 from deepinfer_core.models import load_model
+from deepinfer_core.models.deepseek_v4.config import missing_keys
 from deepinfer_core.models.deepseek_v4.manifest import canonical_name
 
 # the shared fixtures, bound here so that pytest finds them in this module
@@ -208,6 +210,29 @@ def test_fp8_weight_without_scale(tiny_copy):
     write_tensors(tiny_copy, tensors)
     with pytest.raises(CheckpointError, match=re.escape(canonical_name(name))):
         load(tiny_copy)
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "layer_types", "n_routed_experts", "num_hidden_layers",
+                                 "mlp_layer_types", "partial_rotary_factor"])
+def test_config_missing_a_required_key_names_it(tiny_copy, key):
+    """Named before any tensor is read (the weights file here is not even a safetensors file); the keys
+    that stand for one another are named together."""
+    config = json.loads((tiny_copy / "config.json").read_text())
+    del config[key]
+    config.pop("qk_rope_head_dim", None)  # partial_rotary_factor's older name
+    (tiny_copy / "config.json").write_text(json.dumps(config))
+    (tiny_copy / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UnsupportedModelError, match=f"config.json: DeepSeek-V4 config lacks {key}"):
+        load(tiny_copy)
+
+
+def test_required_keys_accept_their_older_names():
+    raw = json.loads((EMBEDDED_MODEL / "config.json").read_text())
+    assert missing_keys(raw) == []
+    legacy = {k: v for k, v in raw.items() if k not in ("layer_types", "mlp_layer_types", "partial_rotary_factor")}
+    assert missing_keys({**legacy, "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1}) == []
+    assert missing_keys({**raw, "hidden_size": None, "layer_types": None}) == [
+        "hidden_size", "layer_types (or compress_ratios)"]
 
 
 # --- equivalent layouts --------------------------------------------------------------------------

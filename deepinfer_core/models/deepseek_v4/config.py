@@ -10,6 +10,28 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache_layout import BranchSpec, CacheLayout
 from deepinfer_core.model.errors import UnsupportedModelError
 
+#: keys a config.json must give: transformers' defaults for them are one model size's (they fix the
+#: tensor shapes and the per-layer schedule), so a default could not match another checkpoint and would
+#: only surface later as a tensor of the wrong shape. A tuple's names stand for one another (transformers
+#: folds the older ones DeepSeek's configs ship into the first). Design constants every V4 shares
+#: (hc_mult, compress_rates, n_shared_experts, ...) keep their defaults.
+REQUIRED: tuple[str | tuple[str, ...], ...] = (
+    "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+    "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok", "sliding_window",
+    "index_n_heads", "index_head_dim", "index_topk", ("layer_types", "compress_ratios"),
+    ("mlp_layer_types", "num_hash_layers"), ("partial_rotary_factor", "qk_rope_head_dim"),
+)
+
+
+def missing_keys(raw: dict[str, Any]) -> list[str]:
+    """The :data:`REQUIRED` keys ``raw`` lacks (null counts as missing), each as config.json would name it."""
+    missing = []
+    for key in REQUIRED:
+        names = (key,) if isinstance(key, str) else key
+        if all(raw.get(name) is None for name in names):
+            missing.append(names[0] + "".join(f" (or {n})" for n in names[1:]))
+    return missing
+
 
 class DeepseekV4Config(ModelConfig):
     """DeepSeek-V4 hyper-parameters, read through transformers' ``DeepseekV4Config``."""
@@ -18,6 +40,10 @@ class DeepseekV4Config(ModelConfig):
     def parse(cls, path: Path, raw: dict[str, Any]) -> DeepseekV4Config:
         from transformers import DeepseekV4Config as HFConfig
 
+        missing = missing_keys(raw)
+        if missing:
+            raise UnsupportedModelError(f"{path / 'config.json'}: DeepSeek-V4 config lacks {', '.join(missing)} "
+                                        "(no default fits every checkpoint)")
         try:
             hf_config = HFConfig.from_pretrained(str(path))
         except Exception as exc:
