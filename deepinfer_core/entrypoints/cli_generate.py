@@ -285,7 +285,10 @@ def run_generate(args: argparse.Namespace) -> int:
     llm, code = build_llm(args, "generate")
     if llm is None:
         return code
-    results = llm.generate(prompts, params, use_tqdm=args.progress)
+    try:
+        results = llm.generate(prompts, params, use_tqdm=args.progress)
+    except ValueError as exc:  # an invalid prompt: nothing ran
+        return fail("generate", str(exc))
     if args.json:
         engine = llm.llm_engine
         doc = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from deepinfer_core.engine.args import EngineArgs
 from deepinfer_core.engine.factory import Engine, make_engine
-from deepinfer_core.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
@@ -54,7 +54,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; an invalid prompt gets an output with ``error`` set (the others run)."""
+        """Run every prompt to completion and return the final outputs, in the order of ``prompts``.
+
+        Every prompt is checked before anything runs: an invalid one (empty, token ids outside the
+        vocabulary, longer than ``max_model_len``, ...) raises ``ValueError`` naming its index, and
+        nothing of this call is left in the engine (vLLM's behaviour). A request that fails while
+        running ends alone with ``error`` set (``finish_reason="error"``)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -70,21 +75,11 @@ class LLM:
         final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  if isinstance(p, SamplingParams) and p.output_kind is not RequestOutputKind.FINAL_ONLY else p
                  for p in params}
-        params = [final[id(p)] for p in params]
+        order = self._add_all(prompts, [final[id(p)] for p in params])
         results: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, p in zip(prompts, params):
-            rid = f"gen-{next(self._ids)}"
-            order.append(rid)
-            try:
-                self._router.add(rid, prompt, p)
-            except ValueError as exc:
-                text = prompt if isinstance(prompt, str) else None
-                results[rid] = RequestOutput(rid, text, [], [CompletionOutput(0, "", [], "error")], True, 0, str(exc))
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm)
-        bar.update(len(results))
         try:
-            pending = [rid for rid in order if rid not in results]
+            pending = order
             while pending:
                 self._router.pump()
                 for rid in pending:
@@ -95,11 +90,32 @@ class LLM:
                 pending = [rid for rid in pending if rid not in results]
         finally:
             bar.close()
-            for rid in order:
-                if rid not in results:
-                    self._router.abort(rid)
-                self._router.forget(rid)
+            self._drop([rid for rid in order if rid not in results], order)
         return [results[rid] for rid in order]
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        """Queue every prompt or none: the first invalid one raises ``ValueError`` naming its index,
+        after the requests queued before it are aborted (none of them has run: nothing stepped yet)."""
+        added: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"gen-{next(self._ids)}"
+                try:
+                    self._router.add(rid, prompt, p)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i}: {exc}") from exc
+                added.append(rid)
+        except BaseException:
+            self._drop(added, added)
+            raise
+        return added
+
+    def _drop(self, abort: Iterable[str], forget: Iterable[str] = ()) -> None:
+        """Abort the requests ``abort`` (freeing what they hold) and forget the outputs of ``forget``."""
+        for rid in abort:
+            self._router.abort(rid)
+        for rid in forget:
+            self._router.forget(rid)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | None = None, thinking: bool = False,
              tools: list[dict] | None = None, **kwargs: Any) -> list[RequestOutput]:

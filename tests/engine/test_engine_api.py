@@ -146,15 +146,21 @@ def test_stream_closed_early_aborts_its_request(llm):
     ],
     ids=["empty", "too-long", "past-vocab", "negative", "bad-dict"],
 )
-def test_bad_prompt_gets_an_error_output_and_the_others_run(llm, bad, message):
+def test_bad_prompt_raises_naming_its_index_before_anything_runs(llm, bad, message):
+    """vLLM's behaviour: an invalid prompt raises ValueError, naming it, and nothing of the call runs or
+    stays queued (the prompts before it are aborted); the engine then serves the next call as before."""
     alone = run_tokens(llm, PROMPTS[:2], greedy(5))
-    outs = llm.generate([token_prompts(PROMPTS[:1])[0], bad, token_prompts(PROMPTS[1:2])[0]], greedy(5),
-                        use_tqdm=False)
-    assert [len(outs), outs[0].error, outs[2].error] == [3, None, None]
-    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
-    err = outs[1]
-    assert err.finished and err.error and message in err.error
-    assert err.outputs[0].finish_reason == "error" and err.outputs[0].token_ids == []
+    engine = llm.llm_engine
+    steps = engine.step
+    engine.step = lambda: pytest.fail("a step ran although a prompt of the call was invalid")
+    try:
+        with pytest.raises(ValueError, match=rf"^prompt 1: .*{message}"):
+            llm.generate([token_prompts(PROMPTS[:1])[0], bad, token_prompts(PROMPTS[1:2])[0]], greedy(5),
+                         use_tqdm=False)
+    finally:
+        engine.step = steps
+    assert not engine.has_unfinished_requests() and not engine.requests and not llm._router.queues
+    assert run_tokens(llm, PROMPTS[:2], greedy(5)) == alone
 
 
 def test_final_only_requests_are_reported_once_when_they_end(llm):
@@ -211,9 +217,9 @@ def test_mismatched_sampling_params_list_raises(llm):
         llm.generate(token_prompts(PROMPTS[:2]), [greedy(2)], use_tqdm=False)
 
 
-def test_stop_token_outside_vocabulary_is_an_error_output(llm):
-    out = llm.generate(token_prompts(PROMPTS[:1]), greedy(2, stop_token_ids=[VOCAB + 5]), use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "error" and "stop_token_ids" in out.error
+def test_stop_token_outside_vocabulary_raises(llm):
+    with pytest.raises(ValueError, match="^prompt 0: stop_token_ids"):
+        llm.generate(token_prompts(PROMPTS[:1]), greedy(2, stop_token_ids=[VOCAB + 5]), use_tqdm=False)
 
 
 def test_unknown_backend_is_named(tiny_path):
@@ -283,8 +289,8 @@ def test_prompt_longer_than_token_budget_without_chunked_prefill(make_llm, tiny_
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine.add_request(None, {"prompt_token_ids": make_prompt(17, seed=9)}, greedy(3))
-    outs = llm.generate(token_prompts([make_prompt(17, seed=9), PROMPTS[1]]), greedy(3), use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error" and outs[1].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="^prompt 0: .*max_num_batched_tokens"):
+        llm.generate(token_prompts([make_prompt(17, seed=9), PROMPTS[1]]), greedy(3), use_tqdm=False)
 
 
 def test_max_model_len_ends_with_length(llm):

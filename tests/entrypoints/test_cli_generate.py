@@ -83,6 +83,7 @@ def test_generate_token_id_prompt_and_stop(capsys):
         (["--block-size", "0"], "--block-size"),
         (["--backend", "no_such_backend"], "no_such_backend"),
         (["--model", "no/such/folder"], "config.json"),
+        (["--prompt-token-ids", "5,999999"], "prompt 1: prompt token ids [999999]"),  # after "hello"
     ],
 )
 def test_generate_invalid_values_exit_2_without_traceback(capsys, argv, needle):

@@ -170,16 +170,17 @@ def test_pack_bitmask_matches_the_apply_token_bitmask_layout():
     assert torch.equal(masked == 0, allowed)
 
 
-def test_without_xgrammar_a_structured_request_is_an_error_of_its_own(tiny_path, make_llm, monkeypatch):
+def test_without_xgrammar_a_structured_request_raises_naming_the_install(tiny_path, make_llm, monkeypatch):
     llm = make_llm(tiny_path("tiny"))
     engine = llm.llm_engine
     engine.structured = StructuredOutputManager(engine.tokenizer, 384, [EOS])  # nothing imported yet
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
-    params = [SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")),
-              SamplingParams(temperature=0, max_tokens=4)]
-    outs = llm.generate(token_prompts(PROMPTS[:2]), params, use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error" and "pip install" in outs[0].error
-    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+    params = [SamplingParams(temperature=0, max_tokens=4),
+              SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))]
+    with pytest.raises(ValueError, match="^prompt 1: .*pip install"):
+        llm.generate(token_prompts(PROMPTS[:2]), params, use_tqdm=False)
+    out = llm.generate(token_prompts(PROMPTS[:1]), params[0], use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 4
 
 
 # --- generation -------------------------------------------------------------------------------------
