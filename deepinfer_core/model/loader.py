@@ -10,7 +10,9 @@ Formats in a file: float tensors; FP8 E4M3 weights with one scale per 128x128 ti
 ``expert_dtype: "fp4"``. ``quantization_config`` is honoured: its block size and formats must be the
 ones read here, and with ``scale_fmt: "ue8m0"`` every scale must be a power of two. An unknown, missing,
 mis-shaped or mis-typed tensor is a :class:`CheckpointError` naming it and its file, raised before any
-tensor is read; so is an unreadable (truncated, corrupted) file.
+tensor is read; so is an unreadable (truncated, corrupted) file, and a weight holding NaN or an infinity
+(float and FP8 weights are checked on the device as they are read, one reduction each, the results
+brought to the host once per file).
 
 Routed experts are stacked on load into ``experts.w13`` [E, 2I, D] (gate rows then up rows) and
 ``experts.w2`` [E, D, I], only those of ``experts`` (a range) where given. Quantised tensors are
@@ -432,6 +434,33 @@ def _scale_values(name: str, scale: torch.Tensor, entry: _Entry, quant: QuantCon
     return s
 
 
+def _nonfinite_code(tensor: torch.Tensor, fmt: str) -> torch.Tensor | None:
+    """A 0-dim code on ``tensor``'s device, computed without a host sync: 0 when every value is finite, 1
+    when one is infinite, 2 or 3 when one is NaN; None for a format that holds neither (integer tables,
+    packed FP4). A float tensor costs one reduction (min and max propagate NaN and reach an infinity), and
+    no copy of it; E4M3 has no infinity, and its NaN is every bit but the sign set."""
+    if not tensor.numel() or fmt not in ("float", "fp8"):
+        return None
+    if fmt == "fp8":
+        return ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any().long() * 2
+    lo, hi = torch.aminmax(tensor)
+    return (lo.isnan() | hi.isnan()).long() * 2 + (lo.isinf() | hi.isinf()).long()
+
+
+def _refuse_nonfinite(checks: list[tuple[_Item, torch.Tensor]]) -> None:
+    """A :class:`CheckpointError` naming every tensor of ``checks`` whose code (:func:`_nonfinite_code`)
+    is not 0; the codes come to the host together, once. ``checks`` is emptied."""
+    if not checks:
+        return
+    codes = torch.stack([code for _, code in checks]).tolist()
+    bad = [f"{item.name} ({item.entry.where()}: {'NaN' if code >= 2 else 'infinity'})"
+           for (item, _), code in zip(checks, codes) if code]
+    checks.clear()
+    if bad:
+        raise CheckpointError(f"{len(bad)} weight(s) hold non-finite values: {', '.join(bad[:8])}"
+                              + (" ..." if len(bad) > 8 else ""))
+
+
 def read_checkpoint(
     cfg: ModelConfig,
     path: Path,
@@ -445,7 +474,8 @@ def read_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Check every tensor's name, shape and dtype against the config (before reading any), then read them
     file by file straight onto ``device``, dequantising there (or keeping them quantised with
-    ``keep_fp8``), stacking the routed experts; block scales come back as ``name + "_scale"``."""
+    ``keep_fp8``), stacking the routed experts; block scales come back as ``name + "_scale"``. A float or
+    FP8 weight holding NaN or an infinity is a :class:`CheckpointError` naming it and its file."""
     path = Path(path)
     manifest = manifest_of(cfg)
     entries = read_headers(path, manifest)
@@ -521,13 +551,18 @@ def read_checkpoint(
         handles.clear()
 
     ordered = sorted(items, key=lambda i: (str(i.entry.file), i.entry.key))
+    checks: list[tuple[_Item, torch.Tensor]] = []  # the file's weights' non-finite codes, read at its end
     progress = tqdm(total=len(items), desc="loading weights", unit="tensor", disable=not show_progress)
     try:
         for n, item in enumerate(ordered):
             if n and item.entry.file != ordered[n - 1].entry.file:  # one file mapped at a time
+                _refuse_nonfinite(checks)
                 close_files()
             progress.update(1)
             tensor = get(item.entry).to(device)
+            code = _nonfinite_code(tensor, item.fmt)
+            if code is not None:
+                checks.append((item, code))
             scale = None
             if item.scale is not None:
                 scale = _scale_values(item.name, get(item.scale).to(device), item.scale, quant, item.fmt)
@@ -560,6 +595,7 @@ def read_checkpoint(
                 params[key], params[key + "_scale"] = tensor, e8m0_from_float(scale) if kept_table else scale
             else:
                 params[key] = dequantized(item, tensor, scale, param_dtype(key))
+        _refuse_nonfinite(checks)
     finally:
         progress.close()
         close_files()

@@ -212,6 +212,53 @@ def test_fp8_weight_without_scale(tiny_copy):
         load(tiny_copy)
 
 
+NONFINITE = [  # (tensor, what it is filled with, where: all of it or one value, what the error calls it)
+    ("model.layers.1.attn.wq_a.weight", float("nan"), "all", "NaN"),
+    ("model.embed_tokens.weight", float("-inf"), "one", "infinity"),
+    ("model.layers.2.ffn.experts.3.w2.weight", float("nan"), "one", "NaN"),  # one slice of a stack
+    ("model.layers.0.ffn.gate.weight", float("inf"), "one", "infinity"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "where", "kind"), NONFINITE, ids=[n[0] for n in NONFINITE])
+def test_nonfinite_weight_is_named(tiny_copy, name, value, where, kind):
+    """A weight holding NaN or an infinity does not load (it would sample token 0 with NaN logprobs)."""
+    tensors = read_tensors(tiny_copy)
+    if where == "all":
+        tensors[name] = torch.full_like(tensors[name], value)
+    else:
+        tensors[name].view(-1)[7] = value
+    write_tensors(tiny_copy, tensors)
+    with pytest.raises(CheckpointError, match="non-finite") as info:
+        load(tiny_copy)
+    message = str(info.value)
+    assert canonical_name(name) in message and "model.safetensors" in message and kind in message
+
+
+def test_nonfinite_weights_are_named_with_their_shard(tiny_copy):
+    files = shard(tiny_copy, parts=2)
+    tensors = load_file(str(tiny_copy / files[1]))
+    names = sorted(n for n in tensors if n.endswith("norm.weight"))[:2]
+    for n in names:
+        tensors[n][0] = float("nan")
+    write_tensors(tiny_copy, tensors, files[1])
+    with pytest.raises(CheckpointError, match="2 weight") as info:
+        load(tiny_copy)
+    assert all(f"{canonical_name(n)} ('{n}' in {files[1]}: NaN)" in str(info.value) for n in names)
+
+
+def test_nan_in_an_fp8_weight_is_named(tiny_copy):
+    tensors = read_tensors(tiny_copy)
+    name = "model.layers.1.attn.wq_a.weight"
+    q, scale = quantize_fp8(tensors[name])
+    q[3, 5] = float("nan")  # E4M3's NaN: every bit but the sign
+    tensors[name], tensors[name.removesuffix(".weight") + ".scale"] = q, scale
+    write_tensors(tiny_copy, tensors)
+    expected = f"{canonical_name(name)} ('{name}' in model.safetensors: NaN)"
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        load(tiny_copy)
+
+
 @pytest.mark.parametrize("key", ["hidden_size", "layer_types", "n_routed_experts", "num_hidden_layers",
                                  "mlp_layer_types", "partial_rotary_factor"])
 def test_config_missing_a_required_key_names_it(tiny_copy, key):
