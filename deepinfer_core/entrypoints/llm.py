@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields, replace
@@ -20,7 +21,14 @@ PromptType = str | dict | list[int]
 
 
 class LLM:
-    """Build an engine by backend name; ``model=None`` is the embedded default checkpoint."""
+    """Build an engine by backend name; ``model=None`` is the embedded default checkpoint.
+
+    Safe to share between threads: calls are serialised. A ``generate`` (or ``chat``) call runs whole
+    while another thread's call waits, so every call gets the outputs a sequential run gives; a
+    ``stream`` takes the engine one step at a time and may interleave with them. For requests that run
+    together as they come, use ``AsyncLLM`` (what the server uses). ``llm_engine`` itself is not
+    thread-safe: drive it from one thread, or through this object.
+    """
 
     def __init__(self, model: str | Path | None = None, backend: str = "cpu_ref", dtype: Any = None,
                  **engine_args: Any):
@@ -41,9 +49,14 @@ class LLM:
         self.llm_engine = engine
         self._router = OutputRouter(engine)
         self._ids = itertools.count()
+        # whoever holds it drives the engine, which is not thread-safe; a generate call holds it from its
+        # first add to its last output, a stream only for one step (never across a yield). Reentrant: a
+        # stream closed by the collector inside a call of the same thread aborts without a deadlock.
+        self._lock = threading.RLock()
 
     def reset_prefix_cache(self) -> None:
-        self.llm_engine.reset_prefix_cache()
+        with self._lock:
+            self.llm_engine.reset_prefix_cache()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -75,7 +88,13 @@ class LLM:
         final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  if isinstance(p, SamplingParams) and p.output_kind is not RequestOutputKind.FINAL_ONLY else p
                  for p in params}
-        order = self._add_all(prompts, [final[id(p)] for p in params])
+        with self._lock:
+            return self._run_all(prompts, [final[id(p)] for p in params], use_tqdm)
+
+    def _run_all(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+                 ) -> list[RequestOutput]:
+        """Queue every prompt (or raise, see ``generate``) and step until each has its final output."""
+        order = self._add_all(prompts, params)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm)
         try:
@@ -129,20 +148,22 @@ class LLM:
         """Yield the growing output of one request after every step it took part in (other calls on this
         ``LLM``, interleaved with the iteration, keep their own outputs)."""
         rid = f"stream-{next(self._ids)}"
-        self._router.add(rid, prompt, sampling_params or SamplingParams())
+        with self._lock:
+            self._router.add(rid, prompt, sampling_params or SamplingParams())
         try:
             while True:
-                outs = self._router.take(rid)
-                if not outs:
-                    self._router.pump()
-                    continue
+                with self._lock:
+                    outs = self._router.take(rid)
+                    if not outs:
+                        self._router.pump()
+                        continue
                 for out in outs:
                     yield out
                     if out.finished:
                         return
         finally:
-            self._router.abort(rid)
-            self._router.forget(rid)
+            with self._lock:
+                self._drop([rid], [rid])
 
 
 class OutputRouter:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import engine_fixtures
 import pytest
 import torch
@@ -133,6 +135,44 @@ def test_stream_closed_early_aborts_its_request(llm):
     assert not first.finished
     stream.close()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_generate_from_several_threads_gives_each_its_sequential_outputs(llm):
+    """Calls from several threads are serialised (each runs whole, as if alone): every thread gets the
+    outputs a sequential run gives, seeded sampling included, and a stream beside them keeps its own."""
+    prompts = [[make_prompt(n, seed=400 + 10 * t + i) for i, n in enumerate([6, 17, 11])] for t in range(3)]
+    params = [greedy(8), SamplingParams(temperature=0.9, seed=7, max_tokens=8, ignore_eos=True), greedy(8)]
+    expected = [run_tokens(llm, ps, params) for ps in prompts]
+    streamed = run_tokens(llm, [PROMPTS[2]], greedy(12))[0]
+    rounds, start = 3, threading.Barrier(len(prompts) + 1)
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def call(t: int) -> None:
+        try:
+            start.wait()
+            for _ in range(rounds):  # another thread's call may run between two of these
+                outs = llm.generate(token_prompts(prompts[t]), params, use_tqdm=False)
+                got.setdefault(t, []).append([o.outputs[0].token_ids for o in outs])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    def stream() -> None:
+        try:
+            start.wait()
+            got[-1] = [list(llm.stream({"prompt_token_ids": PROMPTS[2]}, greedy(12)))[-1].outputs[0].token_ids]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in range(len(prompts))]
+    threads.append(threading.Thread(target=stream))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert all(got[t] == [expected[t]] * rounds for t in range(len(prompts)))
+    assert got[-1] == [streamed]
 
 
 @pytest.mark.parametrize(
