@@ -4,7 +4,7 @@ with its package under :mod:`deepinfer_core.models`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +12,8 @@ import torch
 
 from deepinfer_core.model.errors import UnsupportedModelError
 
-__all__ = ["CacheConfig", "EPLBConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "UnsupportedModelError",
-           "resolve_dtype"]
+__all__ = ["CacheConfig", "EPLBConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "StructuredOutputsConfig",
+           "UnsupportedModelError", "resolve_dtype", "structured_outputs_config_of"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -112,6 +112,41 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Structured outputs for every request of the engine (vLLM's ``StructuredOutputsConfig``).
+
+    ``disable_any_whitespace``: JSON output (``json`` schemas, ``json_object``, OpenAI's
+    ``response_format``) is compact, one line with xgrammar's separators, instead of allowing free
+    whitespace between tokens, which a model may fill ``max_tokens`` with. Off by default, as in vLLM; a
+    request turns it on for itself with ``StructuredOutputsParams(disable_any_whitespace=True)``.
+    ``backend``: only xgrammar is served ("auto" picks it)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+
+
+def structured_outputs_config_of(value: dict | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+    """The engine argument ``structured_outputs_config`` (a dict of its fields, or one) checked."""
+    if value is None:
+        return StructuredOutputsConfig()
+    if isinstance(value, dict):
+        known = [f.name for f in fields(StructuredOutputsConfig)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"unknown structured_outputs_config keys {unknown}; known: {known}")
+        value = StructuredOutputsConfig(**value)
+    if not isinstance(value, StructuredOutputsConfig):
+        raise ValueError(f"structured_outputs_config must be a dict or a StructuredOutputsConfig, "
+                         f"got {type(value).__name__}")
+    if value.backend not in ("auto", "xgrammar"):
+        raise ValueError(f"structured_outputs_config.backend {value.backend!r} is not served; 'auto' or 'xgrammar'")
+    if not isinstance(value.disable_any_whitespace, bool):
+        raise ValueError("structured_outputs_config.disable_any_whitespace must be a bool, got "
+                         f"{value.disable_any_whitespace!r}")
+    return value
 
 
 @dataclass

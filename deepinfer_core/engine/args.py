@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_core.config import EPLBConfig, ParallelConfig
+from deepinfer_core.config import EPLBConfig, ParallelConfig, StructuredOutputsConfig
 from deepinfer_core.parallel.eplb_state import eplb_config_of
 
 
@@ -49,6 +49,9 @@ class EngineArgs:
     enable_eplb: bool = False  # expert-parallel load balancing: redundant experts, rearranged by measured load
     eplb_config: dict | EPLBConfig | None = None  # window_size, step_interval, num_redundant_experts, ...
     distributed_executor_backend: str | None = None  # "external_launcher": this process is a rank torchrun started
+    # vLLM's: {"disable_any_whitespace": True} makes every JSON-constrained output compact (default: free
+    # whitespace between JSON tokens, as in vLLM); {"backend": "auto" | "xgrammar"}
+    structured_outputs_config: dict | StructuredOutputsConfig | None = None
 
 
 def parallel_config_of(args: EngineArgs) -> ParallelConfig:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig
+from deepinfer_core.config import CacheConfig, ModelConfig, SchedulerConfig, structured_outputs_config_of
 from deepinfer_core.engine.args import EngineArgs, parallel_config_of
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import fast_decoder
@@ -82,6 +82,7 @@ class LLMEngine:
             cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching)
         self.parallel_config = parallel_config_of(args)
+        self.structured_outputs_config = structured_outputs_config_of(args.structured_outputs_config)
         self.drafts = DraftPlanner.create(args.speculative_config, cfg, self.parallel_config)
         self._async = bool(args.async_scheduling)
         if self.drafts is not None and self._async and self.parallel_config.expert_parallel_size > 1:
@@ -109,7 +110,9 @@ class LLMEngine:
             cache_salt=f"{path.resolve()}|{self.dtype}",
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, drafting=self.drafts is not None)
-        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, cfg.vocab_size, cfg.eos_token_ids,
+            disable_any_whitespace=self.structured_outputs_config.disable_any_whitespace)
         self.processor = InputProcessor(cfg, self.scheduler_config, self.tokenizer, self.structured, args.seed)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()

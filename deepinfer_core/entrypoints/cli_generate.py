@@ -73,6 +73,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding with the MTP layer, e.g. \'{"method": "mtp", '
                             '"num_speculative_tokens": 2}\' (optional "schedule": "fixed" | "confidence")')
+    group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                       help='structured outputs of every request, e.g. \'{"disable_any_whitespace": true}\' '
+                            "for compact JSON output (default: free whitespace between JSON tokens)")
 
 
 _POSITIVE_ENGINE_INTS = (
@@ -109,12 +112,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if args.num_redundant_experts < 0:
             raise UsageError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
         kwargs["eplb_config"] = {"num_redundant_experts": args.num_redundant_experts}
-    if getattr(args, "speculative_config", None):
-        try:
-            kwargs["speculative_config"] = json.loads(args.speculative_config)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--speculative-config is not valid JSON: {exc}") from exc
+    for name in ("speculative_config", "structured_outputs_config"):
+        if getattr(args, name, None):
+            kwargs[name] = _json_option(name, getattr(args, name))
     return kwargs
+
+
+def _json_option(name: str, text: str) -> dict:
+    """The JSON object of option ``--name``."""
+    flag = "--" + name.replace("_", "-")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def build_llm(args: argparse.Namespace, command: str):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.config import ModelConfig
+from deepinfer_core.config import ModelConfig, structured_outputs_config_of
 from deepinfer_core.default_model import default_model_path
 from deepinfer_core.engine.args import EngineArgs, parallel_config_of
 from deepinfer_core.engine.processor import encode_prompt, prompt_ids
@@ -42,6 +42,7 @@ class DataParallelEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.parallel_config = pc = parallel_config_of(args)
+        structured_outputs_config_of(args.structured_outputs_config)  # checked here, before ranks start
         path = Path(args.model) if args.model is not None else default_model_path()
         self.model_config = cfg = ModelConfig.from_pretrained(path)
         ep = pc.expert_parallel_size

@@ -5,6 +5,9 @@
   in ``add_request`` (never inside a step), through a small LRU keyed by the constraint; a constraint
   that does not compile raises ``ValueError`` (and is remembered, so it is not compiled again), which
   fails that request only.
+* JSON constraints allow free whitespace between tokens unless the request or the engine
+  (``StructuredOutputsConfig.disable_any_whitespace``) disables it, as in vLLM: a model may otherwise
+  spend ``max_tokens`` on newlines and never close the value.
 * Each sequence gets its own :class:`GrammarState` (an xgrammar ``GrammarMatcher``). Before sampling,
   :meth:`StructuredOutputManager.bitmask` fills one int32 row of xgrammar's bitmask per sampled row
   (all ones for rows without a grammar); the sampler applies it with the backend op
@@ -152,8 +155,11 @@ class StructuredOutputManager:
     """Compiles constraints for one engine's tokenizer and fills the per-step bitmask."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], cache_size: int = 64,
-                 max_threads: int = 2):
+                 max_threads: int = 2, disable_any_whitespace: bool = False):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        # the engine's StructuredOutputsConfig: compact JSON for every request (a request may ask for
+        # it alone); fixed for the manager's life, so the compile cache need not key on it
+        self.disable_any_whitespace = disable_any_whitespace
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size, self.max_threads = cache_size, max_threads
         self._compiler: Any = None
@@ -200,7 +206,7 @@ class StructuredOutputManager:
                 return hit
             compiler = self._get_compiler()
             try:
-                compiled = self._compile(compiler, params)
+                compiled = self._compile(compiler, params, self.disable_any_whitespace)
                 self.stats["compiled"] += 1
             except Exception as exc:  # xgrammar reports every bad constraint as a RuntimeError
                 self.stats["failed"] += 1
@@ -213,9 +219,10 @@ class StructuredOutputManager:
         return compiled
 
     @staticmethod
-    def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
+    def _compile(compiler: Any, params: StructuredOutputsParams, disable_any_whitespace: bool = False) -> Any:
         kind = params.kind
-        any_ws = not params.disable_any_whitespace
+        # xgrammar without any_whitespace: one line, separators ", " and ": ", no newline anywhere
+        any_ws = not (params.disable_any_whitespace or disable_any_whitespace)
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
             return compiler.compile_json_schema(schema, any_whitespace=any_ws)
