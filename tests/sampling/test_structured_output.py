@@ -2,9 +2,10 @@
 
 The model's preferences do not matter: the grammar mask leaves it only valid continuations, and a
 bounded grammar (enums, bounded integers, length-limited patterns, finite EBNF, choices) must end
-within ``max_tokens``. A constraint that does not compile fails its own request only; a request whose
-grammar reaches a state no token can satisfy ends alone with ``finish_reason="error"``. Engine runs
-that compare batches use ``batch_invariant=True``, so "identical" means bit-identical.
+within ``max_tokens``. A constraint that does not compile is refused when its request is added
+(``generate`` raises naming the prompt, nothing runs); a request whose grammar reaches a state no token
+can satisfy ends alone with ``finish_reason="error"``. Engine runs that compare batches use
+``batch_invariant=True``, so "identical" means bit-identical.
 
 Tests that need xgrammar are skipped when it is not installed (``pip install 'deepinfer[structured]'``).
 """
@@ -273,18 +274,17 @@ def test_bitmask_goes_through_the_backend_op(llm):
      (StructuredOutputsParams(grammar="root ::= undefined"), "grammar")],
     ids=["regex", "schema_type", "schema_syntax", "ebnf"],
 )
-def test_a_failing_grammar_fails_only_its_request(llm, bad, fragment):
+def test_a_failing_grammar_raises_naming_its_prompt(llm, bad, fragment):
+    """A constraint that does not compile is refused when its prompt is added: ``generate`` raises naming
+    the prompt before anything runs, and the engine serves the next call as before."""
     good = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, structured_outputs=CASES[c][0])
             for i, c in enumerate(["regex", "json_schema"])] + [SamplingParams(temperature=0.7, seed=9, max_tokens=12)]
     baseline = llm.generate(token_prompts(PROMPTS), good, use_tqdm=False)
-    with_bad = llm.generate(token_prompts([PROMPTS[0], *PROMPTS, PROMPTS[1]]),
-                            [SamplingParams(structured_outputs=bad), *good, SamplingParams(structured_outputs=bad)],
-                            use_tqdm=False)
+    with pytest.raises(ValueError, match=rf"^prompt 1: .*\({fragment}\)"):
+        llm.generate(token_prompts(PROMPTS[:2]), [good[0], SamplingParams(structured_outputs=bad)], use_tqdm=False)
     engine_fixtures.assert_drained(llm.llm_engine)
-    for failed in (with_bad[0], with_bad[-1]):
-        assert failed.finished and failed.outputs[0].finish_reason == "error"
-        assert failed.error and f"({fragment})" in failed.error
-    for a, b in zip(baseline, with_bad[1:-1]):
+    again = llm.generate(token_prompts(PROMPTS), good, use_tqdm=False)
+    for a, b in zip(baseline, again):
         assert b.error is None
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
 
