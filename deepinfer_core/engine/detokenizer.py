@@ -16,7 +16,9 @@ The engine decodes through :func:`fast_decoder`: for a transformers tokenizer ba
 transformers' per-call Python layers (two decodes per token add up at large batches).
 
 Stop strings are found here too (:meth:`IncrementalDetokenizer.advance`): only in text new since the
-last update, and the shown text is cut where the first one begins.
+last update, and the shown text is cut where the first one begins. Until the sequence finishes, what it
+reports (:meth:`IncrementalDetokenizer.get_next_output_text`) holds back the tail that could still grow
+into a stop string, so a stream never shows part of one.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ def fast_decoder(tokenizer: Any) -> Decoder:
     return tokenizer
 
 
+def stop_buffer_length(stop: Sequence[str]) -> int:
+    """Characters to hold back from a stream: a stop string ``s`` that ends in new text starts at most
+    ``len(s) - 1`` characters before it (see :meth:`IncrementalDetokenizer.advance`)."""
+    return max((len(s) for s in stop), default=1) - 1
+
+
 class IncrementalDetokenizer:
     """The output text of one sequence, kept up to date as its output ids grow."""
 
@@ -85,6 +93,14 @@ class IncrementalDetokenizer:
                 return s
         self.output_text = text
         return None
+
+    def get_next_output_text(self, finished: bool, stop: Sequence[str] = ()) -> str:
+        """The text to report: ``output_text``, less its last ``stop_buffer_length`` characters until the
+        sequence has ``finished`` (vLLM's hold-back). Those could be the start of a stop string that a later
+        token completes, which would cut them; so every text reported is a prefix of the final one.
+        """
+        held = 0 if finished else stop_buffer_length(stop)
+        return self.output_text[: len(self.output_text) - held] if held else self.output_text
 
     def update(self, tokenizer: Decoder, ids: list[int], end: int, skip_special_tokens: bool,
                last: bool) -> str | None:

@@ -480,8 +480,9 @@ class LLMEngine:
                 self._detokenize(seq, len(ids), last=True)
             if seq.output_logprobs:
                 cum = sum(lp[t] for lp, t in zip(seq.output_logprobs, ids))
+            text = seq.detokenizer.get_next_output_text(seq.is_finished, seq.params.stop)
             outs.append(CompletionOutput(
-                seq.index, seq.text, ids, seq.finish_reason, seq.stop_reason,
+                seq.index, text, ids, seq.finish_reason, seq.stop_reason,
                 list(seq.output_logprobs) if seq.params.logprobs is not None else None, cum,
             ))
         error = next((str(s.stop_reason) for s in req.seqs if s.finish_reason == FinishStatus.ERROR), None)

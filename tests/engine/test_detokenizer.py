@@ -137,13 +137,14 @@ def stream_all(make_llm, path, requests: list[tuple[list[int], SamplingParams]],
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_engine_outputs_match_full_decode(make_llm, tiny_path, monkeypatch, async_scheduling):
-    """Streamed text, stop strings (min_tokens, skip_special_tokens, n=2, stop tokens) as with full decodes."""
+    """Streamed text, stop strings (min_tokens, skip_special_tokens, n=2, stop tokens) as with full decodes;
+    every streamed text is a prefix of the final one (no part of a stop string is shown, then cut)."""
     path = tiny_path("tiny")
     prompts = [make_prompt(5 + i, seed=40 + i) for i in range(8)]
     plain = stream_all(make_llm, path, [(p, greedy(30)) for p in prompts])
     texts = [t for _, _, t, _, f, _ in plain if f is not None]
     rng = random.Random(0)
-    stops = [t[k : k + rng.choice([1, 2, 3])] for t in texts for k in [rng.randrange(len(t))]]
+    stops = [t[k : k + rng.choice([1, 2, 3, 5, 8])] for t in texts for k in [rng.randrange(len(t))]]
     requests = [(p, SamplingParams(temperature=0.9, seed=i, max_tokens=30, ignore_eos=i % 3 == 0, n=1 + i % 2,
                                    min_tokens=4 * (i % 4), stop=stops[i : i + 2], stop_token_ids=[5, 9] * (i % 2),
                                    skip_special_tokens=i % 3 != 1))
@@ -154,6 +155,9 @@ def test_engine_outputs_match_full_decode(make_llm, tiny_path, monkeypatch, asyn
     want = stream_all(make_llm, path, requests, **args)
     assert got == want
     assert sum(1 for r in got if r[4] == "stop" and isinstance(r[5], str)) >= 2, "some stop strings hit"
+    final = {(rid, i): text for rid, i, text, _, finish, _ in got if finish is not None}
+    for rid, i, text, *_ in got:  # the tail that may become a stop string is held back: never shown, then cut
+        assert final[rid, i].startswith(text), (rid, i, text, final[rid, i])
     assert any(REPLACEMENT_CHAR in t for _, _, t, *_ in got), "some character came split"
 
 

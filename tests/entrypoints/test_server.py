@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client against a real uvicorn on
 127.0.0.1 serving the embedded tiny model: every text equals the offline engine's with the same seeds,
-streaming and not; tools, response_format, n, stop and logprobs pass through; bad requests get 400 (429
-when the queue is full, 401 without the key) and the server keeps serving; a client that goes away
-aborts its request and frees its memory; a bounded load test ends with zero errors and idle memory.
+streaming and not (a stream never shows part of a stop string); tools, response_format, n, stop and
+logprobs pass through; bad requests get 400 (429 when the queue is full, 401 without the key) and the
+server keeps serving; a client that goes away aborts its request and frees its memory; a bounded load
+test ends with zero errors and idle memory.
 Both engines are batch-invariant, so batching on the server cannot change a token.
 """
 
@@ -323,6 +324,36 @@ def test_chat_response_format_json_schema(server, offline):
     assert text == want.chat_messages[0]["content"]
     assert resp.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(text)["a"], int)
+
+
+def stop_strings(text: str) -> list[str]:
+    """Three pieces of ``text`` of 2 to 5 characters from along it: as stop strings they hit, most across
+    tokens."""
+    assert len(text) >= 24, text
+    return [text[k : k + n] for k, n in zip(range(len(text) // 8, len(text) - 5, len(text) // 3), (3, 5, 2))]
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(server):
+    """For stop strings taken from a non-streamed output, the concatenated stream is exactly the
+    non-streamed text (completions and chat): the tail that could still become a stop string is held back."""
+    client = server.client()
+    kw = dict(model=MODEL, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt="def fibonacci(n):", **kw).choices[0].text
+    for stop in stop_strings(full):
+        whole = client.completions.create(prompt="def fibonacci(n):", stop=[stop], **kw).choices[0]
+        assert (whole.text, whole.finish_reason) == (full[: full.index(stop)], "stop"), stop
+        chunks = [c.choices[0] for c in client.completions.create(prompt="def fibonacci(n):", stop=[stop],
+                                                                  stream=True, **kw)]
+        assert "".join(c.text for c in chunks) == whole.text, stop
+        assert chunks[-1].finish_reason == "stop"
+    full = client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content
+    for stop in stop_strings(full):
+        whole = client.chat.completions.create(messages=MESSAGES, stop=stop, **kw).choices[0]
+        assert (whole.message.content, whole.finish_reason) == (full[: full.index(stop)], "stop"), stop
+        chunks = [c.choices[0] for c in client.chat.completions.create(messages=MESSAGES, stop=stop, stream=True,
+                                                                       **kw) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == whole.message.content, stop
+        assert chunks[-1].finish_reason == "stop"
 
 
 # --- errors ----------------------------------------------------------------------------------------
