@@ -6,6 +6,10 @@ while any request is unfinished, and routes every RequestOutput to the asyncio q
 disconnects, a cancelled task) aborts the request, which frees its memory. An invalid request raises
 ValueError from ``generate`` and never reaches the loop; an exception inside a step fails the requests
 that were in the engine then, and the loop goes on serving new ones.
+
+A text prompt is tokenized (and every prompt checked) in a worker thread before it is queued: a long
+prompt takes seconds to tokenize, which on the event loop would stall every connection and on the
+engine thread every running request.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_core.engine.processor import prompt_ids
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -136,8 +141,15 @@ class AsyncLLM:
             self._streams[rid] = stream
         added = loop.create_future()
         finished = False
-        self._send(("add", rid, prompt, params or SamplingParams(), added))
+        params = params or SamplingParams()
         try:
+            try:
+                prompt = await asyncio.to_thread(self._prepare, prompt, params)
+            except ValueError:
+                self._drop(rid)
+                finished = True  # never queued: nothing to abort
+                raise
+            self._send(("add", rid, prompt, params, added))
             await added
             while True:
                 item = await stream.queue.get()
@@ -156,6 +168,18 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._send(("abort", rid))
+
+    def _prepare(self, prompt: Any, params: SamplingParams) -> Any:
+        """In a worker thread: a text prompt becomes ``{"prompt", "prompt_token_ids"}``, and the ids are
+        checked where the engine can check them off its thread (it checks again, cheaply: a valid prompt is
+        shorter than ``max_model_len``). Raises ValueError for an invalid prompt."""
+        if self.tokenizer is None:
+            return prompt  # nothing to tokenize with: the engine accepts token ids or says why not
+        text, ids = prompt_ids(prompt, self.engine.encode)
+        processor = getattr(self.engine, "processor", None)
+        if processor is not None:
+            processor.validate(ids, params)
+        return {"prompt": text, "prompt_token_ids": ids}
 
     def abort(self, request_id: str) -> None:
         """Abort a request: the engine drops it and its ``generate`` ends without a finished output."""

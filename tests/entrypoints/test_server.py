@@ -1,9 +1,10 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client against a real uvicorn on
 127.0.0.1 serving the embedded tiny model: every text equals the offline engine's with the same seeds,
 streaming and not (a stream never shows part of a stop string); tools, response_format, n, stop and
-logprobs pass through; bad requests get 400 (429 when the queue is full, 401 without the key) and the
-server keeps serving; a client that goes away aborts its request and frees its memory; a bounded load
-test ends with zero errors and idle memory.
+logprobs pass through; bad requests get 400 (429 when the queue is full, 401 without the key, 413 for a
+body over the limit) and the server keeps serving; a request being tokenized holds up no other; a client
+that goes away aborts its request and frees its memory; a bounded load test ends with zero errors and
+idle memory.
 Both engines are batch-invariant, so batching on the server cannot change a token.
 """
 
@@ -15,6 +16,7 @@ import http.client
 import importlib.util
 import json
 import os
+import queue
 import signal
 import socket
 import statistics
@@ -37,7 +39,7 @@ from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
 from deepinfer_core.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from deepinfer_core.entrypoints.chat_utils import chat  # noqa: E402
 from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
-from deepinfer_core.entrypoints.openai.api_server import build_app  # noqa: E402
+from deepinfer_core.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app  # noqa: E402
 from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
 
 needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
@@ -415,6 +417,86 @@ def test_failing_step_fails_its_request_only(server):
     with pytest.raises(openai.InternalServerError, match="simulated device fault"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=5).choices[0].text
+    server.wait_idle()
+
+
+def test_request_body_over_the_limit_gets_413(server):
+    """A declared Content-Length over the limit is refused before the body is sent; a chunked body is
+    refused once it passes the limit; the server goes on."""
+    limit = DEFAULT_MAX_REQUEST_BODY_BYTES
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in (("Content-Type", "application/json"), ("Authorization", f"Bearer {KEY}"),
+                        ("Content-Length", str(limit + 1))):
+        conn.putheader(name, value)
+    conn.endheaders()  # and no body: the answer must not wait for it
+    resp = conn.getresponse()
+    error = json.loads(resp.read())["error"]
+    assert resp.status == 413 and f"limit of {limit} bytes" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in (("Content-Type", "application/json"), ("Authorization", f"Bearer {KEY}"),
+                        ("Transfer-Encoding", "chunked")):
+        conn.putheader(name, value)
+    conn.endheaders()
+    piece = b" " * (1 << 20)
+    for _ in range(limit // len(piece) + 1):  # one byte-chunk more than the limit, and no closing chunk
+        conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+    resp = conn.getresponse()
+    assert resp.status == 413 and f"limit of {limit} bytes" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
+def test_a_request_being_tokenized_holds_up_no_other(server, monkeypatch):
+    """Two large (under-limit) requests, a completion and a chat, sit in the tokenizer, held there by the
+    test: meanwhile /health answers and a small completion stream and a small chat stream run to their end.
+    (Tokenizing on the event loop would leave /health unanswered, on the engine thread the streams.)"""
+    tokenizer = server.engine.tokenizer
+    real = tokenizer.encode
+    big = "x = 1\n" * (1 << 16)  # 384 KiB of prompt
+    arrived: queue.Queue = queue.Queue()
+    release = threading.Event()
+
+    def encode(text, *args, **kwargs):
+        if len(text) >= len(big):
+            arrived.put(text)
+            assert release.wait(60), "the test never released the tokenizer"
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    answers: queue.Queue = queue.Queue()
+
+    def send_big(create, **kw) -> None:
+        try:
+            create(model=MODEL, max_tokens=4, **kw)
+            answers.put("answered")
+        except openai.APIStatusError as exc:
+            answers.put(exc.status_code)
+
+    client = server.client()
+    bigs = [threading.Thread(target=send_big, args=(client.completions.create,), kwargs={"prompt": big}),
+            threading.Thread(target=send_big, args=(client.chat.completions.create,),
+                             kwargs={"messages": [{"role": "user", "content": big}]})]
+    try:
+        for t in bigs:
+            t.start()
+        for _ in bigs:
+            arrived.get(timeout=30)  # both are being tokenized now, and stay so until released
+        assert server.get("/health", key=None) == (200, b'{"status":"ok"}')
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt="def f():", max_tokens=8, temperature=0, stream=True))
+        reply = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert text and reply
+        assert answers.empty() and not release.is_set()  # the large ones are still in the tokenizer
+    finally:
+        release.set()
+        for t in bigs:
+            t.join(60)
+    assert sorted(answers.get_nowait() for _ in bigs) == [400, 400]  # longer than max_model_len
     server.wait_idle()
 
 

@@ -2,7 +2,8 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events), ``/v1/models``,
 ``/health``, ``/metrics`` (Prometheus), ``/version``. Errors use OpenAI's shape. With an API key every
-route but ``/health`` needs ``Authorization: Bearer KEY``.
+route but ``/health`` needs ``Authorization: Bearer KEY``. A request body over ``max_request_body_bytes`` is
+answered 413 unread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from deepinfer_core.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 OPEN_ROUTES = ("/health",)
+# 16 MiB: room for the longest context DeepSeek supports (1M tokens) as text or as a JSON list of token ids
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -73,9 +76,46 @@ class _AuthAndCount:
                 self.metrics.requests.labels(path, str(code[0] if code else 499)).inc()
 
 
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                         "(deepinfer serve --max-request-body-bytes)", code="request_too_large")
+
+
+class _LimitBody:
+    """ASGI middleware: a body over ``limit`` bytes is answered 413. A declared ``Content-Length`` over it
+    is refused before any of the body is read; a body without one (chunked) is counted as it arrives and
+    refused once it passes the limit (the HTTPException goes to the app's handler, as the route reads it)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await JSONResponse(_too_large(self.limit).body(), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise StarletteHTTPException(413, _too_large(self.limit).message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None, default_thinking: bool = False,
-              max_model_len: int | None = None) -> FastAPI:
-    """The ASGI app; starts the engine thread on startup and stops it on shutdown."""
+              max_model_len: int | None = None,
+              max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The ASGI app; starts the engine thread on startup and stops it on shutdown. A request body over
+    ``max_request_body_bytes`` gets 413 (None: no limit)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,6 +144,9 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None, 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error(APIError(exc.status_code, str(exc.detail)))
 
+    if max_request_body_bytes is not None:
+        app.add_middleware(_LimitBody, limit=max_request_body_bytes)
+    # added last, so outermost: the key is checked before any body is read
     app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
@@ -158,6 +201,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="N",
+                   help="larger request bodies are answered 413 (default: 16 MiB)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model path, or deepseek-v4-tiny)")
     s.add_argument("--max-pending-requests", type=int, default=1024, metavar="N",
@@ -210,6 +255,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--port must be in 1..65535, got {args.port}")
         if args.max_pending_requests < 1:
             raise UsageError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+        if args.max_request_body_bytes < 1:
+            raise UsageError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     except UsageError as exc:
         return fail("serve", str(exc))
     import uvicorn
@@ -228,7 +275,7 @@ def run_serve(args: argparse.Namespace) -> int:
     max_len = getattr(getattr(engine, "scheduler_config", None), "max_model_len", None)
     async_llm = AsyncLLM(engine, max_pending_requests=args.max_pending_requests)
     app = build_app(async_llm, name, api_key=args.api_key, default_thinking=args.default_thinking,
-                    max_model_len=max_len)
+                    max_model_len=max_len, max_request_body_bytes=args.max_request_body_bytes)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("binding to %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and has no --api-key")

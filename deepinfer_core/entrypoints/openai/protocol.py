@@ -12,7 +12,7 @@ class APIError(Exception):
     """An error answered with OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

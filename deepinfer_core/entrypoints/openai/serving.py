@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -373,7 +374,9 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        prompt = self._chat_prompt(req)
+        # the conversation is encoded and tokenized in a worker thread: a long one takes seconds, and on the
+        # event loop those would stall every connection
+        prompt = await run_in_threadpool(self._chat_prompt, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.model_names[0]
