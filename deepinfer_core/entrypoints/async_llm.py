@@ -72,6 +72,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_step_failures = 0
+        self.num_aborted = 0  # requests aborted before they finished (a client gone, a cancelled task)
         self.stats: dict[str, float] = {}
         self.spec_decode_stats: dict | None = None  # the engine's speculative decoding counters, if it speculates
 
@@ -234,6 +235,7 @@ class AsyncLLM:
             stream = self._drop(rid)
             if stream is None:
                 return
+            self.num_aborted += 1
             if stream.in_engine:
                 try:
                     self.engine.abort_request(rid)

@@ -3,8 +3,8 @@
 streaming and not (a stream never shows part of a stop string); tools, response_format, n, stop and
 logprobs pass through; bad requests get 400 (429 when the queue is full, 401 without the key, 413 for a
 body over the limit) and the server keeps serving; a request being tokenized holds up no other; a client
-that goes away aborts its request and frees its memory; a bounded load test ends with zero errors and
-idle memory.
+that goes away aborts its request and frees its memory; /metrics labels routes by template and speaks
+vLLM's names; a bounded load test ends with zero errors and idle memory.
 Both engines are batch-invariant, so batching on the server cannot change a token.
 """
 
@@ -29,6 +29,7 @@ import urllib.request
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -148,6 +149,10 @@ def test_models_health_version_metrics(server):
                  "deepinfer_prefix_cache_hit_rate", "deepinfer_generation_tokens_total"):
         assert name in text, name
     assert 'deepinfer_requests_total{code="200",route="/v1/completions"}' in text
+    for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:kv_cache_usage_perc"):
+        assert name in text, name
 
 
 def test_metrics_of_a_speculating_server_count_its_drafts(server):
@@ -171,12 +176,74 @@ def test_metrics_of_a_speculating_server_count_its_drafts(server):
     assert sum(float(line.rsplit(" ", 1)[1]) for line in per_pos) == stats["num_accepted_tokens"]
 
 
-def test_api_key_on_every_route_but_health(server):
+def test_api_key_on_every_route_but_health_and_metrics(server):
     with pytest.raises(openai.AuthenticationError, match="API key"):
         server.client(api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert server.get("/v1/models", key=None)[0] == 401
-    assert server.get("/metrics", key="nope")[0] == 401
+    assert server.get("/version", key="nope")[0] == 401
+    assert server.get("/nowhere", key=None)[0] == 401
     assert server.get("/health", key=None)[0] == 200
+    assert server.get("/metrics", key=None)[0] == 200  # open, as vLLM's is
+    from starlette.testclient import TestClient
+
+    # asked to, /metrics needs the key too (an app of its own, never started: it only renders metrics)
+    closed = TestClient(build_app(AsyncLLM(server.engine), MODEL, api_key=KEY, require_api_key_for_metrics=True))
+    assert closed.get("/metrics").status_code == 401
+    assert closed.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """/metrics as ``{(sample name, sorted labels): value}``."""
+    status, body = server.get("/metrics", key=None)
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def test_metrics_route_templates_aborts_and_vllm_names(server):
+    """Requests are labelled by route template (every unknown path under one label), aborted requests are
+    counted, and vLLM's metric names carry the same figures as ours."""
+    client = server.client()
+    before = scrape(server)
+    resp = client.completions.create(model=MODEL, prompt="import os", max_tokens=5, temperature=0, n=2)
+    for path in ("/nope/1", "/nope/2", "/v1/models/other-model", f"/v1/models/{MODEL}"):
+        server.get(path)
+    server.wait_idle()
+    after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    def requests(route: str, code: str) -> float:
+        return delta("deepinfer_requests_total", route=route, code=code)
+
+    assert requests("/v1/completions", "200") == 1
+    assert requests("unmatched", "404") == 2 and requests("/v1/models/{model_id:path}", "404") == 1
+    assert requests("/v1/models/{model_id:path}", "200") == 1
+    assert not any(dict(labels).get("route", "").startswith("/nope") for _, labels in after)
+    assert requests("/metrics", "200") == 0  # scrapes are not counted
+    vllm = {"model_name": MODEL, "engine": "0"}
+    assert delta("vllm:prompt_tokens_total", **vllm) == delta("deepinfer_prompt_tokens_total") == \
+        resp.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total", **vllm) == delta("deepinfer_generation_tokens_total") == 10
+    assert delta("vllm:request_success_total", finished_reason="length", **vllm) == 2
+    assert delta("vllm:time_to_first_token_seconds_count", **vllm) == 1
+    assert delta("vllm:e2e_request_latency_seconds_count", **vllm) == 1
+    assert delta("vllm:request_generation_tokens_sum", **vllm) == 10
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total"):
+        assert (name, tuple(sorted(vllm.items()))) in after, name
+
+    conn = _post(server, "/v1/completions", {**LONG, "stream": True}, timeout=30)  # leaves after one chunk
+    assert conn.getresponse().readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    server.wait_idle()
+    before, after = after, scrape(server)
+    assert delta("vllm:request_success_total", finished_reason="abort", **vllm) == 1
+    assert delta("deepinfer_request_finished_total", finish_reason="abort") == 1
+    assert delta("vllm:generation_tokens_total", **vllm) >= 1  # what it generated before it left counts
 
 
 # --- completions -----------------------------------------------------------------------------------

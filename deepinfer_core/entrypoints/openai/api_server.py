@@ -2,8 +2,8 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events), ``/v1/models``,
 ``/health``, ``/metrics`` (Prometheus), ``/version``. Errors use OpenAI's shape. With an API key every
-route but ``/health`` needs ``Authorization: Bearer KEY``. A request body over ``max_request_body_bytes`` is
-answered 413 unread.
+route but ``/health`` and ``/metrics`` (open as vLLM's are, unless asked otherwise) needs
+``Authorization: Bearer KEY``. A request body over ``max_request_body_bytes`` is answered 413 unread.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Router
 
 from deepinfer_core.entrypoints.async_llm import AsyncLLM
 from deepinfer_core.entrypoints.openai.metrics import ServerMetrics
@@ -28,7 +29,9 @@ from deepinfer_core.entrypoints.openai.protocol import APIError, ChatCompletionR
 from deepinfer_core.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
-OPEN_ROUTES = ("/health",)
+OPEN_ROUTES = ("/health",)  # never need the API key; /metrics too unless require_api_key_for_metrics
+UNCOUNTED_ROUTES = ("/health", "/metrics")  # probes and scrapes: not in deepinfer_requests (vLLM leaves them out)
+UNMATCHED_ROUTE = "unmatched"  # the route label of every path no route takes, so unknown paths add one series
 # 16 MiB: room for the longest context DeepSeek supports (1M tokens) as text or as a JSON list of token ids
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 
@@ -41,27 +44,34 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-class _AuthAndCount:
-    """ASGI middleware: the bearer key on every route but /health, and a count of API responses by code.
-    (Plain ASGI rather than BaseHTTPMiddleware, so streaming and disconnect detection pass through.)"""
+def route_template(router: Router, scope: Any) -> str:
+    """The path template of the route that takes ``scope`` (``/v1/models/{model_id:path}``), whatever the
+    method; ``UNMATCHED_ROUTE`` for a path no route takes."""
+    partial = None
+    for route in router.routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return route.path
+        if match == Match.PARTIAL and partial is None:
+            partial = route.path
+    return partial or UNMATCHED_ROUTE
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+
+class _AuthAndCount:
+    """ASGI middleware: the bearer key on every route but the open ones, and a count of responses by route
+    template and code. (Plain ASGI rather than BaseHTTPMiddleware, so streaming and disconnect detection
+    pass through.)"""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics, router: Router,
+                 open_routes: tuple[str, ...]):
+        self.app, self.metrics, self.router, self.open_routes = app, metrics, router, open_routes
         self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        if self.expected is not None and path not in OPEN_ROUTES:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                self.metrics.requests.labels(path, "401").inc()
-                exc = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-                await JSONResponse(exc.body(), status_code=401)(scope, receive, send)
-                return
+        route = route_template(self.router, scope)
         code = []
 
         async def counted_send(message: Any) -> None:
@@ -70,10 +80,17 @@ class _AuthAndCount:
             await send(message)
 
         try:
+            if self.expected is not None and route not in self.open_routes:
+                given = dict(scope.get("headers") or []).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    exc = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key")
+                    await JSONResponse(exc.body(), status_code=401)(scope, receive, counted_send)
+                    return
             await self.app(scope, receive, counted_send)
         finally:
-            if path.startswith("/v1/"):
-                self.metrics.requests.labels(path, str(code[0] if code else 499)).inc()
+            if route not in UNCOUNTED_ROUTES:
+                self.metrics.requests.labels(route, str(code[0] if code else 499)).inc()
 
 
 def _too_large(limit: int) -> APIError:
@@ -113,9 +130,12 @@ class _LimitBody:
 
 def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None, default_thinking: bool = False,
               max_model_len: int | None = None,
-              max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    """The ASGI app; starts the engine thread on startup and stops it on shutdown. A request body over
-    ``max_request_body_bytes`` gets 413 (None: no limit)."""
+              max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              require_api_key_for_metrics: bool = False) -> FastAPI:
+    """The ASGI app; starts the engine thread on startup and stops it on shutdown.
+
+    ``max_request_body_bytes``: larger bodies get 413 (None: no limit). ``/metrics`` is open, as vLLM's is,
+    unless ``require_api_key_for_metrics``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -124,7 +144,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None, 
         async_llm.shutdown()
 
     app = FastAPI(title="deepinfer", lifespan=lifespan)
-    metrics = ServerMetrics(async_llm, model_name)
+    metrics = ServerMetrics(async_llm, model_name, max_model_len)
     serving = OpenAIServing(async_llm, [model_name], metrics, default_thinking)
     app.state.async_llm, app.state.metrics, app.state.serving = async_llm, metrics, serving
     created = int(time.time())
@@ -146,8 +166,9 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None, 
 
     if max_request_body_bytes is not None:
         app.add_middleware(_LimitBody, limit=max_request_body_bytes)
-    # added last, so outermost: the key is checked before any body is read
-    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
+    open_routes = OPEN_ROUTES if require_api_key_for_metrics else (*OPEN_ROUTES, "/metrics")
+    # added last, so outermost: the key is checked before any body is read, and a 413 is counted
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics, router=app.router, open_routes=open_routes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -200,7 +221,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    s.add_argument("--require-api-key-for-metrics", action="store_true",
+                   help="/metrics needs the API key too (default: open, as vLLM's is)")
     s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="N",
                    help="larger request bodies are answered 413 (default: 16 MiB)")
     s.add_argument("--served-model-name", default=None,
@@ -275,7 +299,8 @@ def run_serve(args: argparse.Namespace) -> int:
     max_len = getattr(getattr(engine, "scheduler_config", None), "max_model_len", None)
     async_llm = AsyncLLM(engine, max_pending_requests=args.max_pending_requests)
     app = build_app(async_llm, name, api_key=args.api_key, default_thinking=args.default_thinking,
-                    max_model_len=max_len, max_request_body_bytes=args.max_request_body_bytes)
+                    max_model_len=max_len, max_request_body_bytes=args.max_request_body_bytes,
+                    require_api_key_for_metrics=args.require_api_key_for_metrics)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("binding to %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and has no --api-key")
