@@ -300,7 +300,8 @@ def test_compiled_grammars_are_cached(llm):
     assert manager.stats["cache_hits"] == before["cache_hits"] + len(PROMPTS) - 1
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(("))
     for _ in range(2):
-        assert llm.generate(token_prompts(PROMPTS[:1]), bad, use_tqdm=False)[0].error
+        with pytest.raises(ValueError, match="regex"):
+            llm.generate(token_prompts(PROMPTS[:1]), bad, use_tqdm=False)
     assert manager.stats["failed"] == before["failed"] + 1  # the failure is remembered too
 
 
