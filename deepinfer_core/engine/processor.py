@@ -85,3 +85,18 @@ class InputProcessor:
                              f"{sched.max_num_batched_tokens} and chunked prefill is off")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids {params.stop_token_ids} are outside the vocabulary [0, {vocab})")
+        self._validate_limits(len(ids), params)
+
+    def _validate_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """What one request may ask of the engine: ``max_tokens`` that fit the context beside the prompt
+        (vLLM's server answers 400 otherwise; ``None`` generates up to ``max_model_len``), and ``n``
+        sequences, at most what one step runs (so that one request cannot hold the engine for minutes)."""
+        sched = self.scheduler_config
+        if params.n > sched.max_num_seqs:
+            raise ValueError(f"n is {params.n}, more than the {sched.max_num_seqs} sequences that run at once "
+                             "(max_num_seqs)")
+        room = sched.max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens is {params.max_tokens}, but max_model_len is {sched.max_model_len} "
+                             f"and the prompt has {num_prompt_tokens} tokens: at most {room} tokens can be "
+                             "generated (max_tokens=None: up to the context's end)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import engine_fixtures
@@ -334,9 +335,23 @@ def test_prompt_longer_than_token_budget_without_chunked_prefill(make_llm, tiny_
 
 
 def test_max_model_len_ends_with_length(llm):
-    # max_model_len is 64: a 60-token prompt has room for 4 tokens whatever max_tokens says
-    out = llm.generate(token_prompts([make_prompt(60, seed=10)]), greedy(10), use_tqdm=False)[0]
+    # max_model_len is 64: a 60-token prompt has room for 4 tokens, which max_tokens=None asks for
+    out = llm.generate(token_prompts([make_prompt(60, seed=10)]), greedy(None), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    assert run_tokens(llm, [make_prompt(60, seed=10)], greedy(4)) == [out.outputs[0].token_ids]
+
+
+@pytest.mark.parametrize("params, message", [
+    (greedy(5), "max_tokens is 5, but max_model_len is 64 and the prompt has 60 tokens: at most 4"),
+    (greedy(10**9), "max_tokens is 1000000000"),
+    (greedy(4, n=65), "n is 65, more than the 64 sequences that run at once"),
+], ids=["past-the-context", "huge", "n-past-max_num_seqs"])
+def test_limits_on_max_tokens_and_n_raise(llm, params, message):
+    """max_tokens beyond what the context holds beside the prompt, and n beyond max_num_seqs, are refused
+    (vLLM's server answers 400 to the first), before anything runs."""
+    with pytest.raises(ValueError, match=rf"^prompt 1: {re.escape(message)}"):
+        llm.generate(token_prompts([PROMPTS[0], make_prompt(60, seed=10)]), [greedy(4), params], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_max_model_len_beyond_the_model_raises(tiny_path):
