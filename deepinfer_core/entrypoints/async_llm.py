@@ -53,6 +53,7 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
     in_engine: bool = False
     started: bool = False  # has produced an output
+    num_seqs: int = 1  # the request's n: what it counts against ``max_pending_requests``
 
 
 class AsyncLLM:
@@ -125,24 +126,23 @@ class AsyncLLM:
     async def generate(self, prompt: Any, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its RequestOutput after each step it took part in (the last has
-        ``finished``). Raises ValueError for an invalid request, QueueFullError when
-        ``max_pending_requests`` are pending, RequestFailedError when the engine failed on it."""
+        ``finished``). Raises ValueError for an invalid request, QueueFullError when its ``n`` sequences
+        would take the sequences pending past ``max_pending_requests``, RequestFailedError when the engine
+        failed on it."""
         self.start()
         if self.dead_reason is not None or self._stopping:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        params = params or SamplingParams()
+        stream = _Stream(loop, asyncio.Queue(), num_seqs=params.n)
         with self._lock:
-            if self.max_pending_requests is not None and len(self._streams) >= self.max_pending_requests:
-                raise QueueFullError(f"{len(self._streams)} requests are pending (the most is "
-                                     f"{self.max_pending_requests}); retry later")
+            self._check_room(stream.num_seqs)
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
         added = loop.create_future()
         finished = False
-        params = params or SamplingParams()
         try:
             try:
                 prompt = await asyncio.to_thread(self._prepare, prompt, params)
@@ -169,6 +169,20 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._send(("abort", rid))
+
+    def _check_room(self, num_seqs: int) -> None:
+        """With ``self._lock`` held: ``max_pending_requests`` bounds the sequences queued or running, each
+        request counting its ``n`` (n=100000 is not one request's worth of work). A request that could
+        never fit is invalid; one that does not fit now must wait for room."""
+        limit = self.max_pending_requests
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise ValueError(f"n is {num_seqs}, more than the {limit} sequences this server holds pending")
+        pending = sum(s.num_seqs for s in self._streams.values())
+        if pending + num_seqs > limit:
+            raise QueueFullError(f"{pending} sequences are pending and this request adds {num_seqs} (the most "
+                                 f"is {limit}); retry later")
 
     def _prepare(self, prompt: Any, params: SamplingParams) -> Any:
         """In a worker thread: a text prompt becomes ``{"prompt", "prompt_token_ids"}``, and the ids are

@@ -176,6 +176,34 @@ def test_full_queue_and_duplicate_ids_are_refused(engine):
         allm.shutdown()
 
 
+def test_pending_limit_counts_sequences(engine):
+    """``max_pending_requests`` bounds sequences: a request counts its n. One that does not fit beside
+    those pending waits for room (QueueFullError, 429); one whose n alone is over the limit never fits
+    (ValueError, 400)."""
+    allm = AsyncLLM(engine, max_pending_requests=3, idle_wait_s=0.05)
+
+    async def main():
+        gen = allm.generate("p", SamplingParams(max_tokens=1000, n=2), "two")
+        await gen.__anext__()
+        with pytest.raises(QueueFullError, match="2 sequences are pending and this request adds 2"):
+            await collect_params(allm, SamplingParams(max_tokens=2, n=2), "more")
+        with pytest.raises(ValueError, match="n is 4, more than the 3 sequences"):
+            await collect_params(allm, SamplingParams(max_tokens=2, n=4), "never")
+        fits = await collect_params(allm, SamplingParams(max_tokens=2), "one")
+        await gen.aclose()
+        return fits
+
+    try:
+        assert run(main())[-1].finished
+    finally:
+        allm.shutdown()
+    assert allm.num_pending == 0
+
+
+async def collect_params(allm, params, rid):
+    return [out async for out in allm.generate("p", params, rid)]
+
+
 def test_shut_down_front_refuses(engine):
     allm = AsyncLLM(engine)
     allm.start()

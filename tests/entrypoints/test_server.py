@@ -434,7 +434,8 @@ BAD = [
     ("completions", {"prompt": "x " * 5000}, "max_model_len"),
     ("completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens is 1000000000, but max_model_len is"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**9}, "max_tokens is"),
-    ("completions", {"prompt": "x", "n": 100000}, "n is 100000, more than the 16 sequences"),
+    ("completions", {"prompt": "x", "n": 20}, "n is 20, more than the 16 sequences that run at once"),
+    ("completions", {"prompt": "x", "n": 100000}, "n is 100000, more than the 512 sequences this server holds"),
     ("completions", {"prompt": [10**9]}, "outside the vocabulary"),
     ("completions", {"prompt": "x", "logprobs": 99}, "logprobs must be between 0 and 20"),
     pytest.param("completions", {"prompt": "x", "extra_body": {"structured_outputs": {"regex": "("}}}, "parenthesis",
@@ -465,11 +466,15 @@ def test_unknown_model_404_and_full_queue_429(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-17", prompt="x", max_tokens=2)
-    server.async_llm.max_pending_requests = 0
+    server.async_llm.max_pending_requests = 2  # sequences: the stream's n=2 takes both
+    stream = client.completions.create(model=MODEL, prompt="x", max_tokens=1000, n=2, stream=True,
+                                       extra_body={"ignore_eos": True})
     try:
-        with pytest.raises(openai.RateLimitError, match="retry later"):
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError, match="2 sequences are pending.*retry later"):
             client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     finally:
+        stream.close()
         server.async_llm.max_pending_requests = 512
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
 

@@ -230,7 +230,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model path, or deepseek-v4-tiny)")
     s.add_argument("--max-pending-requests", type=int, default=1024, metavar="N",
-                   help="requests queued or running at once; more are answered 429 (default: 1024)")
+                   help="sequences queued or running at once, a request counting its n; more are answered "
+                        "429 (default: 1024)")
     s.add_argument("--default-thinking", action="store_true",
                    help="chat requests think unless they turn it off (default: chat mode)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
