@@ -19,6 +19,7 @@ release's inventory as model.py declares it (meta device) and README §2 counts 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def tiny(tmp_path_factory) -> Path:
     return build_tiny_v41(tmp_path_factory.mktemp("v41") / "tiny", seed=1)
 
 
+@functools.lru_cache(maxsize=8)
 def reference_logits(path: Path, quant: bool, dtype: torch.dtype) -> torch.Tensor:
     from transformers import AutoTokenizer, PretrainedConfig
 
@@ -156,6 +158,51 @@ def test_the_candidate_filter_and_the_indexer_bite(tiny):
             (other / "config.json").write_text(json.dumps(config))
         changed = engine_logits(load_model(other, dtype=torch.float64, numerics="unquantised"), [PROMPT_LEN])
         assert rel(changed, base).max() > 1e-6, key
+
+
+def _v4_style_block(self, w, layer, streams, pre, batch, cache, rope, step):
+    """V4's mHC, as a mutation: each sublayer collapses the streams with its own ``pre``."""
+    ops, eps = self.ops, self.cfg.rms_norm_eps
+    own_pre, post, comb = self.mixes(w.attn_hc, streams)
+    h = ops.rms_norm(ops.hc_collapse(streams, own_pre), w.attn_norm, eps)
+    streams = ops.hc_post(self.attention(w.attn, layer, h, batch, cache, rope, step), streams, post, comb)
+    own_pre, post, comb = self.mixes(w.ffn_hc, streams)
+    h = ops.rms_norm(ops.hc_collapse(streams, own_pre), w.ffn_norm, eps)
+    return ops.hc_post(self.moe(w.moe, h), streams, post, comb), own_pre
+
+
+def _mutate(model, name: str, monkeypatch) -> None:
+    """Undo one of V4.1's differences from V4 in ``model`` (see test_each_delta_is_pinned_by_the_oracle)."""
+    from deepinfer_core.models.deepseek_v41 import model as v41
+
+    if name == "mhc_own_pre":
+        monkeypatch.setattr(v41.DeepseekV41Model, "block", _v4_style_block)
+    elif name == "window_layers_rope_with_yarn":
+        model.rope.inv_freq["main"] = model.rope.inv_freq["compress"]
+    elif name == "no_engram":
+        model.engram_hash = None
+        for block in model.weights.layers:
+            block.engram = None
+    elif name == "no_candidate_filter":
+        monkeypatch.setattr(type(model.cfg), "uses_candidates", lambda self, layer: False)
+    elif name == "index_keys_without_k_norm":
+        for block in model.weights.layers:
+            if block.attn.indexer is not None and block.attn.indexer.k_norm is not None:
+                block.attn.indexer.k_norm = None
+    elif name == "ratio2_mean_pooling":
+        monkeypatch.setattr(model.ops, "compress_windows", lambda kv, gate: kv.mean(dim=1))
+
+
+@pytest.mark.parametrize("delta", ["mhc_own_pre", "window_layers_rope_with_yarn", "no_engram", "no_candidate_filter",
+                                   "index_keys_without_k_norm", "ratio2_mean_pooling"])
+def test_each_delta_is_pinned_by_the_oracle(tiny, delta, monkeypatch):
+    """The engine with one of V4.1's deltas undone (V4's mHC, YaRN on the window-only layers, no Engram, no
+    candidate filter, index keys without their norm, plain mean pooling at ratio 2) leaves model.py's logits
+    by far more than the oracle tests' 1e-5: each of those tests would catch the regression."""
+    theirs = reference_logits(tiny, quant=False, dtype=torch.float32)
+    model = load_model(tiny, dtype=torch.float32, numerics="unquantised")
+    _mutate(model, delta, monkeypatch)
+    assert rel(engine_logits(model, [PROMPT_LEN]), theirs).max() > 1e-3
 
 
 # --- config forms and checks ----------------------------------------------------------------------
