@@ -49,6 +49,7 @@ class EngineArgs:
     enable_eplb: bool = False  # expert-parallel load balancing: redundant experts, rearranged by measured load
     eplb_config: dict | EPLBConfig | None = None  # window_size, step_interval, num_redundant_experts, ...
     distributed_executor_backend: str | None = None  # "external_launcher": this process is a rank torchrun started
+    cpu_threads: int | None = None  # torch intra-op threads for CPU ops; None: 1 for small models, else torch's
     # vLLM's: {"disable_any_whitespace": True} makes every JSON-constrained output compact (default: free
     # whitespace between JSON tokens, as in vLLM); {"backend": "auto" | "xgrammar"}
     structured_outputs_config: dict | StructuredOutputsConfig | None = None

@@ -59,6 +59,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "activations and KV entries), 'transformers' (DeepSeek-V4: transformers' arithmetic) or "
                             "'unquantised' (DeepSeek-V4.1: the reference without its quantisation steps); default: "
                             "deepseek where config.json has quantization_config")
+    group.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                       help="torch threads for CPU ops (default: 1 for small models such as the embedded one, "
+                            "else torch's count)")
     group.add_argument("--allow-reference-fallback", action="store_true",
                        help="let ops the backend lacks fall back to the reference implementations")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
@@ -80,7 +83,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 _POSITIVE_ENGINE_INTS = (
     "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_bytes",
-    "data_parallel_size",
+    "data_parallel_size", "cpu_threads",
 )
 
 

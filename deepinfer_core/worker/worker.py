@@ -25,6 +25,7 @@ from deepinfer_core.plugins import LoadedBackend
 from deepinfer_core.sampling.sampler import Sampler
 from deepinfer_core.spec_decode.config import SpeculativeConfig, spec_query_lens
 from deepinfer_core.spec_decode.rollback import GraphUndo
+from deepinfer_core.worker.cpu_threads import apply_cpu_threads
 from deepinfer_core.worker.graph_runner import capture_sizes
 from deepinfer_core.worker.model_runner import ModelRunner
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
@@ -50,6 +51,7 @@ class Worker:
         if self.device is None:
             raise RuntimeError(f"backend {self.backend.info.name!r} implements no deepinfer_init_device and no "
                                "device was given; pass device=...")
+        apply_cpu_threads(getattr(self.args, "cpu_threads", None), self.model_config, self.device)
         self.platform: Platform = hook.deepinfer_platform(device=self.device) or Platform(self.device)
         pc = self.parallel_config
         init_process_group(self.device, max(pc.data_parallel_size, pc.expert_parallel_size),

@@ -81,6 +81,7 @@ def test_generate_token_id_prompt_and_stop(capsys):
         (["--n", "0"], "--n"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--block-size", "0"], "--block-size"),
+        (["--cpu-threads", "0"], "--cpu-threads"),
         (["--backend", "no_such_backend"], "no_such_backend"),
         (["--model", "no/such/folder"], "config.json"),
         (["--prompt-token-ids", "5,999999"], "prompt 1: prompt token ids [999999]"),  # after "hello"
