@@ -139,7 +139,7 @@ def engine_kwargs(a: argparse.Namespace, model: str, ranks: int, redundant: int 
     """The arguments ``deepinfer plan`` sees too (plus the timeout and EPLB's schedule, which change no bytes)."""
     kw: dict[str, Any] = dict(model=model, dtype=a.dtype, block_size=a.block_size, kv_cache_bytes=a.kv_cache_bytes,
                               max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=len(LENGTHS),
-                              enable_prefix_caching=False)
+                              enable_prefix_caching=False, cpu_threads=a.threads)
     if ranks > 1:
         kw.update(data_parallel_size=ranks, enable_expert_parallel=expert_parallel)
     if redundant:

@@ -118,6 +118,8 @@ class Bench:
                            seed=a.seed, numerics=a.numerics)
         if a.block_size:
             engine_args["block_size"] = a.block_size
+        if a.device == "cpu":
+            engine_args["cpu_threads"] = a.threads  # the engine sets its own count otherwise
         if a.gpu:
             ga = gd.parse_args(["--backend", a.backend, "--device", a.device, "--dtype", a.dtype,
                                 "--prompt-len", str(a.max_model_len), "--gen-len", "1", "--seed", str(a.seed)]

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {}
     for mode in ("off", "on", "replay"):
         llm = LLM(args.model, backend=args.backend, dtype=args.dtype, enable_prefix_caching=mode != "off",
+                  cpu_threads=args.threads,
                   max_model_len=args.prefix_len + args.suffix_len + args.gen_len + 1,
                   max_num_batched_tokens=4096)
         engine = llm.llm_engine

@@ -353,6 +353,8 @@ def _engine_kw(args, float64: bool = False) -> dict:
     for name in ("device", "block_size"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
+    if args.threads:
+        kw["cpu_threads"] = args.threads  # the engine sets its own count otherwise
     return kw
 
 

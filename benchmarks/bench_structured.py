@@ -44,7 +44,8 @@ SCHEMA = {
 
 
 def _block(args: argparse.Namespace) -> dict:
-    return {} if args.block_size is None else {"block_size": args.block_size}
+    """The block size and torch thread count asked for (the engine sets its own count otherwise)."""
+    return {k: v for k, v in (("block_size", args.block_size), ("cpu_threads", args.threads)) if v is not None}
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:

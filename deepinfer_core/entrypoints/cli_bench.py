@@ -64,7 +64,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     b.add_argument("--no-hf", action="store_true", help="measure the engine only, not transformers")
     b.add_argument("--threads", type=_positive, default=None, metavar="N",
-                   help="torch CPU threads (default: torch's); tiny models on a busy CPU run faster with 1")
+                   help="torch CPU threads, the engine's --cpu-threads unless given (default: the engine's "
+                        "choice, 1 for small models)")
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     b.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw the throughput (needs matplotlib)")
@@ -165,6 +166,7 @@ def run_bench(args: argparse.Namespace) -> int:
     threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+        kwargs.setdefault("cpu_threads", args.threads)  # the engine sets its count: make it this one
     model, backend, dtype = kwargs.pop("model"), kwargs.pop("backend"), kwargs.pop("dtype")
     cfg = BenchConfig(model=model, backend=backend, dtype=dtype, batch_sizes=args.batch_sizes,
                       prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed, repeats=args.repeats,
