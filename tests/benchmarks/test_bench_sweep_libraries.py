@@ -172,6 +172,7 @@ def test_without_none_the_first_set_is_the_baseline():
     assert "step / flash_mla" in libs.markdown(merged)
 
 
+@pytest.mark.slow  # one process per library set
 def test_bench_sweep_runs_every_set_in_its_own_process_and_merges(tmp_path, monkeypatch):
     """End to end on the CPU: a dummy ``flash_mla`` on the path is hidden in the ``none`` set's process and
     imported in the ``flash_mla`` set's."""

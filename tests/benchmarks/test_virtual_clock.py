@@ -129,6 +129,7 @@ def test_steps_with_prompt_chunks_pay_their_eager_launch_on_the_host(one_torch_t
     assert slow - base == pytest.approx(0.05 * chunked, rel=0.2)
 
 
+@pytest.mark.slow  # about 3 minutes on two cores: the gate run over every mode with the H200 step costs
 def test_gate_keeps_the_faster_modes_speed_with_the_h200s_step_costs(one_torch_thread):  # noqa: F811
     """The H200's step costs of the trained default model (bf16, graphs, async): k=3 steps of 2.66 ms at
     batch 1 and 9.95 ms at 64 against plain decode's 1.27 and 2.75 ms. The gate measured there held

@@ -42,8 +42,10 @@ def _family(base_len=90, seed=0):
     return [base[:n] + make_prompt(rng.randrange(0, 6), 100 + n) for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["tiny", "v41", pytest.param("tiny_hc1", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("one_by_one", [True, False], ids=["sequential", "concurrent"])
+@pytest.mark.parametrize("name, one_by_one", [
+    ("tiny", True), ("tiny", False), ("v41", False),
+    *(pytest.param(n, o, marks=pytest.mark.slow) for n, o in [("v41", True), ("tiny_hc1", True), ("tiny_hc1", False)]),
+], ids=lambda v: {True: "sequential", False: "concurrent"}.get(v, v) if isinstance(v, bool) else v)
 def test_caching_on_equals_off(tiny_path, make_llm, name, one_by_one):  # noqa: F811
     prompts = _family()
     params = [greedy(5, logprobs=2), SAMPLED]

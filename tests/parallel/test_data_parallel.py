@@ -179,6 +179,7 @@ def test_a_killed_rank_is_a_clear_error_and_no_rank_survives():
         llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
 
 
+@pytest.mark.slow  # waits out the timeout
 def test_a_hung_rank_is_named_after_the_timeout():
     """Rank 1 stops (SIGSTOP) in the middle of a run: rank 0's collective times out, rank 1 is the one
     reported silent; without expert parallel nobody would wait, so expert parallel is on."""
@@ -196,7 +197,9 @@ def test_a_hung_rank_is_named_after_the_timeout():
     _assert_all_gone(engine)
 
 
-@pytest.mark.parametrize("expert_parallel,schedule", [(True, "fixed"), (False, "fixed"), (True, "confidence")])
+@pytest.mark.parametrize("expert_parallel,schedule", [
+    (False, "fixed"), *(pytest.param(*p, marks=pytest.mark.slow) for p in [(True, "fixed"), (True, "confidence")]),
+])
 def test_speculative_decoding_on_the_ranks_equals_one_process(expert_parallel, schedule):
     """MTP speculation (k=2) on every rank of ``data_parallel_size=2``: with expert parallel every rank
     runs the MTP block k times a step whatever it drafts (an idle rank's placeholder step too), and every
