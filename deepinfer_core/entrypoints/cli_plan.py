@@ -44,7 +44,7 @@ def run_footprint(args: argparse.Namespace) -> int:
         return fail("plan", str(exc))
     if args.json:
         print(json.dumps(fp.as_dict()))
-        return 0
+        return 1 if fp.device_memory is not None and not fp.longest_context else 0
     gb = 1e9
     print(f"weights: {fp.stored_bytes:,} B as stored ({fp.stored_expert_bytes / gb:.1f} GB routed experts), "
           f"{fp.loaded_bytes:,} B as loaded ({fp.dequantised_bytes / gb:.1f} GB dequantised)")
@@ -64,6 +64,8 @@ def run_footprint(args: argparse.Namespace) -> int:
               f"or {fp.max_seqs} of {fp.context:,} tokens per rank (activations not counted)")
     for note in fp.notes:
         print(note)
+    if fp.device_memory is not None and not fp.longest_context:  # nothing fits: a script must see it
+        return 1
     return 0
 
 

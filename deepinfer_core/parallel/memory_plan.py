@@ -189,7 +189,8 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: s
         fixed = fp.window_bytes_per_seq + fp.state_bytes_per_seq
         if free <= fixed:
             fp.longest_context, fp.max_seqs = 0, 0
-            fp.notes.append(f"the weights of one rank ({fp.rank_bytes / 2**30:.1f} GiB) leave no room for KV")
+            fp.notes.append(f"the weights of one rank ({fp.rank_bytes / 1e9:.1f} GB) leave no room for KV on "
+                            f"{device_memory / 1e9:.0f} GB devices")
         else:
             fp.longest_context = int((free - fixed) // fp.compressed_bytes_per_token)
             fp.max_seqs = int(free // (fixed + fp.context * fp.compressed_bytes_per_token))

@@ -113,6 +113,9 @@ def test_cli_prints_the_table_and_json(checkpoint, tmp_path):
                                                                    torch.bfloat16, "deepseek")["stored"]
     done = _plan(str(tmp_path))
     assert done.returncode == 2 and "no config.json" in done.stderr
+    # nothing fits: said in GB, and the exit status says so to a script
+    done = _plan(str(checkpoint), "--device-memory", "0.000001")
+    assert done.returncode == 1 and "leave no room for KV on 0 GB devices" in done.stdout and "GiB" not in done.stdout
 
 
 @pytest.mark.skipif(not (PUBLISHED / "config.json").exists(), reason=f"{PUBLISHED} not present")
