@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json as _json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,11 +108,13 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         checks = [
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
