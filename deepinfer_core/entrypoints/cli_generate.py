@@ -204,7 +204,7 @@ def sampling_params_from_args(args: argparse.Namespace):
             seed=args.seed, logprobs=args.logprobs, skip_special_tokens=not args.keep_special_tokens,
         )
     except ValueError as exc:
-        # "invalid SamplingParams: temperature must be >= 0, got -1.0; ..." -> "--temperature must be ..."
+        # "invalid SamplingParams: temperature must be ..., got -1.0; ..." -> "--temperature must be ..."
         parts = str(exc).removeprefix("invalid SamplingParams: ").split("; ")
         flags = {"stop_token_ids": "stop-token-id"}
         named = []

@@ -429,7 +429,7 @@ def test_streamed_text_never_shows_part_of_a_stop_string(server):
 
 
 BAD = [
-    ("completions", {"prompt": "x", "temperature": -1}, "temperature must be >= 0"),
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature must be a finite number >= 0"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ("completions", {"prompt": "x " * 5000}, "max_model_len"),
     ("completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens is 1000000000, but max_model_len is"),
