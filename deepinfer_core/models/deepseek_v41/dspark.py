@@ -25,6 +25,7 @@ import torch
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.metadata import ForwardBatch
 from deepinfer_core.models.deepseek_v41.weights import Attention, DrafterStage, MoE
+from deepinfer_core.ops.native import acc_dtype
 
 
 class DeepseekV41DSpark:
@@ -87,8 +88,7 @@ class DeepseekV41DSpark:
         ids[:, 0] = token_ids
         x = ops.embedding(ids.reshape(-1), t.weights.embed).to(t.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32,
-                          device=device)
+        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=acc_dtype(t.dtype), device=device)
         pre[:, 0] = 1.0
         cos, sin = t.rope("main", (positions.unsqueeze(1) + 1 + torch.arange(k, device=device)).reshape(-1), t.dtype)
         rows = window_rows.repeat_interleave(k, dim=0)

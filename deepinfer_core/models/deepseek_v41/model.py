@@ -34,7 +34,7 @@ from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
 from deepinfer_core.models.deepseek_v41.weights import Attention, Block, Compressor, Engram, ModelWeights, MoE
 from deepinfer_core.ops import OpTable
-from deepinfer_core.ops.native import select_topk
+from deepinfer_core.ops.native import acc_dtype, select_topk
 
 NUMERICS = ("deepseek", "unquantised")
 #: activations and window KV: E4M3 per this many values; index keys/queries FP4 per this many
@@ -156,8 +156,7 @@ class DeepseekV41Model:
         ops, cfg, w = self.ops, self.cfg, self.weights
         x = ops.embedding(batch.input_ids, w.embed).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32 if self.dtype != torch.float64
-                          else torch.float64, device=x.device)
+        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=acc_dtype(self.dtype), device=x.device)
         pre[:, 0] = 1.0  # block 0's attention takes stream 0
         rope = {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
         hashes = self.engram_rows(batch) if self.engram_hash is not None else None
@@ -175,7 +174,7 @@ class DeepseekV41Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head in float32 (float64 stays float64), as the reference keeps it."""
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(hidden.dtype)
         return self.ops.linear(hidden.to(acc), self.weights.head.weight.to(acc))
 
     def linear(self, x: torch.Tensor, lin) -> torch.Tensor:
@@ -367,7 +366,7 @@ class DeepseekV41Model:
         expert; ``token_ids`` is unused (no hash routing in V4.1); ``top_k``: experts per token (default:
         the target's; the drafter's stages route fewer)."""
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(h.dtype)
         logits = ops.linear(h.to(acc), gate.weight.weight.to(acc))
         weights, ids = ops.moe_route(logits, cfg.scoring_func, top_k or cfg.num_experts_per_tok, gate.bias, None,
                                      cfg.routed_scaling_factor)
