@@ -211,6 +211,20 @@ def sparse_attention(
 
 
 @op(
+    "(q: [B, N, H, D], k: [B, N, H, D], v: [B, N, H, D], scale: float) -> [B, N, H, D]",
+    "Bidirectional multi-head attention within each of B sequences of N tokens (a vision encoder's "
+    "patches): softmax over all N keys of q.k*scale, no mask, no sink; output = sum p*v. In at least "
+    "float32, returned in q.dtype; sequence b never reads another sequence.",
+)
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    acc = acc_dtype(q.dtype)
+    # one call per sequence: a sequence's result cannot depend on the others (batch invariance)
+    out = [F.scaled_dot_product_attention(*(t[b].transpose(0, 1).to(acc) for t in (q, k, v)), scale=scale)
+           for b in range(q.shape[0])]
+    return torch.stack(out).transpose(1, 2).to(q.dtype) if out else q.clone()
+
+
+@op(
     "(kv: [W, L, D], gate: [W, L, D]) -> [W, D]",
     "Per window: sum over L of softmax_L(gate) * kv, softmax in float32 (gate -inf = empty slot).",
 )

@@ -87,6 +87,10 @@ class Preset:
     kv_fp4_block: int  # fp4_kv_sim: values per E4M3 scale (of head_dim)
     act_block: int  # moe_experts_quant_act: channels per activation scale
     swiglu_limit: float = 10.0
+    # DeepSeek-V4.1's vision encoder (encoder_attention): heads, head width, patches of one image
+    vit_heads: int = 4
+    vit_head_dim: int = 32
+    vit_patches: int = 9
 
     @property
     def index_rope_dim(self) -> int:
@@ -165,6 +169,9 @@ PRESETS: dict[str, Preset] = {
         cand_width=20483,  # 2561 blocks (the last partial), 513 of them pruned
         kv_fp4_block=16,
         act_block=32,
+        vit_heads=16,
+        vit_head_dim=64,
+        vit_patches=81,
     ),
 }
 
@@ -448,6 +455,21 @@ def _sparse_attention(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list
             (q, kv, indices, sinks, scale, None, None),
             out_dtypes=(dtype,),
         ),
+    ]
+
+
+@_gen("encoder_attention")
+def _encoder_attention(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Two images' patches (the second with one head attending almost only to one patch: a peaked
+    softmax), and a single patch (its output is its own value)."""
+    B, N, H, D = 2, p.vit_patches, p.vit_heads, p.vit_head_dim
+    q, k, v = (_randn(g, B, N, H, D) for _ in range(3))
+    q[1, :, 0] = 4 * k[1, 3, 0]
+    one = tuple(_randn(g, 1, 1, H, D).to(dtype) for _ in range(3))
+    return [
+        Case("encoder_attention", "two_images", (q.to(dtype), k.to(dtype), v.to(dtype), D**-0.5),
+             out_dtypes=(dtype,)),
+        Case("encoder_attention", "one_patch", (*one, D**-0.5), out_dtypes=(dtype,)),
     ]
 
 

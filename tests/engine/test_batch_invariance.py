@@ -56,7 +56,7 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "linear_fp8_ue8m0": (0,), "moe_experts_act_quant": (0, 3, 4), "indexer_scores": (0, 1, 3),
     "candidate_blocks": (0, 1), "hc_mixes": (0,), "hc_collapse": (0, 1), "fp4_kv_sim": (0,),
     "moe_experts_quant_act": (0, 3, 4), "engram_gate": (0, 1, 2), "kv_fp4_pack": (0,), "kv_fp4_unpack": (0,),
-    "moe_experts_fp4_quant_act": (0, 5, 6), "embedding_fp8": (0,),
+    "moe_experts_fp4_quant_act": (0, 5, 6), "embedding_fp8": (0,), "encoder_attention": (0, 1, 2),
 }
 #: per op: the per-row list padded to the batch's widest row (-1 slots, or False in a mask), cut to the
 #: row's own width when it runs alone, and the other per-row arguments cut alike
@@ -159,6 +159,7 @@ def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
                                       torch.rand(T, k, generator=g).to(dtype), 7.0, 32),
         "embedding_fp8": (torch.randint(0, V, (T,), generator=g), rn(V, D).to(torch.float8_e4m3fn),
                           torch.rand(V, D // 32, generator=g) + 0.5),
+        "encoder_attention": (rn(T, 9, H, hd), rn(T, 9, H, hd), rn(T, 9, H, hd), hd**-0.5),
     }
 
 
