@@ -476,6 +476,49 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
     return (h + gate.unsqueeze(-1) * value.to(acc).unsqueeze(-2)).to(streams.dtype)
 
 
+@op(
+    "(history: Long[T, n], token_map: Long[M], multipliers: Long[L, n], primes: Long[L, n-1, H], "
+    "offsets: Long[L, (n-1)*H], pad_id: int) -> Long[T, L, (n-1)*H]",
+    "DeepSeek-V4.1's n-gram hash of every token into each Engram layer's table rows. history[t, s] is the "
+    "token id at position p - s, or negative (before the sequence start, a dead token): from the first negative "
+    "shift on, every shift takes pad_id, the others token_map[id]. Per layer l: x_s = id_s * multipliers[l, s] "
+    "(int64), r_1 = x_0 ^ x_1, r_k = r_(k-1) ^ x_k; column (k-1)*H + h = r_k % primes[l, k-1, h] + "
+    "offsets[l, (k-1)*H + h]. Ids must lie below M (not checked: no host sync).",
+)
+def engram_hash(history: torch.Tensor, token_map: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
+    history = history.to(torch.int64)
+    # once a shift is blocked every longer look-back is too
+    stop = torch.cumsum(history < 0, dim=1) > 0
+    ids = torch.where(stop, pad_id, token_map[history.clamp_min(0)])  # [T, n]
+    products = ids.unsqueeze(1) * multipliers  # [T, L, n]
+    running = products[..., 0]
+    columns = []
+    for size in range(2, history.shape[1] + 1):
+        running = running ^ products[..., size - 1]  # the hash of the `size`-gram
+        columns.append(running.unsqueeze(-1) % primes[:, size - 2])  # [T, L, H]
+    return torch.cat(columns, dim=-1) + offsets
+
+
+@op(
+    "(ids: Long[T, C], weight: E4M3 [V, D], scale: f32|E8M0 [V, D/G], row_start: int) -> f32 [T, C*D]",
+    "Engram's row lookup from a table, or from the shard of one that holds rows row_start .. row_start+V-1: "
+    "row r = ids[t, c] - row_start dequantised per group of G = D / scale.shape[1] values (weight[r] * "
+    "scale[r]), the C rows of a token side by side; an id outside the shard gives a row of zeros (all bits "
+    "clear), so the shards' results sum, bit pattern by bit pattern, to the whole table's. The table may live "
+    "in host memory (pinned, or a file's mapping) while ids are on the device; the result is on ids' device.",
+)
+def engram_lookup(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_start: int) -> torch.Tensor:
+    tokens, cols = ids.shape
+    local = ids.to(weight.device) - row_start  # the native body reads host tables on the host (a copy)
+    inside = (local >= 0) & (local < weight.shape[0])
+    rows = local.clamp(0, weight.shape[0] - 1).reshape(-1)
+    group = weight.shape[-1] // scale.shape[-1]
+    values = weight[rows].float() * scale[rows].float().repeat_interleave(group, dim=-1)
+    values = values.masked_fill(~inside.reshape(-1, 1), 0.0)
+    return values.reshape(tokens, cols * weight.shape[-1]).to(ids.device)
+
+
 # --- mixture of experts ----------------------------------------------------------------------------
 
 SCORING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

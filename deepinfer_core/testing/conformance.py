@@ -214,7 +214,8 @@ class CaseResult:
 
 
 #: outputs (by op) whose values are copies or masks of the inputs: compared exactly
-EXACT_OPS = frozenset({"embedding", "apply_token_bitmask", "top_k_top_p_min_p", "candidate_blocks", "embedding_fp8"})
+EXACT_OPS = frozenset({"embedding", "apply_token_bitmask", "top_k_top_p_min_p", "candidate_blocks", "embedding_fp8",
+                       "engram_hash", "engram_lookup"})
 
 OUTPUT_NAMES = {"hc_pre": ("post", "comb", "collapsed"), "moe_route": ("weights", "ids"),
                 "hc_mixes": ("pre", "post", "comb")}
@@ -1464,6 +1465,53 @@ def _engram_gate(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case
     q_weight, k_weight = (1 + _randn(g, n, D, std=0.1)).to(pdt), (1 + _randn(g, n, D, std=0.1)).to(pdt)
     args = (streams.to(dtype), key.to(dtype), value.to(dtype), q_weight, k_weight, 1e-20)
     return [Case("engram_gate", "gates", args, out_dtypes=(dtype,))]
+
+
+@_gen("engram_hash")
+def _engram_hash(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """DeepSeek-V4.1's n-gram hash over two Engram layers, 4-grams, 2 heads: a token map that merges ids,
+    histories cut by the sequence start (-1) and by dead tokens (-2) at every shift, ids at both ends of the
+    map. Integer arithmetic: compared exactly."""
+    from deepinfer_core.models.deepseek_v41.engram_hash import EngramHashLayout
+
+    vocab = p.vocab
+    token_map = _randint(g, 0, vocab // 3, vocab)
+    token_map[: vocab // 3] = torch.arange(vocab // 3)  # every compressed id is used
+    layout = EngramHashLayout.build(layer_ids=(1, 5), max_ngram_size=4, n_heads=2, vocab_size=4 * vocab,
+                                    token_map=token_map.tolist(), pad_token_id=2)
+    history = _randint(g, 0, vocab, 4 * p.tokens, 4)
+    history[0] = torch.tensor([0, vocab - 1, 2, 1])
+    for shift in range(1, 4):  # a sequence start, then a dead token, at each shift
+        history[shift, shift:] = -1
+        history[3 + shift, shift] = -2
+    args = (history, torch.tensor(layout.token_map), torch.tensor(layout.multipliers), torch.tensor(layout.primes),
+            torch.tensor(layout.offsets), layout.pad_id)
+    return [Case("engram_hash", "ngrams", args, out_dtypes=(torch.int64,), upcast_reference=False)]
+
+
+@_gen("engram_lookup")
+def _engram_lookup(p: Preset, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Engram's rows of a whole table and of a shard of one (ids outside it give zero rows), E8M0 and
+    float32 scales; the rows never looked up are NaN. Float32 out of the same bytes: compared exactly."""
+    from deepinfer_core.quant.fp4 import e8m0_from_float
+
+    V, D, group, cols = p.vocab, 64, 32, 6
+    ids = _randint(g, 0, V, p.tokens, cols)
+    ids[0, :2] = torch.tensor([0, V - 1])
+    rows = ids.unique()
+    weight = torch.full((V, D), float("nan")).to(torch.float8_e4m3fn)
+    weight[rows] = (_randn(g, rows.numel(), D) * 100).to(torch.float8_e4m3fn)
+    pow2 = torch.full((V, D // group), float("nan"))
+    pow2[rows] = torch.exp2(_randint(g, -12, 2, rows.numel(), D // group).float())
+    scale = e8m0_from_float(pow2.nan_to_num(1.0))
+    start, stop = V // 3, 2 * V // 3  # a shard: the rows outside are another rank's (NaN here: never read)
+    out = (torch.float32,)
+    return [
+        Case("engram_lookup", "table", (ids, weight, scale, 0), out_dtypes=out, upcast_reference=False),
+        Case("engram_lookup", "f32_scales", (ids, weight, pow2, 0), out_dtypes=out, upcast_reference=False),
+        Case("engram_lookup", "shard", (ids, weight[start:stop].clone(), scale[start:stop].clone(), start),
+             out_dtypes=out, upcast_reference=False),
+    ]
 
 
 def _kv_fp4_case_rows(p: Preset, g: torch.Generator, kind: str) -> torch.Tensor:

@@ -57,6 +57,7 @@ ROW_ARGS: dict[str, tuple[int, ...]] = {
     "candidate_blocks": (0, 1), "hc_mixes": (0,), "hc_collapse": (0, 1), "fp4_kv_sim": (0,),
     "moe_experts_quant_act": (0, 3, 4), "engram_gate": (0, 1, 2), "kv_fp4_pack": (0,), "kv_fp4_unpack": (0,),
     "moe_experts_fp4_quant_act": (0, 5, 6), "embedding_fp8": (0,), "encoder_attention": (0, 1, 2),
+    "engram_hash": (0,), "engram_lookup": (0,),
 }
 #: per op: the per-row list padded to the batch's widest row (-1 slots, or False in a mask), cut to the
 #: row's own width when it runs alone, and the other per-row arguments cut alike
@@ -160,6 +161,11 @@ def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
         "embedding_fp8": (torch.randint(0, V, (T,), generator=g), rn(V, D).to(torch.float8_e4m3fn),
                           torch.rand(V, D // 32, generator=g) + 0.5),
         "encoder_attention": (rn(T, 9, H, hd), rn(T, 9, H, hd), rn(T, 9, H, hd), hd**-0.5),
+        "engram_hash": (torch.randint(-2, V, (T, 3), generator=g), torch.randint(0, 50, (V,), generator=g),
+                        torch.randint(1, 2**40, (2, 3), generator=g) | 1, torch.tensor([[[1009, 1013]] * 2] * 2),
+                        torch.arange(8).view(2, 4) * 1000, 0),
+        "engram_lookup": (torch.randint(0, V, (T, 4), generator=g), rn(V, D).to(torch.float8_e4m3fn),
+                          torch.rand(V, D // 32, generator=g) + 0.5, 0),
     }
 
 

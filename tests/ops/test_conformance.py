@@ -352,6 +352,20 @@ def _moe_experts_clamped_ids(x, w13, w2, ids, weights, limit):
     return _ref["moe_experts"](x, w13, w2, ids.clamp(min=0), weights, limit)
 
 
+def _engram_hash_pads_one_shift(history, token_map, multipliers, primes, offsets, pad_id):
+    """The hash with each blocked slot padded but the look-back beyond it kept (no cut at the first block)."""
+    return _hash_ids(torch.where(history < 0, pad_id, token_map[history.clamp_min(0)]), multipliers, primes, offsets)
+
+
+def _hash_ids(ids, multipliers, primes, offsets):
+    products = ids.unsqueeze(1) * multipliers
+    running, columns = products[..., 0], []
+    for size in range(2, ids.shape[1] + 1):
+        running = running ^ products[..., size - 1]
+        columns.append(running.unsqueeze(-1) % primes[:, size - 2])
+    return torch.cat(columns, dim=-1) + offsets
+
+
 MUTANTS = {
     "embedding off by one row": ("embedding", lambda ids, w: w[(ids + 1) % w.shape[0]]),
     "rms_norm drops the weight": ("rms_norm", lambda x, w, eps: _ref["rms_norm"](x, None, eps)),
@@ -468,6 +482,12 @@ MUTANTS = {
         lambda x, a, sa, b, sb, i, w, lim, block: _ref["moe_experts_fp4"](x, a, sa, b, sb, i, w, lim, True),
     ),
     "embedding_fp8 ignores the scales": ("embedding_fp8", lambda ids, w, s: w[ids].float()),
+    "engram_hash lets a dead token through": (
+        "engram_hash", lambda h, *layout: _ref["engram_hash"](h.masked_fill(h == -2, 0), *layout)),
+    "engram_hash pads only the blocked shift": ("engram_hash", _engram_hash_pads_one_shift),
+    "engram_lookup reads another shard's ids as its own": (
+        "engram_lookup", lambda ids, w, s, start: _ref["engram_lookup"](ids.clamp(start, start + w.shape[0] - 1),
+                                                                        w, s, start)),
 }
 
 

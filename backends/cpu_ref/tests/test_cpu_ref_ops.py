@@ -49,7 +49,7 @@ def test_every_catalogued_op_has_a_reference():
 
 
 #: ops whose floating output is float32 whatever their inputs (decoded FP8 / FP4 storage)
-FLOAT32_OUT = {"embedding_fp8", "kv_fp4_unpack"}
+FLOAT32_OUT = {"embedding_fp8", "kv_fp4_unpack", "engram_lookup"}
 #: non-floating outputs other than ids: packed KV entries are bytes, V4.1's candidate filter is a mask
 NOT_IDS = {"kv_fp8_pack": torch.uint8, "kv_fp4_pack": torch.uint8, "candidate_blocks": torch.bool}
 

@@ -41,6 +41,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from deepinfer_core.ops.native import engram_hash
+
 __all__ = [
     "BEFORE_START",
     "DEAD",
@@ -362,8 +364,9 @@ class EngramHasher(torch.nn.Module):
         that keep a token-type mask rather than writing :data:`DEAD`). Both must be on the hasher's
         device. Returns int64 ``[T, n_layers, n_cols]`` row ids into each layer's table.
 
-        ``validate`` checks the id range on the host (one device sync); pass False inside CUDA graph
-        capture -- an out-of-range id then fails as an indexing error instead of a ValueError.
+        ``validate`` checks the id range on the host (one device sync); the model's forward calls the
+        ``engram_hash`` op directly instead (:meth:`op_args`), without it: an out-of-range id then fails as
+        an indexing error instead of a ValueError.
         """
         n = self.layout.max_ngram_size
         if history.dim() != 2 or history.shape[1] != n:
@@ -385,17 +388,11 @@ class EngramHasher(torch.nn.Module):
                     f"vocab), or be BEFORE_START={BEFORE_START} / DEAD={DEAD}; got min {lo}, max {hi}"
                 )
 
-        stop = history < 0
         if blocked is not None:
-            stop = stop | blocked
-        # once a shift is blocked every longer look-back is too
-        stop = torch.cumsum(stop, dim=1) > 0
-        ids = torch.where(stop, self.pad_id, self.token_map[history.clamp_min(0)])  # [T, n]
+            history = history.masked_fill(blocked, DEAD)
+        return engram_hash(history, self.token_map, self.multipliers, self.primes, self.offsets, self.pad_id)
 
-        products = ids.unsqueeze(1) * self.multipliers  # [T, n_layers, n]
-        running = products[..., 0]
-        columns = []
-        for size in range(2, n + 1):
-            running = running ^ products[..., size - 1]  # hash of the `size`-gram
-            columns.append(running.unsqueeze(-1) % self.primes[:, size - 2])  # [T, n_layers, n_heads]
-        return torch.cat(columns, dim=-1) + self.offsets
+    def op_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The layout arguments of the ``engram_hash`` op, after the history: (token_map, multipliers,
+        primes, offsets, pad_id), on the hasher's device."""
+        return self.token_map, self.multipliers, self.primes, self.offsets, self.pad_id

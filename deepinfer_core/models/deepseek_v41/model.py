@@ -143,7 +143,7 @@ class DeepseekV41Model:
         if self.cfg.candidate_source_layer_id >= 0:
             used.add("candidate_blocks")
         if self.cfg.has_engram:
-            used |= {"engram_gate", "embedding_fp8"}
+            used |= {"engram_gate", "engram_hash", "engram_lookup"}
         return used
 
     # --- top level -------------------------------------------------------------------------------
@@ -340,7 +340,8 @@ class DeepseekV41Model:
         if batch.ngram_index is None:
             raise ValueError("this model has Engram layers: the batch must carry each token's n-gram history "
                              "(build_forward_batch(..., ngram=model.ngram_size) with SeqSpan.history)")
-        return self.engram_hash(batch.ngram_ids())
+        # the history is already on the device: hashing there reads nothing back (graph-safe)
+        return self.ops.engram_hash(batch.ngram_ids(), *self.engram_hash.op_args())
 
     def engram(self, e: Engram, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``streams + gate * value`` per stream: the rows' values projected to one key per stream and one
@@ -348,13 +349,18 @@ class DeepseekV41Model:
         cfg, n, d = self.cfg, self.cfg.hc_mult, self.cfg.hidden_size
         table = e.table
         if table.scale is None:
-            looked_up = self.ops.embedding(rows.reshape(-1), table.weight)
+            looked_up = self.ops.embedding(rows.reshape(-1), table.weight).reshape(rows.shape[0], -1)
+        elif self.engram_lookup is not None:  # a table sharded over the ranks
+            looked_up = self.engram_lookup(e, rows)
         else:
-            looked_up = self.ops.embedding_fp8(rows.reshape(-1), table.weight, table.scale)
-        looked_up = looked_up.reshape(rows.shape[0], -1).to(self.dtype)
+            looked_up = self.ops.engram_lookup(rows, table.weight, table.scale, 0)
+        looked_up = looked_up.to(self.dtype)
         kv = self.qlinear(looked_up, e.wkv)
         key, value = kv.split([n * d, d], dim=-1)
         return self.ops.engram_gate(streams, key.reshape(-1, n, d), value, e.q_weight, e.k_weight, cfg.rms_norm_eps)
+
+    #: the lookup collective of a table sharded over the ranks (:mod:`.engram_placement`), None otherwise
+    engram_lookup = None
 
     # --- MoE -------------------------------------------------------------------------------------
 
