@@ -1,8 +1,8 @@
 """DeepSeek-V4 chat encoding: the two published cases byte for byte, a table of the format's rules, and
 parsing of completions (well-formed, streamed, malformed).
 
-The published cases are copied verbatim into tests/data/deepseek_v4_encoding/ from DeepSeek-V4-Flash's
-``encoding/tests`` folder (test_input_N.json -> test_output_N.txt).
+The published cases are in tests/data/deepseek_v4_encoding/ (its README says where each comes from):
+1 and 2 in thinking mode, 4 (the action task) in chat mode, as DeepSeek's own harness encodes them.
 """
 
 from __future__ import annotations
@@ -37,11 +37,23 @@ def _case(n: int):
     return raw, None, expected
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_published_cases_exactly(n):
-    """encode_messages reproduces DeepSeek's test_output_N.txt from test_input_N.json (thinking mode)."""
+PUBLISHED = {1: "thinking", 2: "thinking", 4: "chat"}
+
+
+@pytest.mark.parametrize("n, mode", PUBLISHED.items())
+def test_published_cases_exactly(n, mode):
+    """encode_messages reproduces DeepSeek's test_output_N.txt from test_input_N.json."""
     messages, tools, expected = _case(n)
-    assert encode_messages(messages, "thinking", tools=tools) == expected
+    assert encode_messages(messages, mode, tools=tools) == expected
+
+
+def test_action_task_answer_keeps_its_token_and_no_reasoning():
+    """Case 4's last turns: the action token sits between the assistant prefix and the answer, in both
+    modes, and the answer to a task carries no reasoning even in thinking mode."""
+    convo = [{"role": "user", "content": "q", "task": "action"},
+             {"role": "assistant", "content": "Search", "reasoning_content": "r"}]
+    assert encode_messages(convo, "chat") == f"{BOS}{USER}q{ASSISTANT}</think><｜action｜>Search{EOS}"
+    assert encode_messages(convo, "thinking") == f"{BOS}{USER}q{ASSISTANT}<think><｜action｜>Search{EOS}"
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -104,7 +116,8 @@ ENCODE_TABLE = [
      f"{BOS}{USER}q{ASSISTANT}</think>a{EOS}"),
     ("add_generation_prompt=False",
      [{"role": "user", "content": "q"}], {"add_generation_prompt": False}, f"{BOS}{USER}q"),
-    ("tool results merge into one user turn, in the order of the calls, with the next user message",
+    ("tool results merge into one user turn, in the order of the calls, with the next user message, as blocks "
+     "a blank line apart",
      [{"role": "user", "content": "q"},
       {"role": "assistant", "content": None, "tool_calls": [
           {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
@@ -113,12 +126,32 @@ ENCODE_TABLE = [
       {"role": "user", "content": "more"}], {},
      f"{BOS}{USER}q{ASSISTANT}</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>\n"
      f"<｜DSML｜invoke name=\"g\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>{EOS}"
-     f"{USER}<tool_result>A</tool_result><tool_result>B</tool_result>more{ASSISTANT}</think>"),
+     f"{USER}<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>\n\nmore{ASSISTANT}</think>"),
     ("user quick-instruction task",
      [{"role": "user", "content": "q", "task": "domain"}], {}, f"{BOS}{USER}q<｜domain｜>"),
-    ("action task after the thinking token",
+    ("action task in chat mode: after a closed thinking token",
      [{"role": "user", "content": "q", "task": "action"}], {},
+     f"{BOS}{USER}q{ASSISTANT}</think><｜action｜>"),
+    ("action task in thinking mode: after the opening thinking token",
+     [{"role": "user", "content": "q", "task": "action"}], {"thinking_mode": "thinking"},
      f"{BOS}{USER}q{ASSISTANT}<think><｜action｜>"),
+    ("a non-action task's answer follows its token directly",
+     [{"role": "user", "content": "q", "task": "query"}, {"role": "assistant", "content": "a b"}], {},
+     f"{BOS}{USER}q<｜query｜>a b{EOS}"),
+    ("read_url task", [{"role": "user", "content": "<｜extracted_url｜>u", "task": "read_url"}], {},
+     f"{BOS}{USER}<｜extracted_url｜>u<｜read_url｜>"),
+    ("the title after the title task",
+     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "task": "title"},
+      {"role": "assistant", "content": "T"}], {"thinking_mode": "thinking"},
+     f"{BOS}{USER}q{ASSISTANT}<think></think>a{EOS}<｜title｜>T{EOS}"),
+    ("a latest_reminder after the user turn comes after the assistant prefix",
+     [{"role": "user", "content": "A"}, {"role": "latest_reminder", "content": "R"}], {},
+     f"{BOS}{USER}A{ASSISTANT}</think><｜latest_reminder｜>R"),
+    ("consecutive user messages form one turn",
+     [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], {},
+     f"{BOS}{USER}a\n\nb{ASSISTANT}</think>"),
+    ("reasoning_effort=max adds nothing in chat mode",
+     [SYS, {"role": "user", "content": "q"}], {"reasoning_effort": "max"}, f"{BOS}S{USER}q{ASSISTANT}</think>"),
     ("title task after the assistant's EOS",
      [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "task": "title"}], {},
      f"{BOS}{USER}q{ASSISTANT}</think>a{EOS}<｜title｜>"),
@@ -145,8 +178,8 @@ def test_tools_in_system_turn_and_on_the_system_message():
     assert '\n{"name": "f", "description": "d", "parameters": {"type": "object"}}\n' in by_arg
     assert f"invoke tool calls.\n{USER}a" in by_arg
     assert f"{ASSISTANT}<think>r</think>b{EOS}" in by_arg
-    no_system = encode_messages(convo[:1], tools=[TOOL])
-    assert no_system.startswith(f"{BOS}## Tools\n\n")
+    no_system = encode_messages(convo[:1], tools=[TOOL])  # an empty system turn holds them
+    assert no_system.startswith(f"{BOS}\n\n## Tools\n\n")
 
 
 def test_response_format_in_system_turn():
@@ -181,7 +214,10 @@ BAD_MESSAGES = [
     ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}],
      "arguments are not valid JSON"),
     ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], "non-empty string 'name'"),
-    ([{"role": "user", "content": "x", "task": "read_url"}], "unsupported task 'read_url'"),
+    ([{"role": "user", "content": "x", "task": "summarize"}], "unsupported task 'summarize'"),
+    ([{"role": "assistant", "content": "x", "task": "action"}], "unsupported task 'action'"),
+    ([SYS, {"role": "user", "content": "x"}, {"role": "system", "content": "y", "tools": [TOOL]}],
+     "tools go on the first system message"),
 ]
 
 
