@@ -139,6 +139,7 @@ def _text(content: Any, where: str, dialect: ChatDialect = V4, separator: str | 
     parts become the dialect's image token)."""
     if content is None:
         return ""
+    image = dialect.image_token if separator is None else None  # images only in a message's own content
     if isinstance(content, str):
         parts = [content]
     elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
@@ -149,18 +150,19 @@ def _text(content: Any, where: str, dialect: ChatDialect = V4, separator: str | 
                 parts.append(part)
             elif kind == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
-            elif kind in IMAGE_PART_TYPES and dialect.image_token is not None and separator is None:
-                parts.append(dialect.image_token)
-                continue
+            elif kind in IMAGE_PART_TYPES and image is not None:
+                parts.append(None)
             else:
-                allowed = "text and image" if dialect.image_token is not None and separator is None else "text"
+                allowed = "text and image" if image is not None else "text"
                 raise ValueError(f"{where}: only {allowed} content parts are supported here, got a {kind!r} part")
-            if dialect.image_token is not None and dialect.image_token in parts[-1]:
-                raise ValueError(f"{where}: the text contains the image token {dialect.image_token}; "
-                                 f"images come as image content parts")
     else:
         raise ValueError(f"{where}: content must be a string or a list of content parts, got "
                          f"{type(content).__name__}")
+    # the image token comes only from image parts: one token per image is what the vision side expands
+    if dialect.image_token is not None and any(p is not None and dialect.image_token in p for p in parts):
+        raise ValueError(f"{where}: the text contains the image token {dialect.image_token}; "
+                         f"images come as image content parts")
+    parts = [image if p is None else p for p in parts]
     return (dialect.part_separator if separator is None else separator).join(parts)
 
 
