@@ -6,7 +6,8 @@
 * compressed pool (CSA/HCA layers): ``[num_blocks * block_size // rate, head_dim]``, one row per
   compressed entry, kept for the whole sequence; CSA layers also keep indexer keys the same way.
 * state slots (CSA/HCA layers): the projected ``kv`` and ``gate`` (position bias added) of the last
-  ``rows`` source tokens, where rows = 2 x rate with overlapping windows (CSA) and rate without (HCA).
+  ``rows`` source tokens, where rows = 2 x rate with overlapping windows (CSA) and rate without (HCA),
+  at least ``MIN_RING_ROWS`` (``cache_layout.ring_rows``).
 * boundary records (overlapping compressors only), one per compressed block: the first-half
   features of the last window before the block's end, which the next window mixes in. With them a
   prefix-cache hit at a block boundary restores the compressor state exactly.

@@ -20,6 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+#: the fewest rows a compressor ring keeps. A verification's tokens must land on distinct rows of every ring
+#: so that the rows of rejected drafts can be put back without touching accepted ones (``spec_decode/
+#: rollback.py``): rings of fewer rows (V4.1's ratio-2 sources) keep this many, which admits 7 drafts.
+MIN_RING_ROWS = 8
+
+
+def ring_rows(rate: int, overlap: bool) -> int:
+    """Source rows a compressor ring keeps: its windows' (two with overlap), at least :data:`MIN_RING_ROWS`.
+    A ring is read and written modulo this count, so any count at least the windows' is exact."""
+    return max((2 if overlap else 1) * rate, MIN_RING_ROWS)
+
+
 @dataclass(frozen=True)
 class BranchSpec:
     """One compressed branch: entries of ``dim`` values, one per ``rate`` source tokens; ``overlap``:
@@ -35,7 +47,7 @@ class BranchSpec:
     @property
     def rows(self) -> int:
         """Source rows the ring keeps."""
-        return (2 if self.overlap else 1) * self.rate
+        return ring_rows(self.rate, self.overlap)
 
     @property
     def source_dim(self) -> int:

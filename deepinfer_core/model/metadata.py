@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from deepinfer_core.model.cache import CompressorSpec
+from deepinfer_core.model.cache_layout import ring_rows
 
 
 @dataclass
@@ -329,7 +330,7 @@ def _ngram_index(spans: list[SeqSpan], starts: list[int], n: int) -> tuple[torch
 
 
 def _compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: int) -> CompressorMeta:
-    rows = (2 if overlap else 1) * rate
+    rows = ring_rows(rate, overlap)
     within = torch.arange(rate)
     # ring rows read this step: each sequence's last ``rows`` cached positions
     first_read = (lay.ctx - rows).clamp(min=0)
@@ -407,7 +408,7 @@ def _check_padded(spans: list[SeqSpan], compressor_specs: set[CompressorSpec], p
     """Raise unless ``pad`` holds ``spans`` moved on by up to ``shift`` positions."""
     q = pad.query_len
     for spec in compressor_specs:
-        if q > (2 if spec.overlap else 1) * spec.rate:
+        if q > ring_rows(spec.rate, spec.overlap):
             raise ValueError(f"{q} new tokens per sequence overrun the {spec.rate}-rate compressor's ring")
     longest = max([s.context_len + shift + q for s in spans] + [0])
     for rate, entries in pad.max_entries.items():
@@ -579,7 +580,7 @@ def _padded_compressor_meta(rate: int, overlap: bool, lay: _Layout, block_size: 
     """The fields of the padded layout's :class:`CompressorMeta` (numpy or torch, as ``lay`` holds)."""
     size = lay.ctx.shape[0]
     q = lay.positions.shape[0] // size
-    rows = (2 if overlap else 1) * rate
+    rows = ring_rows(rate, overlap)
     within, seq = xp.arange(rate), xp.arange(size)
     read_pos = lay.ctx[:, None] - rows + xp.arange(rows)  # [S, rows]; negative ones are never used
     dummy = size * rows + size * q

@@ -1,11 +1,12 @@
-"""SpeculativeConfig: what ``speculative_config={"method": "mtp", "num_speculative_tokens": k}`` asks for."""
+"""SpeculativeConfig: what ``speculative_config={"method": "mtp" | "dspark", "num_speculative_tokens": k}`` asks
+for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "dspark")  # V4: one MTP layer run k times; V4.1: the DSpark block drafter
 SCHEDULES = ("fixed", "confidence")
 
 

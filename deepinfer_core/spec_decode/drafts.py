@@ -43,12 +43,21 @@ class DraftPlanner:
             return None
         if config.method not in cfg.architecture.drafters:
             drafters = sorted(cfg.architecture.drafters) or "none"
-            dspark = "; its DSpark stages load but do not draft yet" if getattr(cfg, "dspark_block_size", 0) else ""
             raise ValueError(f"speculative_config method {config.method!r} is not available for "
-                             f"{cfg.architecture.name} (its drafters: {drafters}{dspark})")
+                             f"{cfg.architecture.name} (its drafters: {drafters})")
         if not getattr(cfg, "num_nextn_predict_layers", 0):
-            raise ValueError("speculative_config method 'mtp' needs a checkpoint with an MTP layer "
-                             "(num_nextn_predict_layers >= 1)")
+            raise ValueError(f"speculative_config method {config.method!r} needs a checkpoint with its drafter's "
+                             f"layers (num_nextn_predict_layers >= 1, the mtp.* tensors)")
+        if config.method == "dspark":
+            block = getattr(cfg, "dspark_block_size", 0)
+            if not block:
+                raise ValueError("speculative_config method 'dspark' needs dspark_block_size in the checkpoint's "
+                                 "config")
+            if config.num_speculative_tokens > block:
+                raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} is more than the DSpark "
+                                 f"block of this checkpoint drafts ({block})")
+            if parallel.expert_parallel_size > 1:
+                raise ValueError("speculative_config method 'dspark' does not run under expert parallel yet")
         rows = [b.rows for b in cache_layout(cfg).branch_pools if b.stateful]
         cap = max_speculative_tokens(rows)
         if cap is not None and config.num_speculative_tokens > cap:

@@ -48,6 +48,7 @@ from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
+from deepinfer_core.spec_decode.dspark_proposer import DSparkProposer
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import MtpProposer
 from deepinfer_core.spec_decode.proposer import DraftSpan, Proposer
@@ -100,7 +101,8 @@ class _HostCopy:
 
 
 class SpecDecodeModelRunner(ModelRunner):
-    def __init__(self, *args, num_speculative_tokens: int = 1, profile_steps: bool = False, **kwargs):
+    def __init__(self, *args, num_speculative_tokens: int = 1, profile_steps: bool = False, method: str = "mtp",
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.k = num_speculative_tokens
         self.verifier = Verifier(self.sampler, self.platform)
@@ -108,11 +110,15 @@ class SpecDecodeModelRunner(ModelRunner):
         self.step_profile = None
         if profile_steps and self.graph_runner is not None:
             self.step_profile = StepProfile(self.graph_runner.profile_steps())
-        drafting_graphs = None
-        if self.graph_runner is not None:
-            drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
-                                        capture=bool(self.graph_runner.graphs), platform=self.platform)
-        self.proposer: Proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
+        self.proposer: Proposer
+        if method == "dspark":
+            self.proposer = DSparkProposer(self.model, self.cache, num_speculative_tokens)
+        else:
+            drafting_graphs = None
+            if self.graph_runner is not None:
+                drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
+                                            capture=bool(self.graph_runner.graphs), platform=self.platform)
+            self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
         self._step_graphs: tuple[Any, VerifyGraphs, ChainGraphs] | None = None
         if self.graph_runner is not None:
             self._graphs_of(self.graph_runner)
@@ -146,7 +152,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
             extra = q - len(s.token_ids) if q else 0
             spans.append(SeqSpan(s.start, len(s.token_ids) + extra, *self._tables(s, extra), s.state_slot,
-                                 s.write_from))
+                                 s.write_from, self._history(s)))
             starts.append(len(ids))
             ids.extend(s.token_ids + [s.token_ids[-1]] * extra)
             n_plain = len(s.token_ids) - s.num_drafts
@@ -165,7 +171,8 @@ class SpecDecodeModelRunner(ModelRunner):
             rows = list(range(len(ids)))
         pad = graphs.padding_for(spans, rows) if graphs is not None else None
         host = build_forward_batch(ids, spans, self.model.compressor_specs(), self.block_size,
-                                   self.model.cfg.sliding_window, rows, pad=pad)
+                                   self.model.cfg.sliding_window, rows, pad=pad,
+                                   ngram=getattr(self.model, "ngram_size", 0))
         draft_mask = torch.tensor(draft + [False] * (host.num_tokens - len(draft)), dtype=torch.bool)
         filler_mask = torch.tensor(filler + [False] * (host.num_tokens - len(filler)), dtype=torch.bool)
         undo = None

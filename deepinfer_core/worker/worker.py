@@ -150,5 +150,6 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
                            "streams for the MTP drafter")
             graphs = None
         return SpecDecodeModelRunner(model, cache, cache.block_size, sampler, platform, graphs,
-                                     num_speculative_tokens=k, profile_steps=spec.schedule == "confidence")
+                                     num_speculative_tokens=k, profile_steps=spec.schedule == "confidence",
+                                     method=spec.method)
     return ModelRunner(model, cache, cache.block_size, sampler, platform, graphs)

@@ -9,6 +9,7 @@ import torch
 
 from deepinfer_core.model.errors import UnsupportedModelError
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config, cache_layout
+from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
 from deepinfer_core.models.deepseek_v41.manifest import manifest
 from deepinfer_core.models.deepseek_v41.model import NUMERICS, DeepseekV41Model
 from deepinfer_core.models.deepseek_v41.weights import ModelWeights, build_weights, stack_shared_experts
@@ -52,6 +53,7 @@ ARCHITECTURE = Architecture(
     build_weights=build_weights,
     prepare_params=stack_shared_experts,
     kv_layouts={"deepseek": "fp4_ds"},
+    drafters={"dspark": DeepseekV41DSpark},
 )
 
 __all__ = ["ARCHITECTURE", "NUMERICS", "DeepseekV41Config", "DeepseekV41Model", "ModelWeights", "load_model",

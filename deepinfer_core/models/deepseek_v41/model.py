@@ -104,10 +104,9 @@ class DeepseekV41Model:
         self.engram_hash = engram_hash
         #: tokens per n-gram the batch must carry (0: no Engram)
         self.ngram_size = cfg.engram_max_ngram_size if cfg.has_engram else 0
-        #: the checkpoint's DSpark stages as a draft model (:mod:`.dspark`), None without them; speculative
-        #: decoding does not run it yet, so the engine's ``drafter`` stays None
+        #: the checkpoint's DSpark stages as a draft model (:mod:`.dspark`), None without them
         self.dspark = DeepseekV41DSpark(self, weights.mtp) if weights.mtp and cfg.dspark_block_size else None
-        self.drafter = None
+        self.drafter = self.dspark
 
     @property
     def has_mtp(self) -> bool:
