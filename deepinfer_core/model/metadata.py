@@ -28,6 +28,9 @@ class SeqSpan:
     state_slot: int
     write_from: int = 0  # compressed entries of windows starting before this position are not written
     history: list[int] | None = None  # n-gram models: the token ids just before context_len (see ngram_index)
+    # bounded replay (model/replay.py): the layers after the last KV source run only on positions from here,
+    # and their window KV exists only from here (0: every position, the full prefill)
+    replay_from: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -67,7 +70,8 @@ class CompressorMeta:
 _META_FIELDS = tuple(f.name for f in fields(CompressorMeta))
 #: the batch-level index tensors, in the order of ``ForwardBatch.tensors``
 _TOP_FIELDS = ("input_ids", "positions", "window_slots", "window_indices", "logits_indices", "block_tables",
-               "token_seq", "window_tables", "window_first", "ngram_tokens", "ngram_index")
+               "token_seq", "window_tables", "window_first", "ngram_tokens", "ngram_index", "replay_floor",
+               "replay_rows")
 #: n-gram history entries: a position before the sequence start, a dead token (an image token)
 BEFORE_START, DEAD = -1, -2
 
@@ -114,6 +118,10 @@ class ForwardBatch:
     # read from input_ids on the device, where a previous step's sample may only arrive there
     ngram_tokens: torch.Tensor | None = None  # [H] the history tokens before each span's first new token
     ngram_index: torch.Tensor | None = None  # [T, n]
+    # bounded replay (model/replay.py), set only where it hides something this step: per token its sequence's
+    # ``replay_from``; and the rows of the tokens at or past it (the tail the late layers run on)
+    replay_floor: torch.Tensor | None = None  # [T]
+    replay_rows: torch.Tensor | None = None  # [Tt]
 
     def ngram_ids(self) -> torch.Tensor:
         """[T, n] token ids (or BEFORE_START / DEAD) at positions p, p-1, ..., p-n+1 of every token."""
@@ -256,6 +264,9 @@ def build_forward_batch(
     if pad is not None:
         if ngram:
             raise ValueError("n-gram models run eagerly: no padded (graph) batch carries n-gram histories")
+        if any(max(0, s.context_len - sliding_window + 1) < s.replay_from for s in spans):
+            raise ValueError("a bounded-replay prefill runs eagerly: a padded (graph) batch cannot cut its "
+                             "late layers to the tail")
         return _build_padded(token_ids, spans, compressor_specs, block_size, sliding_window, device, pad)
     lo = torch.long
     num_new = torch.tensor([s.num_new for s in spans], dtype=lo)
@@ -290,6 +301,10 @@ def build_forward_batch(
         batch.entry_widths[rate] = longest // rate
     if ngram:
         batch.ngram_tokens, batch.ngram_index = _ngram_index(spans, starts, ngram)
+    floor = torch.tensor([s.replay_from for s in spans], dtype=lo)
+    if bool(((lay.ctx - sliding_window + 1).clamp(min=0) < floor).any()):  # some late-layer query or key is cut off
+        batch.replay_floor = floor[owner]
+        batch.replay_rows = torch.nonzero(lay.positions >= batch.replay_floor).view(-1)
     return batch.to(device)
 
 
