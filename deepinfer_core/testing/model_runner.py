@@ -33,17 +33,21 @@ class SimpleRunner:
     def table(self, seq: int) -> list[int]:
         return list(range(seq * self.max_blocks, (seq + 1) * self.max_blocks))
 
-    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> dict[int, torch.Tensor]:
-        """Feed ``chunks[seq]`` new tokens to each listed sequence; return logits per sequence."""
-        return self.forward(chunks, all_logits)[0]
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False,
+             replay_from: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
+        """Feed ``chunks[seq]`` new tokens to each listed sequence; return logits per sequence.
+        ``replay_from[seq]``: the sequence's bounded-replay floor (:mod:`deepinfer_core.model.replay`)."""
+        return self.forward(chunks, all_logits, replay_from)[0]
 
-    def forward(self, chunks: dict[int, list[int]], all_logits: bool = False):
+    def forward(self, chunks: dict[int, list[int]], all_logits: bool = False,
+                replay_from: dict[int, int] | None = None):
         """:meth:`step`'s logits per sequence, and the step's batch and the model's output streams [T, n, D]
         (what the MTP block reads)."""
         spans, ids, rows, owners = [], [], [], []
         for seq, toks in chunks.items():
             history = self.tokens[seq][max(0, self.lens[seq] - self.ngram + 1):] if self.ngram else None
-            spans.append(SeqSpan(self.lens[seq], len(toks), self.table(seq), self.table(seq), seq, history=history))
+            spans.append(SeqSpan(self.lens[seq], len(toks), self.table(seq), self.table(seq), seq, history=history,
+                                 replay_from=(replay_from or {}).get(seq, 0)))
             start = len(ids)
             ids.extend(toks)
             rows.extend(range(start, len(ids)) if all_logits else [len(ids) - 1])

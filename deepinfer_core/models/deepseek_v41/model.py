@@ -29,12 +29,15 @@ import torch
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.cache_layout import BranchSpec, cache_layout
 from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
+from deepinfer_core.model.replay import LateBatch, late_batch
 from deepinfer_core.models.deepseek_v4.weights import HyperConnection
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
+from deepinfer_core.models.deepseek_v41.replay import replay_layers
 from deepinfer_core.models.deepseek_v41.weights import Attention, Block, Compressor, Engram, ModelWeights, MoE
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.native import acc_dtype, select_topk
+from deepinfer_core.parallel.ep import dummy_moe
 
 NUMERICS = ("deepseek", "unquantised")
 #: activations and window KV: E4M3 per this many values; index keys/queries FP4 per this many
@@ -87,6 +90,14 @@ class _Step:
         self.blocks: torch.Tensor | None = None
         self.topk: dict[int, torch.Tensor] = {}
 
+    def narrowed(self, late: LateBatch) -> _Step:
+        """The same hand-offs for the late layers' rows (bounded replay)."""
+        out = _Step()
+        out.candidates = {rate: late.narrow(c) for rate, c in self.candidates.items()}
+        out.blocks = None if self.blocks is None else late.narrow(self.blocks)
+        out.topk = {layer: late.narrow(t) for layer, t in self.topk.items()}
+        return out
+
 
 class DeepseekV41Model:
     """Runs the forward over ``weights`` through ``ops``."""
@@ -107,6 +118,11 @@ class DeepseekV41Model:
         #: the checkpoint's DSpark stages as a draft model (:mod:`.dspark`), None without them
         self.dspark = DeepseekV41DSpark(self, weights.mtp) if weights.mtp and cfg.dspark_block_size else None
         self.drafter = self.dspark
+
+    #: bounded replay (:mod:`deepinfer_core.model.replay`): ``"mask"`` or ``"compact"`` runs the layers after
+    #: the last KV source only on a prefill's tail (where the batch carries ``replay_floor``); None: every
+    #: layer on every token. Set by the worker from the engine argument ``bounded_replay``.
+    bounded_replay: str | None = None
 
     @property
     def has_mtp(self) -> bool:
@@ -161,12 +177,25 @@ class DeepseekV41Model:
         hashes = self.engram_rows(batch) if self.engram_hash is not None else None
         step = _Step()
         targets = []
+        late = late_batch(batch, self.bounded_replay) if self.bounded_replay else None
+        start = replay_layers(cfg).start if late is not None else len(w.layers)
+        here, early = batch, None
         for layer, block in enumerate(w.layers):
+            if layer == start:  # from here on the tail only; ``early``: the streams the other rows keep
+                early = streams, pre
+                here, streams, pre, step = late.batch, late.narrow(streams), late.narrow(pre), step.narrowed(late)
+                rope = {kind: (late.narrow(cos), late.narrow(sin)) for kind, (cos, sin) in rope.items()}
             if block.engram is not None:
                 streams = self.engram(block.engram, streams, hashes[:, cfg.engram_layer_ids.index(layer)])
             if layer in cfg.dspark_target_layer_ids:  # the drafter reads a target layer's input
-                targets.append(streams.mean(dim=1))
-            streams, pre = self.block(block, layer, streams, pre, batch, cache, rope, step)
+                targets.append((streams if early is None else late.widen(streams, early[0])).mean(dim=1))
+            if early is not None and late.empty:  # no tail token in this chunk: only expert parallel's collectives
+                if self.ep is not None:
+                    dummy_moe(self, block.moe)
+                continue
+            streams, pre = self.block(block, layer, streams, pre, here, cache, rope, step)
+        if early is not None:
+            streams, pre = late.widen(streams, early[0]), late.widen(pre, early[1])
         hidden = ops.rms_norm(ops.hc_collapse(streams[batch.logits_indices], pre[batch.logits_indices]), w.norm,
                               cfg.rms_norm_eps)
         return self.logits(hidden), torch.cat(targets, dim=-1) if targets else streams
