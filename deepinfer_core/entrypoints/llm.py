@@ -137,12 +137,15 @@ class LLM:
             self._router.forget(rid)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | None = None, thinking: bool = False,
-             tools: list[dict] | None = None, **kwargs: Any) -> list[RequestOutput]:
-        """Generate assistant turns for one conversation (or a list of them) in DeepSeek-V4's chat format;
-        each output carries the parsed message as ``chat_messages``."""
+             tools: list[dict] | None = None, reasoning_effort: int | str | None = None,
+             **kwargs: Any) -> list[RequestOutput]:
+        """Generate assistant turns for one conversation (or a list of them) in the model's chat format
+        (DeepSeek-V4's or V4.1's, by its architecture); each output carries the parsed message as
+        ``chat_messages``. ``reasoning_effort``: V4.1 takes 1..100 or low/high/max."""
         from deepinfer_core.entrypoints.chat_utils import chat
 
-        return chat(self, messages, sampling_params, thinking=thinking, tools=tools, **kwargs)
+        return chat(self, messages, sampling_params, thinking=thinking, tools=tools,
+                    reasoning_effort=reasoning_effort, **kwargs)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the growing output of one request after every step it took part in (other calls on this

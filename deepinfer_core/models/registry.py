@@ -58,13 +58,24 @@ _FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "DeepseekV41ForCausalLM": ("kv_source_layers", "index_source_layers", "compress_ratios", "n_layers"),
 }
 _LOADED: dict[str, Architecture] = {}
+#: architecture name -> the module of its chat encoding (``encode_messages``, ``parse_completion`` and
+#: ``CompletionStream``, as :mod:`deepinfer_core.chat` has them); absent: DeepSeek-V4's
+_CHAT_ENCODINGS: dict[str, str] = {"DeepseekV41ForCausalLM": "deepinfer_core.chat_v41"}
+DEFAULT_CHAT_ENCODING = "deepinfer_core.chat"
 
 
-def register_architecture(name: str, module: str, model_types: tuple[str, ...] = ()) -> None:
+def register_architecture(name: str, module: str, model_types: tuple[str, ...] = (),
+                          chat_encoding: str = DEFAULT_CHAT_ENCODING) -> None:
     """Serve config.json ``architectures: [name]`` (or one of ``model_types``) with ``module``'s
-    ``ARCHITECTURE``; imported on first use."""
+    ``ARCHITECTURE``; imported on first use. Chats are encoded by the module ``chat_encoding``."""
     _REGISTRY[name] = (module, tuple(model_types))
+    _CHAT_ENCODINGS[name] = chat_encoding
     _LOADED.pop(name, None)
+
+
+def get_chat_encoding(name: str) -> Any:
+    """The chat-encoding module of the architecture ``name`` (imported on first use)."""
+    return importlib.import_module(_CHAT_ENCODINGS.get(name, DEFAULT_CHAT_ENCODING))
 
 
 def supported_architectures() -> list[str]:

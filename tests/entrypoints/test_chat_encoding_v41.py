@@ -179,3 +179,51 @@ def test_matches_the_published_cases():
         got = encode_messages(case["messages"], case.get("thinking_mode") or "chat", tools=case.get("tools"),
                               reasoning_effort=case.get("reasoning_effort"))
         assert got == expected, inp.name
+
+
+# --- the model's architecture picks the encoding ----------------------------------------------------
+
+from engine_fixtures import tiny_path  # noqa: E402,F401  (the session's tiny checkpoints)
+
+from deepinfer_core import chat as v4_chat  # noqa: E402
+from deepinfer_core.config import ModelConfig  # noqa: E402
+from deepinfer_core.entrypoints.chat_utils import chat_encoding_for  # noqa: E402
+
+
+def test_the_architecture_picks_the_encoding(tiny_path):  # noqa: F811
+    assert chat_encoding_for(ModelConfig.from_pretrained(tiny_path("v41"))) is chat_v41
+    assert chat_encoding_for(ModelConfig.from_pretrained(tiny_path("tiny"))) is v4_chat
+    assert chat_encoding_for(None) is v4_chat
+
+
+def test_server_refuses_a_bad_effort_for_v41_with_400(tiny_path):  # noqa: F811
+    """The OpenAI server encodes a V4.1 model's chats in V4.1's format: a numeric effort goes into the
+    prompt, and 0, 101 or an unknown word is a 400 naming reasoning_effort (no engine needed for that)."""
+    from types import SimpleNamespace
+
+    from deepinfer_core.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+    from deepinfer_core.entrypoints.openai.serving import OpenAIServing
+
+    front = SimpleNamespace(tokenizer=None, model_config=ModelConfig.from_pretrained(tiny_path("v41")))
+    serving = OpenAIServing(front, ["m"], metrics=None)
+    body = {"messages": [Q], "thinking": True}
+    prompt = serving._chat_prompt(ChatCompletionRequest(**body, reasoning_effort=42))
+    assert prompt.text == f"{BOS}{SYSTEM}{EFFORT.format(42)}{USER}q{ASSISTANT}<think>"
+    assert isinstance(prompt.stream(), chat_v41.CompletionStream)
+    for bad in (0, 101, "medium", "fast", True):
+        with pytest.raises(APIError) as err:
+            serving._chat_prompt(ChatCompletionRequest(**body, reasoning_effort=bad))
+        assert err.value.status == 400 and err.value.param == "reasoning_effort"
+        assert "reasoning_effort must be an integer from 1 to 100" in err.value.message
+
+
+def test_llm_chat_takes_reasoning_effort(tiny_path):  # noqa: F811
+    """LLM.chat on a tiny V4.1 encodes in V4.1's format with the given effort."""
+    from deepinfer_core.entrypoints.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    llm = LLM(model=str(tiny_path("v41")))
+    out = llm.chat([SYS, Q], SamplingParams(max_tokens=2, temperature=0), thinking=True, reasoning_effort="low")[0]
+    assert out.prompt == f"{BOS}{SYSTEM}{EFFORT.format(50)}S{USER}q{ASSISTANT}<think>"
+    with pytest.raises(ValueError, match="reasoning_effort must be an integer from 1 to 100"):
+        llm.chat([Q], reasoning_effort=0)

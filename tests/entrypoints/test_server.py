@@ -41,7 +41,7 @@ from deepinfer_core.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from deepinfer_core.entrypoints.chat_utils import chat  # noqa: E402
 from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
 from deepinfer_core.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app  # noqa: E402
-from deepinfer_core.sampling.params import SamplingParams  # noqa: E402
+from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
                                     reason="structured outputs need the optional xgrammar ('deepinfer[structured]')")
@@ -354,9 +354,11 @@ def test_chat_streaming_with_logprobs(server, offline):
 
 
 @needs_xgrammar
-def test_chat_tool_calls(server):
+def test_chat_tool_calls(server, offline):
     """The tiny model cannot call tools by itself: a structured-output choice makes it write the DSML
-    block, which comes back as an OpenAI tool call (non-streaming and streaming)."""
+    block, which comes back as an OpenAI tool call. Streamed, as vLLM's tool parsers stream: the call's
+    id and name in its first delta, then its arguments in several pieces, which concatenated equal the
+    non-streamed call's arguments and offline ``LLM.chat``'s, character for character."""
     client = server.client()
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER],
               max_tokens=200, temperature=0, extra_body={"structured_outputs": {"choice": [CALL]}})
@@ -366,15 +368,23 @@ def test_chat_tool_calls(server):
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("call_")
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"location": "Paris"})
-    calls, content, finish = [], "", None
+    want = chat(offline, kw["messages"], SamplingParams(max_tokens=200, temperature=0,
+                                                        structured_outputs=StructuredOutputsParams(choice=[CALL])),
+                tools=[WEATHER])[0].chat_messages[0]["tool_calls"]
+    assert call.function.arguments == want[0]["function"]["arguments"]
+    deltas, content, finish = [], "", None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
-            calls += c.delta.tool_calls or []
+            deltas += c.delta.tool_calls or []
             content += c.delta.content or ""
             finish = c.finish_reason or finish
     assert content == "" and finish == "tool_calls"
-    got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
-    assert got == [("get_weather", {"location": "Paris"})]
+    assert {d.index for d in deltas} == {0}
+    head, pieces = deltas[0], [d.function.arguments for d in deltas[1:]]
+    assert head.id.startswith("call_") and head.type == "function" and head.function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(pieces) >= 2, f"the arguments came whole: {pieces}"
+    assert "".join(pieces) == call.function.arguments
     history = [*kw["messages"], choice.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
     follow = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4)
@@ -447,6 +457,10 @@ BAD = [
     ("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [WEATHER]},
      "tool_choice"),
     ("chat", {"messages": "not a list"}, "messages"),
+    # this tiny model is a V4: OpenAI's levels only (V4.1's 1..100: test_chat_encoding_v41)
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "fast"},
+     "reasoning_effort must be one of ['none', 'low', 'medium', 'high', 'max'] for this model, got 'fast'"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": 50}, "got 50"),
 ]
 
 

@@ -74,7 +74,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    # V4.1: an integer 1..100 or low/high/max; V4: OpenAI's levels. Checked by the model's chat encoding
+    # (a 400 naming the accepted values), so the type stays open here.
+    reasoning_effort: Any = None
     # thinking on/off: DeepSeek's {"type": "enabled"|"disabled"}, a bool, or chat_template_kwargs' "thinking"
     thinking: bool | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -14,9 +14,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from deepinfer_core.chat import CompletionStream
 from deepinfer_core.entrypoints.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
-from deepinfer_core.entrypoints.chat_utils import ChatPrompt, build_chat_prompt
+from deepinfer_core.entrypoints.chat_utils import ChatPrompt, build_chat_prompt, chat_encoding_for
 from deepinfer_core.entrypoints.openai.metrics import ServerMetrics
 from deepinfer_core.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from deepinfer_core.outputs import RequestOutput
@@ -360,9 +359,11 @@ class OpenAIServing:
         try:
             return build_chat_prompt(self.tokenizer, req.messages, params, thinking=self._thinking(req),
                                      tools=tools, response_format=req.response_format,
+                                     encoding=chat_encoding_for(getattr(self.async_llm, "model_config", None)),
                                      reasoning_effort=req.reasoning_effort)
         except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from None
+            param = "reasoning_effort" if str(exc).startswith("reasoning_effort") else "messages"
+            raise APIError(400, str(exc), param) from None
 
     @staticmethod
     def _message(msg: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +404,7 @@ class OpenAIServing:
                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
         async def events() -> AsyncIterator[str]:
-            parsers: dict[int, CompletionStream] = {}
+            parsers: dict[int, Any] = {}
             sent_tokens: dict[int, int] = {}
             ended: set[int] = set()
             last = None
@@ -415,7 +416,7 @@ class OpenAIServing:
                     if c.index in ended:
                         continue
                     if c.index not in parsers:
-                        parsers[c.index] = CompletionStream(prompt.thinking_mode, prompt.parse_tools)
+                        parsers[c.index] = prompt.stream()
                         yield chunk(c.index, {"role": "assistant", "content": ""})
                     parser, tok_from = parsers[c.index], sent_tokens.get(c.index, 0)
                     done = c.finish_reason is not None
@@ -430,6 +431,9 @@ class OpenAIServing:
                             lps = None
                         if content or lps:
                             yield chunk(c.index, {"content": content}, logprobs=lps)
+                        # vLLM's streaming tool parser: each call's name once, then its arguments in pieces
+                        for delta in parser.tool_call_deltas(c.text):
+                            yield chunk(c.index, {"tool_calls": [delta]})
                         continue
                     ended.add(c.index)
                     reasoning, content, msg = parser.finish(c.text)
@@ -437,9 +441,8 @@ class OpenAIServing:
                         yield chunk(c.index, {"reasoning_content": reasoning})
                     if content or lps:
                         yield chunk(c.index, {"content": content}, logprobs=lps)
-                    if msg["tool_calls"]:
-                        calls = [{"index": k, **call} for k, call in enumerate(msg["tool_calls"])]
-                        yield chunk(c.index, {"tool_calls": calls})
+                    for delta in parser.finish_tool_calls(msg):
+                        yield chunk(c.index, {"tool_calls": [delta]})
                     yield chunk(c.index, {}, "tool_calls" if msg["tool_calls"] else c.finish_reason)
             if include_usage and last is not None:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
