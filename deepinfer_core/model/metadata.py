@@ -96,6 +96,19 @@ class GraphPadding:
 
 
 @dataclass
+class MultiModalEmbeds:
+    """What the model reads at the image-span positions of a step instead of token embeddings: ``positions``
+    [M] rows of the step's batch, ``embeds`` [M, D] their vectors (an image's span may be cut across
+    steps: each step carries the rows of the positions it computes)."""
+
+    positions: torch.Tensor
+    embeds: torch.Tensor
+
+    def to(self, device: torch.device | str) -> MultiModalEmbeds:
+        return MultiModalEmbeds(self.positions.to(device), self.embeds.to(device))
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -118,6 +131,9 @@ class ForwardBatch:
     # read from input_ids on the device, where a previous step's sample may only arrive there
     ngram_tokens: torch.Tensor | None = None  # [H] the history tokens before each span's first new token
     ngram_index: torch.Tensor | None = None  # [T, n]
+    # multimodal models: the step's image-span rows and their embeddings (None: text only); kept out of
+    # ``tensors()`` (a float tensor, and only eager prefill steps carry one)
+    mm: MultiModalEmbeds | None = None
     # bounded replay (model/replay.py), set only where it hides something this step: per token its sequence's
     # ``replay_from``; and the rows of the tokens at or past it (the tail the late layers run on)
     replay_floor: torch.Tensor | None = None  # [T]
@@ -179,7 +195,10 @@ class ForwardBatch:
         return batch
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        return self.replace_tensors({k: v.to(device) for k, v in self.tensors().items()})
+        batch = self.replace_tensors({k: v.to(device) for k, v in self.tensors().items()})
+        if self.mm is not None:
+            batch.mm = self.mm.to(device)
+        return batch
 
 
 def compressed_candidates(batch: ForwardBatch, rate: int, block_size: int) -> torch.Tensor:

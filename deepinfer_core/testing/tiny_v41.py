@@ -4,7 +4,7 @@ Every feature bites at short lengths (``TINY_V41``): a window of 8, KV sources o
 followed by readers, index sources that reindex and layers that reuse their top-k, a candidate source
 whose 2-entry blocks the later index sources rank inside (3 blocks kept: pruning starts past 6 entries),
 an index top-k of 4 (smaller than the compressed positions of any prompt past a dozen tokens), two
-Engram layers, three DSpark stages. Widths are whole quantisation groups (32 for FP8 tiles and
+Engram layers, three DSpark stages; optionally a two-block vision tower (``TINY_V41_VISION``). Widths are whole quantisation groups (32 for FP8 tiles and
 activations, 16 for compressed KV).
 
 The weights are random at scales that keep activations of order one; every tensor is written as the
@@ -43,10 +43,20 @@ TINY_V41: dict[str, Any] = dict(
     dspark_n_routed_experts=4, dspark_n_activated_experts=2, image_token_id=4001,
 )
 
+#: a vision tower small enough for the CPU: head_dim 16, 2 blocks, at most 40 positions an image span, and
+#: images below 42x42 pixels scaled up to it
+TINY_V41_VISION: dict[str, Any] = dict(
+    model_type="deepseek_v41_vision", num_hidden_layers=2, hidden_size=64, num_heads=4, intermediate_size=96,
+    patch_size=14, rope_theta=10000.0, downsample_ratio=3, max_image_tokens=40, min_pixels=42 * 42,
+    max_wh_ratio=None,
+)
 
-def tiny_v41_config(tokenizer_dir: Path = DEFAULT_MODEL_DIR, engram: bool = True, **overrides: Any) -> dict:
+
+def tiny_v41_config(tokenizer_dir: Path = DEFAULT_MODEL_DIR, engram: bool = True, vision: bool = False,
+                    **overrides: Any) -> dict:
     """The Hugging Face config.json of the tiny model (with ``overrides`` on the text fields); Engram's
-    row counts and compressed vocab derived from the tokenizer in ``tokenizer_dir``."""
+    row counts and compressed vocab derived from the tokenizer in ``tokenizer_dir``; ``vision``: with the
+    vision tower of :data:`TINY_V41_VISION`."""
     from deepinfer_core.models.deepseek_v41.engram import engram_layout_of
 
     text = {**TINY_V41, **overrides}
@@ -61,7 +71,8 @@ def tiny_v41_config(tokenizer_dir: Path = DEFAULT_MODEL_DIR, engram: bool = True
             "tie_word_embeddings": False,
             "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                     "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
-            "text_config": {"model_type": "deepseek_v41_text", **text}}
+            "text_config": {"model_type": "deepseek_v41_text", **text},
+            **({"vision_config": dict(TINY_V41_VISION)} if vision else {})}
 
 
 def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -69,7 +80,7 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     def randn(*s: int) -> torch.Tensor:
         return torch.randn(*s, generator=gen)
 
-    if name.endswith(("norm.weight", "q_weight", "k_weight")):
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "q_weight", "k_weight")):
         return 1.0 + 0.1 * randn(*shape)
     if name.endswith("attn_sink"):
         return randn(*shape)
@@ -81,22 +92,23 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
         return 0.1 * randn(*shape)
     if name.endswith(("gate.bias", "gate.bias_vl")):
         return 0.05 * randn(*shape)
-    if name.endswith(("embed.weight", "markov_head.embed.weight")):
+    if name.endswith(("embed.weight", "markov_head.embed.weight")) or name.startswith("image_"):
         return randn(*shape)
     fan_in = shape[-1]
     return randn(*shape) / math.sqrt(fan_in)
 
 
 def build_tiny_v41(path: str | Path, seed: int = 0, shards: int = 1, with_drafter: bool = True,
-                   **overrides: Any) -> Path:
+                   vision: bool = False, **overrides: Any) -> Path:
     """A random tiny DeepSeek-V4.1 in the release's layout in ``path`` (config.json, safetensors and the
-    embedded tokenizer); ``overrides`` change the text fields of :data:`TINY_V41`."""
+    embedded tokenizer); ``overrides`` change the text fields of :data:`TINY_V41`; ``vision``: with a
+    vision tower (:data:`TINY_V41_VISION`), the routers' ``bias_vl`` and the span delimiters."""
     from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
     from deepinfer_core.models.deepseek_v41.manifest import manifest
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_v41_config(**overrides)
+    config = tiny_v41_config(vision=vision, **overrides)
     cfg = DeepseekV41Config.from_dict(config, path)
     man = manifest(cfg)
     gen = torch.Generator().manual_seed(seed)

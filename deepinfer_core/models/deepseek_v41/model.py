@@ -28,12 +28,14 @@ import torch
 
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.cache_layout import BranchSpec, cache_layout
-from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
+from deepinfer_core.model.metadata import DEAD, ForwardBatch, compressed_candidates
 from deepinfer_core.model.replay import LateBatch, late_batch
 from deepinfer_core.models.deepseek_v4.weights import HyperConnection
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
+from deepinfer_core.models.deepseek_v41.image_processor import ImageSpan, VisionConfig
 from deepinfer_core.models.deepseek_v41.replay import replay_layers
+from deepinfer_core.models.deepseek_v41.vision import VisionTower
 from deepinfer_core.models.deepseek_v41.weights import Attention, Block, Compressor, Engram, ModelWeights, MoE
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.native import acc_dtype, select_topk
@@ -89,6 +91,7 @@ class _Step:
         self.candidates: dict[int, torch.Tensor] = {}
         self.blocks: torch.Tensor | None = None
         self.topk: dict[int, torch.Tensor] = {}
+        self.image_mask: torch.Tensor | None = None  # [T] rows inside an image span (None: none)
 
     def narrowed(self, late: LateBatch) -> _Step:
         """The same hand-offs for the late layers' rows (bounded replay)."""
@@ -115,6 +118,9 @@ class DeepseekV41Model:
         self.engram_hash = engram_hash
         #: tokens per n-gram the batch must carry (0: no Engram)
         self.ngram_size = cfg.engram_max_ngram_size if cfg.has_engram else 0
+        #: the vision tower (:mod:`.vision`), None for a checkpoint without one
+        self.vision = (VisionTower(VisionConfig.of(cfg.vision_config), weights.vision, ops, dtype)
+                       if cfg.vision_config and weights.vision else None)
         #: the checkpoint's DSpark stages as a draft model (:mod:`.dspark`), None without them
         self.dspark = DeepseekV41DSpark(self, weights.mtp) if weights.mtp and cfg.dspark_block_size else None
         self.drafter = self.dspark
@@ -159,6 +165,8 @@ class DeepseekV41Model:
             used.add("candidate_blocks")
         if self.cfg.has_engram:
             used |= {"engram_gate", "engram_hash", "engram_lookup"}
+        if self.vision is not None:
+            used.add("encoder_attention")
         return used
 
     # --- top level -------------------------------------------------------------------------------
@@ -170,12 +178,19 @@ class DeepseekV41Model:
         streams [T, n, D] for a checkpoint without targets)."""
         ops, cfg, w = self.ops, self.cfg, self.weights
         x = ops.embedding(batch.input_ids, w.embed).to(self.dtype)
+        image_mask = None
+        if batch.mm is not None:  # an image span's positions read its embeddings, not the image token's
+            mm = batch.mm.to(x.device)
+            x = x.index_put((mm.positions,), mm.embeds.to(self.dtype))
+            image_mask = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+            image_mask[mm.positions] = True
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=acc_dtype(self.dtype), device=x.device)
         pre[:, 0] = 1.0  # block 0's attention takes stream 0
         rope = {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
-        hashes = self.engram_rows(batch) if self.engram_hash is not None else None
+        hashes = self.engram_rows(batch, image_mask) if self.engram_hash is not None else None
         step = _Step()
+        step.image_mask = image_mask
         targets = []
         late = late_batch(batch, self.bounded_replay) if self.bounded_replay else None
         start = replay_layers(cfg).start if late is not None else len(w.layers)
@@ -186,7 +201,8 @@ class DeepseekV41Model:
                 here, streams, pre, step = late.batch, late.narrow(streams), late.narrow(pre), step.narrowed(late)
                 rope = {kind: (late.narrow(cos), late.narrow(sin)) for kind, (cos, sin) in rope.items()}
             if block.engram is not None:
-                streams = self.engram(block.engram, streams, hashes[:, cfg.engram_layer_ids.index(layer)])
+                streams = self.engram(block.engram, streams, hashes[:, cfg.engram_layer_ids.index(layer)],
+                                      image_mask)
             if layer in cfg.dspark_target_layer_ids:  # the drafter reads a target layer's input
                 targets.append((streams if early is None else late.widen(streams, early[0])).mean(dim=1))
             if early is not None and late.empty:  # no tail token in this chunk: only expert parallel's collectives
@@ -204,6 +220,12 @@ class DeepseekV41Model:
         """The head in float32 (float64 stays float64), as the reference keeps it."""
         acc = acc_dtype(hidden.dtype)
         return self.ops.linear(hidden.to(acc), self.weights.head.weight.to(acc))
+
+    def embed_image(self, image: ImageSpan) -> torch.Tensor:
+        """[image.num_tokens, D]: what the positions of ``image``'s span read (:attr:`ForwardBatch.mm`)."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower: its prompts cannot carry images")
+        return self.vision.span_embeddings(image)
 
     def linear(self, x: torch.Tensor, lin) -> torch.Tensor:
         return self.ops.linear(x, lin.weight)
@@ -263,7 +285,7 @@ class DeepseekV41Model:
         streams = ops.hc_post(self.attention(w.attn, layer, h, batch, cache, rope, step), streams, post, comb)
         ffn_pre, post, comb = self.mixes(w.ffn_hc, streams)
         h = ops.rms_norm(ops.hc_collapse(streams, attn_pre), w.ffn_norm, eps)
-        return ops.hc_post(self.moe(w.moe, h), streams, post, comb), ffn_pre
+        return ops.hc_post(self.moe(w.moe, h, image_mask=step.image_mask), streams, post, comb), ffn_pre
 
     # --- attention -------------------------------------------------------------------------------
 
@@ -363,17 +385,25 @@ class DeepseekV41Model:
 
     # --- Engram ----------------------------------------------------------------------------------
 
-    def engram_rows(self, batch: ForwardBatch) -> torch.Tensor:
-        """[T, n_engram_layers, columns] table rows of every token (from its n-gram history)."""
+    def engram_rows(self, batch: ForwardBatch, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, n_engram_layers, columns] table rows of every token (from its n-gram history). Image tokens
+        are dead: an n-gram stops at one (the history carries earlier steps' as DEAD, ``image_mask``
+        marks this step's)."""
         if batch.ngram_index is None:
             raise ValueError("this model has Engram layers: the batch must carry each token's n-gram history "
                              "(build_forward_batch(..., ngram=model.ngram_size) with SeqSpan.history)")
         # the history is already on the device: hashing there reads nothing back (graph-safe)
-        return self.ops.engram_hash(batch.ngram_ids(), *self.engram_hash.op_args())
+        history = batch.ngram_ids()
+        if image_mask is not None:
+            rest = image_mask.new_zeros(batch.ngram_tokens.numel() + 2)  # history tokens, BEFORE_START, DEAD
+            history = history.masked_fill(torch.cat([image_mask, rest])[batch.ngram_index], DEAD)
+        return self.ops.engram_hash(history, *self.engram_hash.op_args())
 
-    def engram(self, e: Engram, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def engram(self, e: Engram, streams: torch.Tensor, rows: torch.Tensor,
+               image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``streams + gate * value`` per stream: the rows' values projected to one key per stream and one
-        shared value, each stream gated by its normalised match with its key."""
+        shared value, each stream gated by its normalised match with its key; image tokens' streams pass
+        through."""
         cfg, n, d = self.cfg, self.cfg.hc_mult, self.cfg.hidden_size
         table = e.table
         if table.scale is None:
@@ -385,7 +415,9 @@ class DeepseekV41Model:
         looked_up = looked_up.to(self.dtype)
         kv = self.qlinear(looked_up, e.wkv)
         key, value = kv.split([n * d, d], dim=-1)
-        return self.ops.engram_gate(streams, key.reshape(-1, n, d), value, e.q_weight, e.k_weight, cfg.rms_norm_eps)
+        out = self.ops.engram_gate(streams, key.reshape(-1, n, d), value, e.q_weight, e.k_weight,
+                                   cfg.rms_norm_eps)
+        return out if image_mask is None else torch.where(image_mask[:, None, None], streams, out)
 
     #: the lookup collective of a table sharded over the ranks (:mod:`.engram_placement`), None otherwise
     engram_lookup = None
@@ -395,15 +427,30 @@ class DeepseekV41Model:
     ep = None
     expert_load = None
 
-    def moe(self, moe: MoE, h, token_ids: torch.Tensor | None = None, top_k: int | None = None) -> torch.Tensor:
+    def route(self, gate, logits: torch.Tensor, top_k: int, image_mask: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_route with the router's ``bias``, and ``bias_vl`` for the rows of ``image_mask``: moe_route
+        is per row, so routing the image rows apart equals one call with a per-row bias."""
+        cfg, route = self.cfg, self.ops.moe_route
+        if image_mask is None or gate.bias_vl is None:
+            return route(logits, cfg.scoring_func, top_k, gate.bias, None, cfg.routed_scaling_factor)
+        weights = logits.new_empty(logits.shape[0], top_k)
+        ids = torch.empty(logits.shape[0], top_k, dtype=torch.long, device=logits.device)
+        for rows, bias in (~image_mask, gate.bias), (image_mask, gate.bias_vl):
+            if rows.any():
+                weights[rows], ids[rows] = route(logits[rows], cfg.scoring_func, top_k, bias, None,
+                                                 cfg.routed_scaling_factor)
+        return weights, ids
+
+    def moe(self, moe: MoE, h, token_ids: torch.Tensor | None = None, top_k: int | None = None,
+            image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts (through the expert-parallel dispatcher when there is one) plus the shared
         expert; ``token_ids`` is unused (no hash routing in V4.1); ``top_k``: experts per token (default:
-        the target's; the drafter's stages route fewer)."""
+        the target's; the drafter's stages route fewer); ``image_mask``: rows routed with ``bias_vl``."""
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
         acc = acc_dtype(h.dtype)
         logits = ops.linear(h.to(acc), gate.weight.weight.to(acc))
-        weights, ids = ops.moe_route(logits, cfg.scoring_func, top_k or cfg.num_experts_per_tok, gate.bias, None,
-                                     cfg.routed_scaling_factor)
+        weights, ids = self.route(gate, logits, top_k or cfg.num_experts_per_tok, image_mask)
         if self.expert_load is not None:
             self.expert_load.record(moe, ids)
         weights = weights.to(h.dtype)
