@@ -99,6 +99,7 @@ class _Step:
         out.candidates = {rate: late.narrow(c) for rate, c in self.candidates.items()}
         out.blocks = None if self.blocks is None else late.narrow(self.blocks)
         out.topk = {layer: late.narrow(t) for layer, t in self.topk.items()}
+        out.image_mask = None if self.image_mask is None else late.narrow(self.image_mask)
         return out
 
 
