@@ -471,11 +471,13 @@ def read_checkpoint(
     experts: range | None = None,
     keep_fp4: bool | None = None,
     numerics: str = "transformers",
+    exclude: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """Check every tensor's name, shape and dtype against the config (before reading any), then read them
     file by file straight onto ``device``, dequantising there (or keeping them quantised with
     ``keep_fp8``), stacking the routed experts; block scales come back as ``name + "_scale"``. A float or
-    FP8 weight holding NaN or an infinity is a :class:`CheckpointError` naming it and its file."""
+    FP8 weight holding NaN or an infinity is a :class:`CheckpointError` naming it and its file. ``exclude``:
+    canonical names checked but not read (the architecture places them itself: V4.1's Engram tables)."""
     path = Path(path)
     manifest = manifest_of(cfg)
     entries = read_headers(path, manifest)
@@ -559,6 +561,8 @@ def read_checkpoint(
                 _refuse_nonfinite(checks)
                 close_files()
             progress.update(1)
+            if item.target in exclude:
+                continue
             tensor = get(item.entry).to(device)
             code = _nonfinite_code(tensor, item.fmt)
             if code is not None:

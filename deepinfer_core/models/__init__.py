@@ -28,6 +28,8 @@ def load_model(
     quantization: str | None = None,
     numerics: str | None = None,
     experts: range | None = None,
+    engram_placement: str | None = None,
+    engram_shard: bool = False,
 ) -> Model:
     """Read the config and weights in ``path`` and build the model its config.json names on ``backend``'s
     ops (their batch-invariant implementations with ``batch_invariant``). ``quantization="fp8"`` keeps
@@ -37,7 +39,8 @@ def load_model(
     ``linear_fp8_ue8m0`` (power-of-two activation scales). ``numerics``: one of the architecture's (V4:
     ``"transformers"`` or ``"deepseek"``); by default ``"deepseek"`` for a checkpoint whose config.json
     carries ``quantization_config``, ``"transformers"`` otherwise. ``experts``: load only these routed
-    experts (a contiguous range of ids; expert parallelism)."""
+    experts (a contiguous range of ids; expert parallelism). ``engram_placement`` (``"device"``, ``"host"``,
+    ``"file"``; None: the memory plan's) and ``engram_shard``: where a model with Engram tables keeps them."""
     from deepinfer_core.plugins import build_op_table, load_backend
 
     if quantization not in (None, "fp8"):
@@ -51,9 +54,14 @@ def load_model(
         raise ValueError(f"unknown numerics {numerics!r}; expected one of {arch.numerics}")
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
+    engram = {}
+    if engram_placement is not None or engram_shard:
+        if not getattr(cfg, "has_engram", False):
+            raise ValueError(f"engram_placement / engram_shard: {arch.name} at {path} has no Engram tables")
+        engram = {"engram_placement": engram_placement, "engram_shard": engram_shard}
     return arch.load_model(cfg, path, ops, dtype, device, hook=load_backend(backend).hook,
                            quantization=quantization, numerics=numerics, experts=experts,
-                           show_progress=show_progress)
+                           show_progress=show_progress, **engram)
 
 
 __all__ = ["Architecture", "Model", "ModelConfig", "default_numerics", "load_model", "register_architecture",

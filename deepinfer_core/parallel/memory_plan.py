@@ -197,6 +197,56 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: s
     return fp
 
 
+#: the share of the device the weights and the Engram tables may fill for ``"device"`` (the rest: KV, activations)
+ENGRAM_DEVICE_SHARE = 0.7
+#: the share of the host's available memory a ``"host"`` copy may fill
+ENGRAM_HOST_SHARE = 0.5
+
+
+def engram_placement_for(table_bytes: int, host_available: int, device_free: int | None,
+                         other_bytes: int = 0) -> tuple[str, str]:
+    """(placement, why) of Engram tables of ``table_bytes`` beside ``other_bytes`` of other weights:
+    ``"device"`` where weights and tables fill at most :data:`ENGRAM_DEVICE_SHARE` of the device's
+    ``device_free`` bytes (None: the device is the host, whose ``host_available`` bytes count instead),
+    else ``"host"`` where the tables fill at most :data:`ENGRAM_HOST_SHARE` of ``host_available``, else
+    ``"file"`` (read in place from the checkpoint)."""
+    gb = 1e9
+    if device_free is None:  # the host is the device: a copy, or the file's pages
+        if table_bytes <= ENGRAM_HOST_SHARE * host_available:
+            return "device", f"{table_bytes / gb:.2f} GB fit the host's {host_available / gb:.1f} GB available"
+        return "file", f"{table_bytes / gb:.2f} GB exceed half the host's {host_available / gb:.1f} GB available"
+    if other_bytes + table_bytes <= ENGRAM_DEVICE_SHARE * device_free:
+        return "device", (f"{table_bytes / gb:.2f} GB fit beside {other_bytes / gb:.1f} GB of weights in the "
+                          f"device's {device_free / gb:.1f} GB free")
+    if table_bytes <= ENGRAM_HOST_SHARE * host_available:
+        return "host", (f"{table_bytes / gb:.2f} GB do not fit the device's {device_free / gb:.1f} GB free beside "
+                        f"the weights; the host has {host_available / gb:.1f} GB available")
+    return "file", (f"{table_bytes / gb:.2f} GB fit neither the device ({device_free / gb:.1f} GB free) nor half "
+                    f"the host's {host_available / gb:.1f} GB available")
+
+
+def host_available_bytes() -> int:
+    """The host memory available to new allocations (``MemAvailable``; physical pages where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_engram_placement(table_bytes: int, device: torch.device, other_bytes: int = 0) -> tuple[str, str]:
+    """:func:`engram_placement_for` with the memory this machine has now (the device's free memory through
+    ``torch.accelerator``)."""
+    free = None
+    if device.type != "cpu":
+        free, _ = torch.accelerator.get_memory_info(device)
+    return engram_placement_for(table_bytes, host_available_bytes(), free, other_bytes)
+
+
 def measured_memory(model: Any, cache: Any) -> dict[str, int]:
     """What a rank holds: the bytes of its model's weights (routed experts apart) and of its cache tensors."""
     total = experts = 0

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.model.errors import UnsupportedModelError
+from deepinfer_core.models.deepseek_v41 import engram_placement as engram_placement_
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config, cache_layout
 from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
 from deepinfer_core.models.deepseek_v41.manifest import manifest
@@ -23,22 +24,50 @@ def default_numerics(cfg: DeepseekV41Config) -> str:
 
 def load_model(cfg: DeepseekV41Config, path: Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
                hook: Any, quantization: str | None, numerics: str, experts: range | None,
-               show_progress: bool) -> DeepseekV41Model:
+               show_progress: bool, engram_placement: str | None = None, engram_shard: bool = False
+               ) -> DeepseekV41Model:
     """The weights in ``path`` on ``device`` as a model running ``ops``: packed FP4 routed experts stay packed
-    under deepseek numerics, everything else is dequantised to ``dtype``."""
-    from deepinfer_core.model.loader import load_weights
+    under deepseek numerics, everything else is dequantised to ``dtype``; the Engram tables stay FP8 where
+    ``engram_placement`` puts them (:mod:`.engram_placement`; None: the memory plan's choice), their rows
+    split over the ranks with ``engram_shard``."""
+    from deepinfer_core.model.loader import manifest_of, read_checkpoint, read_headers
 
     if quantization is not None:
         raise UnsupportedModelError(f"quantization={quantization!r} is not supported for DeepSeek-V4.1 yet: its "
                                     "weights are dequantised on load (quantization=None)")
-    weights = load_weights(cfg, path, dtype, device, keep_fp8=False, show_progress=show_progress, hook=hook,
-                           experts=experts, keep_fp4=numerics == "deepseek", numerics=numerics)
+    tables = frozenset(engram_placement_.table_names(cfg)) if cfg.has_engram else frozenset()
+    params = read_checkpoint(cfg, path, dtype, device, keep_fp8=False, show_progress=show_progress, experts=experts,
+                             keep_fp4=numerics == "deepseek", numerics=numerics, exclude=tables)
+    shard = _engram_shard(engram_shard) if tables else None
+    if tables:
+        other = sum(t.numel() * t.element_size() for t in params.values())
+        placement = engram_placement_.resolve_placement(cfg, engram_placement, device, other)
+        params.update(engram_placement_.place_tables(cfg, read_headers(Path(path), manifest_of(cfg)), placement,
+                                                     device, shard))
+    weights = build_weights(cfg, params, hook, num_experts=None if experts is None else len(experts))
     engram_hash = None
     if cfg.has_engram:
         from deepinfer_core.models.deepseek_v41.engram import engram_hasher
 
         engram_hash = engram_hasher(cfg, path, device)
-    return DeepseekV41Model(cfg, weights, ops, dtype, numerics=numerics, engram_hash=engram_hash)
+    model = DeepseekV41Model(cfg, weights, ops, dtype, numerics=numerics, engram_hash=engram_hash)
+    if shard is not None:
+        starts = {id(weights.layers[layer].engram.table.weight): engram_placement_.shard_rows(rows, *shard).start
+                  for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)}
+        model.engram_lookup = engram_placement_.ShardedEngramLookup(ops, None, starts)
+    return model
+
+
+def _engram_shard(shard: bool) -> tuple[int, int] | None:
+    """(rank, world) of the rows this rank holds with ``engram_shard``, None without (or in one process)."""
+    import torch.distributed as dist
+
+    if not shard:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("engram_shard splits the Engram tables over the ranks of a parallel engine; this one "
+                         "has a single process (drop engram_shard, or run data_parallel_size > 1)")
+    return dist.get_rank(), dist.get_world_size()
 
 
 ARCHITECTURE = Architecture(
