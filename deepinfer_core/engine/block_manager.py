@@ -14,6 +14,7 @@ import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from deepinfer_core.engine.multimodal import block_extra_keys
 from deepinfer_core.engine.sequence import Sequence
 
 
@@ -107,6 +108,7 @@ class BlockManager:
             i = len(hashes)
             h = hashlib.blake2b(hashes[-1] if hashes else self.root_hash, digest_size=16)
             h.update(b"".join(t.to_bytes(4, "little") for t in tokens[i * bs:(i + 1) * bs]))
+            h.update(block_extra_keys(seq.mm_items, i * bs, (i + 1) * bs))  # the images its positions read
             hashes.append(h.digest())
         return hashes[:num_blocks]
 

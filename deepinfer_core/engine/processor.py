@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.config import ModelConfig, SchedulerConfig
+from deepinfer_core.engine.multimodal import MultiModalItem, expand_image_placeholders
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.structured import StructuredOutputManager
@@ -54,6 +55,7 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         """The request's sequences; raises ValueError when the request is invalid."""
         text, ids = prompt_ids(prompt, self.encode)
+        ids, mm_items = self.multimodal(prompt, ids)
         self.validate(ids, params)
         so = params.structured_outputs
         grammar = self.structured.compile(so) if so is not None else None
@@ -65,9 +67,30 @@ class InputProcessor:
             else:
                 gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
             seqs.append(Sequence(request_id, i, ids, params, gen, self.model_config.eos_token_ids))
+            seqs[-1].mm_items = mm_items
             if grammar is not None:
                 seqs[-1].grammar = self.structured.new_state(grammar, so)
         return Request(request_id, text, ids, seqs)
+
+    def multimodal(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's ids with the images of ``multi_modal_data={"image": [...]}`` (PIL images or encoded
+        bytes) expanded into their spans, one per image token of the prompt, and the images; ValueError when
+        the model reads no images or an image is unusable (this request only)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return ids, []
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data holds {unknown}; this engine reads only 'image'")
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        vision = getattr(self.model_config, "vision_config", None)
+        if not vision:
+            raise ValueError("this model has no vision tower: a prompt cannot carry images")
+        from deepinfer_core.models.deepseek_v41.image_processor import VisionConfig, preprocess
+
+        vc = VisionConfig.of(vision)
+        return expand_image_placeholders(ids, images, self.model_config.image_token_id,
+                                         lambda image: preprocess(image, vc))
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         vocab, max_len = self.model_config.vocab_size, self.scheduler_config.max_model_len

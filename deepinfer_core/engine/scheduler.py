@@ -133,7 +133,8 @@ class Scheduler:
             start = seq.num_computed_tokens
             if seq.seq_id not in self._known:
                 self._known.add(seq.seq_id)
-                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, base_seed(seq)))
+                new.append(NewRequestData(seq.seq_id, seq.prompt_token_ids, seq.params, base_seed(seq),
+                                          seq.mm_items))
             num_drafts = seq.num_scheduled_drafts
             end = start + num_new - num_drafts
             sample = end == len(seq)

@@ -22,6 +22,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # base seed of the sequence's sampling noise
+    mm_items: list = field(default_factory=list)  # the prompt's images (engine/multimodal.py)
 
 
 @dataclass

@@ -49,6 +49,7 @@ class Sequence:
         self.text_pending = False  # output tokens not decoded yet (a final-only request decodes once, at its end)
         self.num_preemptions = 0
         self.grammar = None  # structured output: this sequence's GrammarState (sampling/structured.py)
+        self.mm_items: list = []  # the prompt's images (engine/multimodal.py), in prompt order
         # speculative decoding: drafts for the tokens after the last one, the drafter's confidence in
         # each, how many the next step may verify (set before scheduling) and how many it does
         self.draft_token_ids: list[int] = []

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.engine.multimodal import MultiModalItem, gather_mm_embeds, mark_dead
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.model.metadata import ForwardBatch, SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import ForwardBatch, MultiModalEmbeds, SeqSpan, build_forward_batch
 from deepinfer_core.models.interface import Model
 from deepinfer_core.platform import Platform
 from deepinfer_core.sampling.params import SamplingParams
@@ -29,6 +30,8 @@ class CachedRequestState:
     params: SamplingParams
     seed: int
     output_token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER until a sample reaches the host
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # the prompt's images
+    mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # their span rows, once computed
 
 
 class _PendingOutput:
@@ -73,6 +76,7 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 states.append(self.requests[s.seq_id])
         batch = self.prepare(ids, spans, rows)
+        batch.mm = self._mm_embeds(so)
         if fill:
             where = torch.tensor(fill, dtype=torch.long).to(self.model.device, non_blocking=True)
             batch.input_ids[where[:, 0]] = self._prev_tokens[where[:, 1]]
@@ -100,16 +104,35 @@ class ModelRunner:
         prompt = state.prompt_token_ids
         history = (prompt[first:s.start] if s.start <= len(prompt) else
                    prompt[first:] + state.output_token_ids[max(0, first - len(prompt)):s.start - len(prompt)])
+        if state.mm_items:  # image positions are dead to the n-grams
+            history = mark_dead(history, first, state.mm_items)
         if PLACEHOLDER in history:
             raise RuntimeError(f"sequence {s.seq_id}: a token before position {s.start} is not on the host yet")
         return history
+
+    def _mm_embeds(self, so: SchedulerOutput) -> MultiModalEmbeds | None:
+        """The image rows of the step's positions; a request's images are encoded the first time a step
+        reaches their spans (a prefix-cache hit over a whole span never encodes it) and kept while it lives."""
+        parts, row = [], 0
+        for s in so.scheduled:
+            state = self.requests[s.seq_id]
+            if state.mm_items:
+                parts.append((row, s.start, s.start + len(s.token_ids), state.mm_items,
+                              lambda k, state=state: self._image_rows(state, k)))
+            row += len(s.token_ids)
+        return gather_mm_embeds(parts) if parts else None
+
+    def _image_rows(self, state: CachedRequestState, k: int) -> torch.Tensor:
+        if k not in state.mm_embeds:
+            state.mm_embeds[k] = self.model.embed_image(state.mm_items[k].data)
+        return state.mm_embeds[k]
 
     def _update_states(self, so: SchedulerOutput, drop_finished: bool = True) -> None:
         if drop_finished:
             self._drop(so.finished_seq_ids)
         for new in so.new_requests:
             self.requests[new.seq_id] = CachedRequestState(new.seq_id, list(new.prompt_token_ids), new.params,
-                                                           new.seed)
+                                                           new.seed, mm_items=new.mm_items)
 
     def _drop(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
