@@ -50,6 +50,10 @@ class EngineArgs:
     eplb_config: dict | EPLBConfig | None = None  # window_size, step_interval, num_redundant_experts, ...
     distributed_executor_backend: str | None = None  # "external_launcher": this process is a rank torchrun started
     cpu_threads: int | None = None  # torch intra-op threads for CPU ops; None: 1 for small models, else torch's
+    #: where a model's Engram tables live: "device" | "host" (pinned, read in place) | "file" (the checkpoint's
+    #: mapping, never copied); None: the memory plan's choice, logged
+    engram_placement: str | None = None
+    engram_shard: bool = False  # split the Engram tables' rows over the ranks (a lookup collective a layer)
     # vLLM's: {"disable_any_whitespace": True} makes every JSON-constrained output compact (default: free
     # whitespace between JSON tokens, as in vLLM); {"backend": "auto" | "xgrammar"}
     structured_outputs_config: dict | StructuredOutputsConfig | None = None

@@ -62,6 +62,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                        help="torch threads for CPU ops (default: 1 for small models such as the embedded one, "
                             "else torch's count)")
+    group.add_argument("--engram-placement", default=None, choices=("device", "host", "file"),
+                       help="where DeepSeek-V4.1's Engram tables live: on the device, in pinned host memory read in "
+                            "place, or in the checkpoint's files, memory-mapped (default: the memory plan's choice)")
+    group.add_argument("--engram-shard", action="store_true",
+                       help="split the Engram tables' rows over the data-parallel ranks (a lookup collective)")
     group.add_argument("--allow-reference-fallback", action="store_true",
                        help="let ops the backend lacks fall back to the reference implementations")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
@@ -105,6 +110,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_chunked_prefill"] = False
     if getattr(args, "numerics", None):
         kwargs["numerics"] = args.numerics
+    if getattr(args, "engram_placement", None):
+        kwargs["engram_placement"] = args.engram_placement
+    if getattr(args, "engram_shard", False):
+        kwargs["engram_shard"] = True
     if args.allow_reference_fallback:
         kwargs["allow_reference_fallback"] = True
     if args.enable_expert_parallel:

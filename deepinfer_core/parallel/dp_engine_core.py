@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
+from deepinfer_core.model.mapped import residence
 from deepinfer_core.parallel.memory_plan import measured_memory
 from deepinfer_core.parallel.process_group import STARTUP_TIMEOUT_S, destroy_process_group
 from deepinfer_core.worker.executor import UniProcExecutor
@@ -81,7 +82,10 @@ class RankCore:
         disp = worker.ep_dispatcher
         return {"pid": os.getpid(), "dtype": self.engine.dtype, "device": str(self.engine.device),
                 "scheduler_config": self.engine.scheduler_config, "pool_sizes": self.engine.pool_sizes,
-                "local_experts": None if disp is None else (disp.local_experts.start, disp.local_experts.stop)}
+                "local_experts": None if disp is None else (disp.local_experts.start, disp.local_experts.stop),
+                # where each Engram table's bytes are (device, a file's mapping, shared or private host memory)
+                "engram_tables": {name: residence(t) for name, t in worker.model.named_parameters()
+                                  if ".engram.embed." in name}}
 
     def add(self, payload: tuple[str, Any, Any]) -> None:
         self.engine.add_request(*payload)

@@ -143,8 +143,13 @@ def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def dummy_moe_step(model, mtp_steps: int = 0) -> None:
     """Every MoE layer of the forward, then the drafter's draft step ``mtp_steps`` times (a speculative
-    step's drafting), with no tokens: the rank takes part in each dispatch and combine."""
+    step's drafting), with no tokens: the rank takes part in each dispatch and combine, and in the lookup
+    collective of Engram tables sharded over the ranks, in the forward's order."""
+    sharded = getattr(model, "engram_lookup", None)
     for block in model.weights.layers:
+        if sharded is not None and getattr(block, "engram", None) is not None:
+            cols = (model.cfg.engram_max_ngram_size - 1) * model.cfg.engram_n_heads
+            sharded(block.engram, torch.empty((0, cols), dtype=torch.long, device=model.device))
         dummy_moe(model, block.moe)
     for _ in range(mtp_steps):
         model.drafter.dummy_step()

@@ -77,7 +77,9 @@ class Worker:
         local = range(min(slots), max(slots) + 1) if slots else (disp.local_experts if disp is not None else None)
         self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
                                 batch_invariant=self.batch_invariant, quantization=args.quantization,
-                                numerics=getattr(args, "numerics", None), experts=local)
+                                numerics=getattr(args, "numerics", None), experts=local,
+                                engram_placement=getattr(args, "engram_placement", None),
+                                engram_shard=getattr(args, "engram_shard", False))
         if disp is None:
             return
         self.model.ep = disp  # this rank read only (the span of) its own routed experts
