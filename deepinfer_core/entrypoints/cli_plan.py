@@ -49,8 +49,14 @@ def run_footprint(args: argparse.Namespace) -> int:
     print(f"weights: {fp.stored_bytes:,} B as stored ({fp.stored_expert_bytes / gb:.1f} GB routed experts), "
           f"{fp.loaded_bytes:,} B as loaded ({fp.dequantised_bytes / gb:.1f} GB dequantised)")
     if fp.table_bytes:
-        print(f"  of which {fp.table_bytes:,} B lookup tables kept FP8 (Engram), on every rank")
-    print(f"per rank over {fp.devices} device(s)"
+        print(f"  of which {fp.table_bytes:,} B lookup tables kept FP8 (Engram); where each --engram-placement "
+              "puts them:")
+        print(f"  {'placement':<15} {'device GB/rank':>14} {'host GB/node':>12} {'fits':>5}  how")
+        for e in fp.engram:
+            fits = "-" if e.fits is None else ("yes" if e.fits else "no")
+            print(f"  {e.placement:<15} {e.device_bytes_per_rank / gb:>14.2f} {e.host_bytes_per_node / gb:>12.2f} "
+                  f"{fits:>5}  {e.note}")
+    print(f"per rank over {fp.devices} device(s) (Engram tables on the device)"
           + (f" with {args.num_redundant_experts} redundant experts" if args.num_redundant_experts else "")
           + f": {fp.rank_bytes / gb:.2f} GB")
     print(f"{'layers':>8} {'kind':>8} {'KV B/token':>11} {'window B/token':>15}")

@@ -134,6 +134,8 @@ class Footprint:
     max_seqs: int | None = None  # of ``context`` tokens on one rank
     notes: list[str] = field(default_factory=list)
     table_bytes: int = 0  # of the loaded bytes (and of every rank's): lookup tables kept FP8 (Engram)
+    #: where each Engram placement puts the tables' bytes (:func:`engram_bytes`), empty without tables
+    engram: list[EngramPlacementBytes] = field(default_factory=list)
 
     @property
     def compressed_bytes_per_token(self) -> float:
@@ -141,6 +143,35 @@ class Footprint:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "compressed_bytes_per_token": self.compressed_bytes_per_token}
+
+
+@dataclass
+class EngramPlacementBytes:
+    """Where one Engram placement puts the tables, per rank on its device and per node in host memory."""
+
+    placement: str  # "device", "device sharded", "host", "host sharded", "file"
+    device_bytes_per_rank: int
+    host_bytes_per_node: int  # pinned or shared host memory (one copy per node); file: 0 (page cache)
+    fits: bool | None = None  # the device's memory holds the rank's weights with it (None: not asked)
+    note: str = ""
+
+
+def engram_bytes(table_bytes: int, devices: int, rank_bytes_without: int,
+                 device_memory: int | None) -> list[EngramPlacementBytes]:
+    """What each placement of ``table_bytes`` of Engram tables costs with ``devices`` ranks on one node, beside
+    ``rank_bytes_without`` of other weights a rank; whether the rank's weights fit ``device_memory``."""
+    shard = -(-table_bytes // devices)
+    rows = [EngramPlacementBytes("device", table_bytes, 0, note="a copy on every rank's device"),
+            EngramPlacementBytes("host", 0, table_bytes, note="pinned, one copy per node shared by its ranks, "
+                                                              "read in place over unified addressing"),
+            EngramPlacementBytes("file", 0, 0, note="the checkpoint's files mapped: page cache as rows are read")]
+    if devices > 1:
+        rows[1:1] = [EngramPlacementBytes("device sharded", shard, 0, note=f"rows split over {devices} ranks, "
+                                                                           "a lookup collective a layer")]
+    for row in rows:
+        if device_memory is not None:
+            row.fits = rank_bytes_without + row.device_bytes_per_rank <= device_memory
+    return rows
 
 
 def _kind(cfg: ModelConfig, layer: int) -> str:
@@ -184,6 +215,14 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: s
     fp = Footprint(w["stored"], w["stored_experts"], w["loaded"], w["loaded_experts"], w["dequantised"], devices,
                    rank, list(kinds.values()), pools.window_per_seq, pools.state_slot, device_memory,
                    context or cfg.max_position_embeddings, table_bytes=w["loaded_tables"])
+    if fp.table_bytes:
+        fp.engram = engram_bytes(fp.table_bytes, devices, rank - fp.table_bytes, device_memory)
+        if device_memory is not None and not fp.engram[0].fits:
+            fits = [e.placement for e in fp.engram if e.fits]
+            fp.notes.append(f"the Engram tables do not fit on the device beside the other weights; "
+                            + (f"{', '.join(fits)} fit{'s' if len(fits) == 1 else ''} ({(rank - fp.table_bytes) / 1e9:.1f} "
+                               "GB a rank without them; the KV figures above count them on the device)"
+                               if fits else "nothing fits"))
     if device_memory is not None:
         free = device_memory - fp.rank_bytes
         fixed = fp.window_bytes_per_seq + fp.state_bytes_per_seq

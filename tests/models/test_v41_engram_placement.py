@@ -169,3 +169,17 @@ def test_a_file_table_never_enters_anonymous_memory(tmp_path):
     for placement in ("host", "device"):
         assert measured[placement]["load_peak_growth"] > 0.9 * size, (placement, measured)
         assert measured[placement]["anon_growth"] > 0.9 * size, (placement, measured)
+
+
+def test_the_plan_shows_the_bytes_each_placement_puts_where():
+    from deepinfer_core.parallel.memory_plan import engram_bytes
+
+    gb = 10**9
+    rows = {e.placement: e for e in engram_bytes(203 * gb, 8, 62 * gb, 141 * gb)}
+    assert list(rows) == ["device", "device sharded", "host", "file"]
+    assert (rows["device"].device_bytes_per_rank, rows["device"].host_bytes_per_node) == (203 * gb, 0)
+    assert rows["device sharded"].device_bytes_per_rank == -(-203 * gb // 8)
+    assert (rows["host"].device_bytes_per_rank, rows["host"].host_bytes_per_node) == (0, 203 * gb)
+    assert (rows["file"].device_bytes_per_rank, rows["file"].host_bytes_per_node) == (0, 0)
+    assert [e.fits for e in rows.values()] == [False, True, True, True]
+    assert "device sharded" not in {e.placement for e in engram_bytes(203 * gb, 1, 62 * gb, None)}
