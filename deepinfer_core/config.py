@@ -112,6 +112,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    #: bounded replay: the tail tokens a prefill's late layers run on (model/replay.py); 0: the full prefill
+    replay_keep: int = 0
 
 
 @dataclass

@@ -57,6 +57,11 @@ class EngineArgs:
     # vLLM's: {"disable_any_whitespace": True} makes every JSON-constrained output compact (default: free
     # whitespace between JSON tokens, as in vLLM); {"backend": "auto" | "xgrammar"}
     structured_outputs_config: dict | StructuredOutputsConfig | None = None
+    # SWA bounded replay (DeepSeek-V4.1): a prefill runs the layers after the last KV source only on the
+    # prompt's tail (window + the longest draft backtracking). "mask" | "compact" (the same semantics: mask
+    # runs every token and hides what the cut drops, compact computes only the tail); None: compact where
+    # the model can be cut, else off; False: the full prefill (as the reference runs it)
+    bounded_replay: bool | str | None = None
 
 
 def parallel_config_of(args: EngineArgs) -> ParallelConfig:

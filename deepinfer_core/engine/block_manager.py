@@ -116,12 +116,14 @@ class BlockManager:
         """Logical window blocks a query at position ``boundary`` attends into (besides its own)."""
         return range(max(0, boundary - self.window + 1) // self.block_size, boundary // self.block_size)
 
-    def admit(self, seq: Sequence) -> PrefixHit | None:
-        """Reuse the longest restorable cached prefix of a sequence that holds no memory yet."""
+    def admit(self, seq: Sequence, limit: int | None = None) -> PrefixHit | None:
+        """Reuse the longest restorable cached prefix of a sequence that holds no memory yet, of at most
+        ``limit`` tokens (bounded replay: its floor, from which every layer recomputes)."""
         if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
             return None
         bs = self.block_size
-        hashes = self.block_hashes(seq, (len(seq) - 1) // bs)  # at least one token is left to compute
+        last = len(seq) - 1 if limit is None else min(len(seq) - 1, limit)
+        hashes = self.block_hashes(seq, last // bs)  # at least one token is left to compute
         self.stats["queries"] += 1
         self.stats["query_tokens"] += len(seq)
         k = 0

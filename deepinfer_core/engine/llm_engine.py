@@ -26,10 +26,12 @@ from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from deepinfer_core.engine.stop import FinishStatus, check_stop
 from deepinfer_core.model.cache import check_block_size
+from deepinfer_core.model.replay import replay_keep_of, resolve_bounded_replay
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
 from deepinfer_core.plugins import load_backend
 from deepinfer_core.sampling.params import RequestOutputKind, SamplingParams
 from deepinfer_core.sampling.structured import StructuredOutputManager
+from deepinfer_core.spec_decode.config import SpeculativeConfig
 from deepinfer_core.spec_decode.drafts import DraftPlanner
 from deepinfer_core.worker.executor import Executor, UniProcExecutor
 from deepinfer_core.worker.outputs import AsyncModelRunnerOutput
@@ -77,6 +79,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill)
+        if resolve_bounded_replay(getattr(args, "bounded_replay", None), cfg) is not None:
+            self.scheduler_config.replay_keep = replay_keep_of(cfg, SpeculativeConfig.from_arg(args.speculative_config))
         self.cache_config = CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks, num_window_blocks=args.num_window_blocks,
             cpu_kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,

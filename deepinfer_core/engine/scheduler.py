@@ -103,7 +103,12 @@ class Scheduler:
         # straight back to the victim, which would be recomputed only to be preempted again).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = bm.admit(seq)
+            # bounded replay: the late layers run on the prompt's last ``replay_keep`` tokens and everything
+            # after; a prefix hit stops at that floor, so the tail is recomputed
+            keep = self.config.replay_keep
+            if seq.replay_from is None:
+                seq.replay_from = max(0, len(seq) - keep) if keep else 0
+            hit = bm.admit(seq, limit=seq.replay_from if keep else None)
             if hit is not None:
                 seq.pending_restore = hit.restore_block
                 seq.num_cached_tokens = max(seq.num_cached_tokens, hit.cached_tokens)
@@ -144,7 +149,7 @@ class Scheduler:
                 next_token = seq.token_slice(end, end + 1)[0]
             items.append(ScheduledSeq(seq.seq_id, start, token_ids, seq.block_table, seq.window_block_table,
                                       seq.state_slot, seq.write_from, seq.pending_restore, sample, num_drafts,
-                                      next_token))
+                                      next_token, seq.replay_from or 0))
             seq.pending_restore = None
             if sample:
                 to_sample.append(seq)

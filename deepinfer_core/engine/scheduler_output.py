@@ -40,6 +40,7 @@ class ScheduledSeq:
     sample: bool  # the step reaches the end of the sequence: sample its next token
     num_drafts: int = 0  # speculative decoding: the last ``num_drafts`` token ids are drafts to verify
     next_token_id: int | None = None  # the token after the span when it is known (a prefill chunk's next one)
+    replay_from: int = 0  # bounded replay: the sequence's floor (SeqSpan.replay_from)
 
 
 @dataclass

@@ -45,6 +45,9 @@ class Sequence:
         self.write_from = 0  # compressed blocks before this position are shared and never written
         self.num_cached_tokens = 0
         self.pending_restore: int | None = None  # block whose boundary record seeds the compressor state
+        # bounded replay: the late layers' floor, fixed when the first prefill starts (None: not yet). A
+        # preempted sequence keeps it: its recompute runs the late layers over the same positions as before
+        self.replay_from: int | None = None
         self.detokenizer = IncrementalDetokenizer()  # the decoded output, grown a few tokens at a time
         self.text_pending = False  # output tokens not decoded yet (a final-only request decodes once, at its end)
         self.num_preemptions = 0

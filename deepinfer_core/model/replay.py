@@ -25,14 +25,58 @@ rows see the same keys and write the same slots, so they compute the same values
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from deepinfer_core.model.errors import UnsupportedModelError
 from deepinfer_core.model.metadata import ForwardBatch, _pool_rows, _Xp
+
+logger = logging.getLogger(__name__)
 
 #: the implementations of the engine argument ``bounded_replay`` (False: the full prefill)
 REPLAY_MODES = ("mask", "compact")
+#: what ``bounded_replay`` None (or True) picks where the model can be cut: the faster of the two
+#: (``benchmarks/bench_bounded_replay.py``: compact computes and stores only the tail)
+DEFAULT_REPLAY_MODE = "compact"
+
+
+def resolve_bounded_replay(value: bool | str | None, cfg: Any) -> str | None:
+    """The mode the engine argument ``bounded_replay`` asks of the model ``cfg``: None (the full prefill)
+    for False, and by default for an architecture without bounded replay or a model whose late layers
+    cannot be cut; ``"mask"`` / ``"compact"`` (True or None: :data:`DEFAULT_REPLAY_MODE`) where the
+    architecture's ``replay_layers`` accepts the model. Asked for explicitly where it cannot run, it is an
+    error saying why."""
+    if value is False:
+        return None
+    if value is not None and value is not True and value not in REPLAY_MODES:
+        raise ValueError(f"bounded_replay must be False, True or one of {REPLAY_MODES}, got {value!r}")
+    arch = cfg.architecture
+    layers = getattr(arch, "replay_layers", None)
+    if layers is None:
+        if value is None:
+            return None
+        raise ValueError(f"bounded_replay={value!r}: {arch.name} has no layers to cut to a prompt's tail (bounded "
+                         "replay is DeepSeek-V4.1's, whose layers after the last KV source own no global KV); pass "
+                         "bounded_replay=False")
+    try:
+        layers(cfg)
+    except UnsupportedModelError as exc:
+        if value is not None:
+            raise
+        logger.info("bounded replay is off: %s", exc)
+        return None
+    return DEFAULT_REPLAY_MODE if value in (None, True) else value
+
+
+def replay_keep_of(cfg: Any, speculative: Any = None) -> int:
+    """:func:`replay_keep` of model ``cfg`` under the engine's speculative config (None: no drafts): a DSpark
+    drafter reads the target's features over its own window of ``sliding_window`` positions."""
+    drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    capture = cfg.sliding_window if speculative is not None and speculative.method == "dspark" else 0
+    return replay_keep(cfg.sliding_window, drafts, capture)
 
 
 def replay_keep(sliding_window: int, num_speculative_tokens: int = 0, capture_window: int = 0) -> int:

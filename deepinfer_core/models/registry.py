@@ -45,6 +45,9 @@ class Architecture:
     numerics: tuple[str, ...] = ("transformers",)
     #: numerics -> the KV-cache entry layout it stores by default (absent: "dense", the model's dtype)
     kv_layouts: Mapping[str, str] = field(default_factory=dict)
+    #: bounded replay (:mod:`deepinfer_core.model.replay`): ``replay_layers(cfg)`` -> the layers a prefill runs
+    #: on its tail only, or an UnsupportedModelError saying why this model's cannot be cut; None: not offered
+    replay_layers: Callable[[ModelConfig], range] | None = None
 
 
 #: architecture name -> (module exposing ARCHITECTURE, model_types it also answers to)

@@ -68,7 +68,7 @@ class ModelRunner:
             if s.restore_boundary is not None:
                 self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
             spans.append(SeqSpan(s.start, len(s.token_ids), s.block_table, s.window_block_table, s.state_slot,
-                                 s.write_from, self._history(s)))
+                                 s.write_from, self._history(s), replay_from=s.replay_from))
             ids.extend(s.token_ids)
             if s.token_ids[-1] == PLACEHOLDER:  # the previous step's sample, still on the device
                 fill.append((len(ids) - 1, self._prev_rows[s.seq_id]))

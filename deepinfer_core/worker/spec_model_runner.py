@@ -152,7 +152,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 self.cache.restore_boundary(s.restore_boundary, s.state_slot, s.start)
             extra = q - len(s.token_ids) if q else 0
             spans.append(SeqSpan(s.start, len(s.token_ids) + extra, *self._tables(s, extra), s.state_slot,
-                                 s.write_from, self._history(s)))
+                                 s.write_from, self._history(s), replay_from=s.replay_from))
             starts.append(len(ids))
             ids.extend(s.token_ids + [s.token_ids[-1]] * extra)
             n_plain = len(s.token_ids) - s.num_drafts

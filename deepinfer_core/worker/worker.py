@@ -14,6 +14,7 @@ from deepinfer_core.engine.memory import PoolSizes, plan_pools, profile_activati
 from deepinfer_core.engine.scheduler_output import SchedulerOutput
 from deepinfer_core.model.cache import ModelCache
 from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
+from deepinfer_core.model.replay import resolve_bounded_replay
 from deepinfer_core.models import load_model
 from deepinfer_core.models.interface import Model
 from deepinfer_core.parallel.ep import attach_expert_map, dummy_moe_step, place_experts
@@ -80,6 +81,8 @@ class Worker:
                                 numerics=getattr(args, "numerics", None), experts=local,
                                 engram_placement=getattr(args, "engram_placement", None),
                                 engram_shard=getattr(args, "engram_shard", False))
+        # bounded replay: the engine's scheduler sets each prefill's floor; the model cuts its late layers there
+        self.model.bounded_replay = resolve_bounded_replay(getattr(args, "bounded_replay", None), self.model_config)
         if disp is None:
             return
         self.model.ep = disp  # this rank read only (the span of) its own routed experts

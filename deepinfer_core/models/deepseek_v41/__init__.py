@@ -13,6 +13,7 @@ from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config, cache_l
 from deepinfer_core.models.deepseek_v41.dspark import DeepseekV41DSpark
 from deepinfer_core.models.deepseek_v41.manifest import manifest
 from deepinfer_core.models.deepseek_v41.model import NUMERICS, DeepseekV41Model
+from deepinfer_core.models.deepseek_v41.replay import replay_layers
 from deepinfer_core.models.deepseek_v41.weights import ModelWeights, build_weights, stack_shared_experts
 from deepinfer_core.models.registry import Architecture
 
@@ -82,6 +83,7 @@ ARCHITECTURE = Architecture(
     build_weights=build_weights,
     prepare_params=stack_shared_experts,
     kv_layouts={"deepseek": "fp4_ds"},
+    replay_layers=replay_layers,
     drafters={"dspark": DeepseekV41DSpark},
 )
 
