@@ -82,7 +82,7 @@ def _adapter_applies(adapter: Any) -> Callable[[BuildContext], bool]:
 
 
 def register_all(registry: OpRegistry) -> None:
-    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, invariant_ops, triton_ops
+    from deepinfer_nvidia_sm100 import engram_ops, external, fp8_ops, hc_ops, invariant_ops, triton_ops
 
     native.register(registry, priority=TORCH)
     for op, fn in {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}.items():
@@ -95,6 +95,8 @@ def register_all(registry: OpRegistry) -> None:
     for ops, env in ((triton_ops.FP4_OPS, FP4_TRITON_ENV), (triton_ops.FP8_KV_OPS, FP8_KV_TRITON_ENV)):
         for op, fn in ops.items():
             registry.register(op, fn, priority=TRITON, predicate=unless_switched_off(env))
+    for op, fn in engram_ops.ALL_OPS.items():  # host tables read in place over unified addressing
+        registry.register(op, fn, priority=TRITON, predicate=triton_applies, batch_invariant=True)
     for adapter in external.ADAPTERS:
         registry.register(adapter.op, adapter.fn, priority=LIBRARY, predicate=_adapter_applies(adapter))
     for op, fn in invariant_ops.ALL_OPS.items():
@@ -104,9 +106,10 @@ def register_all(registry: OpRegistry) -> None:
 
 @functools.cache
 def _names() -> dict[Callable, str]:
-    from deepinfer_nvidia_sm100 import external, fp8_ops, hc_ops, invariant_ops, triton_ops
+    from deepinfer_nvidia_sm100 import engram_ops, external, fp8_ops, hc_ops, invariant_ops, triton_ops
 
     names = {fn: "torch" for fn in native.NATIVE_OPS.values()}
+    names.update({fn: "triton" for fn in engram_ops.ALL_OPS.values()})
     names.update({fn: "triton" for fn in (*triton_ops.ALL_OPS.values(), *hc_ops.ALL_OPS.values(),
                                           *fp8_ops.ALL_OPS.values(), *triton_ops.FP4_OPS.values(),
                                           *triton_ops.FP8_KV_OPS.values())})
