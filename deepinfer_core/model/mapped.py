@@ -5,7 +5,9 @@ copy per process (DeepSeek-V4.1's Engram tables: 203 GB).
 - :func:`file_view`: a tensor of a checkpoint file, read in place. The file is mapped read-only
   (``MAP_SHARED``): its pages are the kernel's page cache, shared by every process that maps the file, read
   from disk on first touch (page by page: the mapping is advised random access, no read-ahead), dropped
-  under memory pressure, never counted as the process's anonymous memory. A write to the view faults (the mapping is read-only): nothing can copy it behind our back.
+  under memory pressure, never counted as the process's anonymous memory (a step's lookups map the pages they
+  read: ``RssFile``, shared). A write to the view faults (the mapping is read-only): nothing can copy it
+  behind our back.
 - :func:`shared_host_tensor`: an empty host tensor backed by a file in ``/dev/shm`` that the ranks of a node
   map together; :func:`node_shared` fills it once per node.
 - :func:`residence`: where a tensor's bytes are (a device, a file mapping, anonymous memory), from

@@ -219,10 +219,10 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: s
         fp.engram = engram_bytes(fp.table_bytes, devices, rank - fp.table_bytes, device_memory)
         if device_memory is not None and not fp.engram[0].fits:
             fits = [e.placement for e in fp.engram if e.fits]
-            fp.notes.append(f"the Engram tables do not fit on the device beside the other weights; "
-                            + (f"{', '.join(fits)} fit{'s' if len(fits) == 1 else ''} ({(rank - fp.table_bytes) / 1e9:.1f} "
-                               "GB a rank without them; the KV figures above count them on the device)"
-                               if fits else "nothing fits"))
+            without = (rank - fp.table_bytes) / 1e9
+            fp.notes.append("the Engram tables do not fit on the device beside the other weights; "
+                            + (f"{', '.join(fits)} fit ({without:.1f} GB a rank without them; the KV figures "
+                               "above count them on the device)" if fits else "no placement fits"))
     if device_memory is not None:
         free = device_memory - fp.rank_bytes
         fixed = fp.window_bytes_per_seq + fp.state_bytes_per_seq
