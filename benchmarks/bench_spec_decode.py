@@ -53,8 +53,8 @@ def step_costs(text: str) -> StepCosts:
     return StepCosts.parse(text, STEP_COSTS)
 
 
-def _spec(k: int, schedule: str = "fixed") -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k, "schedule": schedule}
+def _spec(k: int, schedule: str = "fixed", method: str = "mtp") -> dict:
+    return {"method": method, "num_speculative_tokens": k, "schedule": schedule}
 
 
 def _prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
@@ -93,7 +93,7 @@ def acceptance(args, engine_kw: dict) -> dict:
     ref, t_plain = _generate(plain, prompts, params)
     rows = [{"k": 0, "seconds": t_plain, "mean_acceptance_length": 1.0}]
     for k in args.ks:
-        llm = LLM(args.model, speculative_config=_spec(k), **engine_kw)
+        llm = LLM(args.model, speculative_config=_spec(k, method=args.method), **engine_kw)
         got, seconds = _generate(llm, prompts, params)
         stats = llm.llm_engine.spec_decode_stats()
         per_pos = [a / v if v else 0.0 for a, v in zip(stats["accepted_per_position"], stats["verified_per_position"])]
@@ -275,11 +275,11 @@ def speed(args, engine_kw: dict) -> dict:
                             **({"temperature": 0.0} | sampling))
     # "off eager": plain decode without CUDA graphs, as speculation's steps run (on the CPU the same as "off")
     modes = [("off", None, {}), ("off eager", None, {"enforce_eager": True})]
-    modes += [(f"k={k}", _spec(k), {}) for k in args.ks]
-    modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence"), {})]
+    modes += [(f"k={k}", _spec(k, method=args.method), {}) for k in args.ks]
+    modes += [(f"confidence k={max(args.ks)}", _spec(max(args.ks), "confidence", args.method), {})]
     if args.async_scheduling and args.device == "cuda":  # every step waiting for the one before (elsewhere
         # no step chains: the host moves the spans on)
-        modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks)), {"unchained": True})]
+        modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks), method=args.method), {"unchained": True})]
     if args.modes:
         modes = [m for m in modes if m[0] == "off" or any(m[0].startswith(w) for w in args.modes)]
     make = _random_llm_factory(args, engine_kw) if args.random else (
@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default=None, help="default: float64 for acceptance, the backend's for speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--method", choices=("mtp", "dspark"), default="mtp",
+                    help="the drafter: mtp (V4's MTP layer) or dspark (V4.1's DSpark stages; --model a V4.1 checkpoint)")
     ap.add_argument("--ks", type=_ints, default=[1, 2, 3], metavar="K,K,...")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -423,6 +425,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--waves must be at least 1")
     if not 0 <= args.max_tokens_spread < 1:
         ap.error("--max-tokens-spread must be in [0, 1)")
+    if args.method == "dspark" and (args.random or not args.model):
+        ap.error("--method dspark runs a V4.1 checkpoint with DSpark stages: give --model (random V4.1-width "
+                 "weights are not built by this script yet)")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_kw = _engine_kw(args, float64=args.mode == "acceptance")
@@ -430,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = acceptance(args, engine_kw) if args.mode == "acceptance" else speed(args, engine_kw)
     report = {"benchmark": "spec_decode", "mode": args.mode, "backend": args.backend, "dtype": dtype,
               "temperature": args.temperature, "top_p": args.top_p,
-              "model": _model_name(args), "torch": torch.__version__,
+              "model": _model_name(args), "method": args.method, "torch": torch.__version__,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
