@@ -56,7 +56,8 @@ USER_TASKS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority":
 ASSISTANT_TASKS = {"title": "<｜title｜>"}
 ACTION_TASK = USER_TASKS["action"]
 TITLE_TASK = ASSISTANT_TASKS["title"]
-IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+#: OpenAI's chat and Responses image parts, and vLLM's PIL-image part
+IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")
 
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"

@@ -78,9 +78,10 @@ def encode_messages(
 
 
 def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The image content parts of ``messages`` in the order their tokens appear in the prompt (images
-    come only in user messages, whose order the encoding keeps)."""
-    return [part for msg in messages if isinstance(msg, Mapping) and msg.get("role") == "user"
+    """The image content parts of ``messages`` in the order their tokens appear in the prompt: the encoding
+    writes every message's content in message order (user turns merged in order), and a tool message's
+    content, the only one it moves, may hold no image."""
+    return [part for msg in messages if isinstance(msg, Mapping) and msg.get("role") != "tool"
             and isinstance(msg.get("content"), list)
             for part in msg["content"] if isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES]
 
