@@ -75,7 +75,11 @@ class InputProcessor:
     def multimodal(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's ids with the images of ``multi_modal_data={"image": [...]}`` (PIL images or encoded
         bytes) expanded into their spans, one per image token of the prompt, and the images; ValueError when
-        the model reads no images or an image is unusable (this request only)."""
+        the model reads no images or an image is unusable (this request only). A prompt processed already
+        (``{"prompt_token_ids": expanded ids, "mm_items": items}``, what ``AsyncLLM`` hands the engine after
+        decoding the images off its thread) passes as it is."""
+        if isinstance(prompt, dict) and "mm_items" in prompt:
+            return ids, list(prompt["mm_items"])
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             return ids, []

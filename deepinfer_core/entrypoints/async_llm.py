@@ -185,16 +185,20 @@ class AsyncLLM:
                                  f"is {limit}); retry later")
 
     def _prepare(self, prompt: Any, params: SamplingParams) -> Any:
-        """In a worker thread: a text prompt becomes ``{"prompt", "prompt_token_ids"}``, and the ids are
-        checked where the engine can check them off its thread (it checks again, cheaply: a valid prompt is
-        shorter than ``max_model_len``). Raises ValueError for an invalid prompt."""
+        """In a worker thread: a text prompt becomes ``{"prompt", "prompt_token_ids"}``, its images (decoding
+        one takes a while) ``"mm_items"`` with the ids expanded over their spans, and the ids are checked
+        where the engine can check them off its thread (it checks again, cheaply: a valid prompt is shorter
+        than ``max_model_len``). Raises ValueError for an invalid prompt or image."""
         if self.tokenizer is None:
             return prompt  # nothing to tokenize with: the engine accepts token ids or says why not
         text, ids = prompt_ids(prompt, self.engine.encode)
         processor = getattr(self.engine, "processor", None)
-        if processor is not None:
-            processor.validate(ids, params)
-        return {"prompt": text, "prompt_token_ids": ids}
+        if processor is None:  # the engine processes the images itself
+            mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+            return {"prompt": text, "prompt_token_ids": ids, **({"multi_modal_data": mm} if mm else {})}
+        ids, items = processor.multimodal(prompt, ids)
+        processor.validate(ids, params)
+        return {"prompt": text, "prompt_token_ids": ids, **({"mm_items": items} if items else {})}
 
     def abort(self, request_id: str) -> None:
         """Abort a request: the engine drops it and its ``generate`` ends without a finished output."""

@@ -15,7 +15,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer_core.entrypoints.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
-from deepinfer_core.entrypoints.chat_utils import ChatPrompt, build_chat_prompt, chat_encoding_for
+from deepinfer_core.entrypoints.chat_utils import (
+    ChatPrompt,
+    build_chat_prompt,
+    chat_encoding_for,
+    image_token_id_for,
+)
 from deepinfer_core.entrypoints.openai.metrics import ServerMetrics
 from deepinfer_core.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
 from deepinfer_core.outputs import RequestOutput
@@ -356,10 +361,14 @@ class OpenAIServing:
         logprobs = (top_n or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling_params(req, max_tokens, logprobs)
+        model_config = getattr(self.async_llm, "model_config", None)
         try:
+            # image parts: data: URLs decoded here (the server fetches nothing); the engine's front checks
+            # each image, so an unusable one is this request's 400 alone
             return build_chat_prompt(self.tokenizer, req.messages, params, thinking=self._thinking(req),
                                      tools=tools, response_format=req.response_format,
-                                     encoding=chat_encoding_for(getattr(self.async_llm, "model_config", None)),
+                                     encoding=chat_encoding_for(model_config),
+                                     image_token_id=image_token_id_for(model_config),
                                      reasoning_effort=req.reasoning_effort)
         except ValueError as exc:
             param = "reasoning_effort" if str(exc).startswith("reasoning_effort") else "messages"
