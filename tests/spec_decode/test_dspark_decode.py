@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_fixtures import greedy, make_prompt, run_tokens
 from spec_fixtures import oracle_drafts
+from test_spec_async import make_async, worker_oracle  # noqa: F401
 
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.spec_decode.dspark_proposer import DSparkProposer
@@ -134,3 +135,18 @@ def test_invalid_dspark_configs(tiny_path):
         LLM(str(v41), backend="cpu_ref", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match=r"num_speculative_tokens 4 is more than the DSpark block .* \(3\)"):
         LLM(str(v41), backend="cpu_ref", **dspark(4))
+
+
+
+def test_async_scheduling_stays_greedy_equal(tiny_path, make_llm, make_async):
+    """With async scheduling a step is scheduled while the one before runs: its spans carry placeholders
+    that the runner moves on by the accepted drafts, and the Engram history it hands the target is the
+    accepted tokens'."""
+    path = tiny_path("v41")
+    ref = reference(make_llm, path)
+    llm = make_async(path, dtype="float64", **dspark(3))
+    worker_oracle(llm, ref, mixed)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref)
+    engine = llm.llm_engine
+    assert 0 < engine.spec_decode_stats()["num_accepted_tokens"] < engine.spec_decode_stats()["num_draft_tokens"]
+    assert engine.counts["overlapped"] > 0
