@@ -342,7 +342,8 @@ def test_a_step_read_after_an_eager_launch_is_not_timed(tiny_path, make_async, m
     """The engine reads a step's output after launching the next one. Where that one has prompt chunks it
     runs eagerly (on an H100 about 16 ms of launches for the trained model, against 2.6 ms for a graph's
     decode step), and its launch counted as the step before's time: with requests joining every few steps
-    the gate's rates fell to a fifth of the steps' cost. Here such a launch takes 0.2 s more."""
+    the gate's rates fell to a fifth of the steps' cost. Here such a launch takes 1 s more, far above what
+    a tiny model's step takes even on a loaded machine."""
     llm = make_async(tiny_path("tiny"), dtype="float64", max_num_seqs=2, **spec(2, "confidence"))
     engine, times = llm.llm_engine, []
     run = engine._run
@@ -350,7 +351,7 @@ def test_a_step_read_after_an_eager_launch_is_not_timed(tiny_path, make_async, m
     def slow(scheduled, prev=None):
         launched = run(scheduled, prev)
         if not launched.decode_only:
-            time.sleep(0.2)
+            time.sleep(1.0)
         return launched
 
     monkeypatch.setattr(engine, "_run", slow)
@@ -358,7 +359,7 @@ def test_a_step_read_after_an_eager_launch_is_not_timed(tiny_path, make_async, m
     monkeypatch.setattr(_StepTime, "add", lambda self, n, t: times.append(t) or add(self, n, t))
     prompts = [make_prompt(6, seed=i) for i in range(5)]
     run_tokens(llm, prompts, [greedy(24 + 9 * i) for i in range(len(prompts))])
-    assert len(times) >= 10 and max(times) < 0.2
+    assert len(times) >= 10 and max(times) < 1.0
 
 
 def test_yield_leaves_out_the_sequences_a_step_ends():
