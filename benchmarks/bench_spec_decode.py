@@ -94,17 +94,21 @@ def acceptance(args, engine_kw: dict) -> dict:
     rows = [{"k": 0, "seconds": t_plain, "mean_acceptance_length": 1.0}]
     for k in args.ks:
         llm = LLM(args.model, speculative_config=_spec(k, method=args.method), **engine_kw)
+        tests = _record_tests(llm)
         got, seconds = _generate(llm, prompts, params)
         stats = llm.llm_engine.spec_decode_stats()
         per_pos = [a / v if v else 0.0 for a, v in zip(stats["accepted_per_position"], stats["verified_per_position"])]
         rows.append({"k": k, "seconds": seconds, "greedy_equal": got == ref,
                      "mean_acceptance_length": stats["mean_acceptance_length"],
-                     "acceptance_rate": stats["acceptance_rate"], "acceptance_per_position": per_pos, **stats})
-    print(f"{'k':>3} {'accept len':>10} {'accept rate':>11} {'per position':>24} {'equal':>6} {'seconds':>8}")
+                     "acceptance_rate": stats["acceptance_rate"], "acceptance_per_position": per_pos,
+                     "calibration_error": calibration_error(tests), "confidence_tests": len(tests), **stats})
+    print(f"{'k':>3} {'accept len':>10} {'accept rate':>11} {'per position':>24} {'ECE':>6} {'equal':>6} "
+          f"{'seconds':>8}")
     for r in rows:
         pos = " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position", []))
+        ece = r.get("calibration_error")
         print(f"{r['k']:>3} {r['mean_acceptance_length']:>10.3f} {r.get('acceptance_rate', 0):>11.3f} {pos:>24} "
-              f"{str(r.get('greedy_equal', '-')):>6} {r['seconds']:>8.2f}")
+              f"{'-' if ece is None else f'{ece:.3f}':>6} {str(r.get('greedy_equal', '-')):>6} {r['seconds']:>8.2f}")
     return {"prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rows": rows}
 
 
@@ -265,6 +269,35 @@ def _speed_rows(args, modes: list[_Mode], batch: int, params: SamplingParams) ->
         print(f"# {m.name} batch {batch}: {total:.1f} tok/s total, {seconds:.3f} s,"  # a run cut short keeps these
               f" plain step share {row.get('plain_step_share', 0.0):.2f}", file=sys.stderr, flush=True)
     return rows
+
+
+def _record_tests(llm: LLM) -> list[tuple[float, bool]]:
+    """Every draft a verification tested, as (the drafter's confidence in it, accepted): a draft is tested
+    when every draft before it was accepted."""
+    planner, tests = llm.llm_engine.drafts, []
+    accept = planner.accept
+
+    def recorded(seq, pos, tokens, block_manager, verified=None, reserved=0):
+        n = seq.num_scheduled_drafts if verified is None else verified
+        accepted = len(tokens) - 1
+        for j, c in enumerate(seq.draft_confidences[: min(n, accepted + 1)]):
+            tests.append((float(c), j < accepted))
+        return accept(seq, pos, tokens, block_manager, verified, reserved)
+
+    planner.accept = recorded
+    return tests
+
+
+def calibration_error(tests: list[tuple[float, bool]], bins: int = 10) -> float | None:
+    """Expected calibration error of the confidences: the tests' share-weighted gap between the mean
+    confidence and the acceptance rate of each confidence bin."""
+    if not tests:
+        return None
+    groups: dict[int, list[tuple[float, bool]]] = {}
+    for c, ok in tests:
+        groups.setdefault(min(bins - 1, int(c * bins)), []).append((c, ok))
+    return sum(abs(statistics.fmean(c for c, _ in g) - statistics.fmean(ok for _, ok in g)) * len(g)
+               for g in groups.values()) / len(tests)
 
 
 def speed(args, engine_kw: dict) -> dict:
