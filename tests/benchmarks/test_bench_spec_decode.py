@@ -265,3 +265,11 @@ def test_host_path_profile_times_the_host_apart_from_the_graphs_work(bsd):
     assert GraphRunner.replay_step is replay
     with pytest.raises(SystemExit, match="unknown"):
         profile_host_path.main(["--modes", "spec"])
+
+
+def test_calibration_error_is_the_weighted_gap_per_bin(bsd):
+    # bin 9: confidence 0.95, accepted 1 of 2 (gap 0.45); bin 2: confidence 0.2, accepted 0 of 2 (gap 0.2)
+    tests = [(0.95, True), (0.95, False), (0.2, False), (0.2, False)]
+    assert bsd.calibration_error(tests) == pytest.approx((0.45 * 2 + 0.2 * 2) / 4)
+    assert bsd.calibration_error([(0.5, True), (0.5, False)]) == pytest.approx(0.0)
+    assert bsd.calibration_error([]) is None
