@@ -75,8 +75,9 @@ class ModelRunner:
             if s.sample:
                 rows.append(len(ids) - 1)
                 states.append(self.requests[s.seq_id])
-        batch = self.prepare(ids, spans, rows)
-        batch.mm = self._mm_embeds(so)
+        mm = self._mm_embeds(so)
+        batch = self.prepare(ids, spans, rows, eager=mm is not None)  # the graphs carry no image rows
+        batch.mm = mm
         if fill:
             where = torch.tensor(fill, dtype=torch.long).to(self.model.device, non_blocking=True)
             batch.input_ids[where[:, 0]] = self._prev_tokens[where[:, 1]]
@@ -139,9 +140,12 @@ class ModelRunner:
             self.requests.pop(seq_id, None)
             self.sampler.free(seq_id)
 
-    def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int]) -> ForwardBatch:
-        """The step's batch on the model's device; padded to a captured shape when a graph will run it."""
-        pad = self.graph_runner.padding_for(spans, logits_rows) if self.graph_runner is not None else None
+    def prepare(self, token_ids: list[int], spans: list[SeqSpan], logits_rows: list[int],
+                eager: bool = False) -> ForwardBatch:
+        """The step's batch on the model's device; padded to a captured shape when a graph will run it
+        (never with ``eager``, which a step that reads image rows asks for)."""
+        graphs = self.graph_runner if not eager else None
+        pad = graphs.padding_for(spans, logits_rows) if graphs is not None else None
         host = build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
                                    self.model.cfg.sliding_window, logits_rows, pad=pad,
                                    ngram=getattr(self.model, "ngram_size", 0))

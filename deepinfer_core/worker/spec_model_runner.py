@@ -144,7 +144,10 @@ class SpecDecodeModelRunner(ModelRunner):
         self._update_states(so)
         mask_rows = self._mask_rows(so.scheduled)
         so = dataclasses.replace(so, scheduled=[self._resolve(s) for s in so.scheduled])
-        q = self._graph_query_len(so.scheduled)
+        # image rows (only prompt positions have them): such a step runs eagerly and unpadded, so each span's
+        # rows follow the one before's, as the plain runner lays them out (the graphs carry no image rows)
+        mm = self._mm_embeds(so)
+        q = self._graph_query_len(so.scheduled) if mm is None else None
         spans, ids, rows, plain, verifies, starts = [], [], [], [], [], []
         draft, filler = [], []
         for i, s in enumerate(so.scheduled):
@@ -169,7 +172,7 @@ class SpecDecodeModelRunner(ModelRunner):
         graphs = self.graph_runner
         if q:  # every token's logits: a row's index is its token's
             rows = list(range(len(ids)))
-        pad = graphs.padding_for(spans, rows) if graphs is not None else None
+        pad = graphs.padding_for(spans, rows) if graphs is not None and mm is None else None
         host = build_forward_batch(ids, spans, self.model.compressor_specs(), self.block_size,
                                    self.model.cfg.sliding_window, rows, pad=pad,
                                    ngram=getattr(self.model, "ngram_size", 0))
@@ -186,6 +189,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 logits, streams = graphs.replay_with_streams(graphs.load(host))
         else:
             batch = host.with_storage(self.platform.upload(host.packed()))
+            batch.mm = mm
             logits, streams = self.model.forward(batch, self.cache)
 
         plain_out = verified = plain_samples = verified_logprobs = None
