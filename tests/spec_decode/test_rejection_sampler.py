@@ -98,18 +98,20 @@ def _top4(llm, prompt):
     return [t for t, _ in top], probs / probs.sum()
 
 
-def test_engine_sampling_with_speculation_matches_the_target(tiny_path, make_llm):
+@pytest.mark.parametrize("config, method", [("tiny", "mtp"), pytest.param("v41", "dspark", marks=pytest.mark.slow)])
+def test_engine_sampling_with_speculation_matches_the_target(config, method, tiny_path, make_llm):
     """Token 2 of 2000 seeded requests of 3 tokens (temperature 1, top_k 4), verified against a draft the target
     gives about a quarter of its mass, among the requests whose token 1 was the likeliest: distributed
-    as the target's conditional distribution."""
-    path = tiny_path("tiny")
+    as the target's conditional distribution (V4 with MTP, V4.1 with DSpark)."""
+    path = tiny_path(config)
     prompt = make_prompt(6, seed=77)
     plain = make_llm(path, dtype="float64")
     tokens0, _ = _top4(plain, prompt)
     first = tokens0[0]
     tokens1, p1 = _top4(plain, prompt + [first])
     draft = tokens1[1]
-    llm = make_llm(path, dtype="float64", max_num_seqs=256, max_num_batched_tokens=4096, **spec(1))
+    speculative = {"speculative_config": {"method": method, "num_speculative_tokens": 1}}
+    llm = make_llm(path, dtype="float64", max_num_seqs=256, max_num_batched_tokens=4096, **speculative)
     planner = llm.llm_engine.drafts
     offer = planner.offer
     planner.offer = lambda seq, drafts, confs: offer(seq, [draft], [0.5])
