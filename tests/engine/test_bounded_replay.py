@@ -1,6 +1,6 @@
 """Bounded replay in the engine (float64, cpu_ref): generation under prefix caching, preemption, chunked
 prefill, async scheduling and speculative decoding equals the same generation without them; ``mask``
-equals ``compact``; prompts no longer than the keep equal the full prefill, longer ones differ from it
+equals ``compact`` (with structured output too); prompts no longer than the keep equal the full prefill, longer ones differ from it
 (the approximation: not bit-identical, as vLLM's and TRT-LLM's are not); models that cannot be cut are
 refused, or left on the full prefill by default.
 
@@ -147,3 +147,14 @@ def test_models_that_cannot_be_cut(tiny_path, make_llm):  # noqa: F811
     v4 = make_llm(tiny_path("tiny"), dtype="float64")
     assert v4.llm_engine.scheduler_config.replay_keep == 0
     assert torch.get_num_threads() == 1
+
+
+def test_structured_output_under_bounded_replay(late, make_llm):  # noqa: F811
+    """A grammar masks the sampled rows only: the constrained outputs are valid and equal between the modes."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "[0-9]{2,6}"})
+    outs = {mode: generate(make_llm(late, dtype="float64", bounded_replay=mode, max_num_batched_tokens=16),
+                           PROMPTS, params) for mode in ("compact", "mask")}
+    assert_same(outs["compact"], outs["mask"])
+    for out in outs["compact"]:
+        text = out.outputs[0].text
+        assert text.isdigit() and 2 <= len(text) <= 6, text
