@@ -10,6 +10,8 @@ with nothing scheduled, so that its peers never wait forever)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from deepinfer_core.comm import Communicator
 from deepinfer_core.model.records import Experts, Linear, records
+from deepinfer_core.parallel.ep_padded import PaddedHandle, padded_combine, padded_dispatch, sum_in_expert_order
 from deepinfer_core.parallel.expert_map import ExpertMap
 
 
@@ -31,10 +34,15 @@ class _Handle:
 
 
 class AllToAllDispatcher:
-    """Each (token, k) pair travels to the rank of its expert and its weighted output comes back."""
+    """Each (token, k) pair travels to the rank of its expert and its weighted output comes back.
+
+    Eagerly the rows sent are exactly the pairs (their counts exchanged first); inside :meth:`graph_shapes`
+    every rank sends a fixed capacity per peer (:mod:`.ep_padded`), the shapes a captured graph holds."""
 
     expert_map: ExpertMap | None = None  # EPLB: logical -> physical slots (None: a slot per logical expert)
     layer: int | None = None  # the main MoE layer being dispatched (None: an MTP layer)
+    fixed_shapes = False  # inside graph_shapes(): dispatch and combine at fixed, data-independent shapes
+    graph_safe = True  # its fixed-shape mode reads nothing back to the host
 
     def __init__(self, communicator: Communicator, num_experts: int, hidden_size: int):
         world = communicator.world_size
@@ -48,6 +56,16 @@ class AllToAllDispatcher:
     def local_experts(self) -> range:
         return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
 
+    @contextmanager
+    def graph_shapes(self) -> Iterator[None]:
+        """Dispatch and combine at fixed shapes while in the block: a decode graph's forward (captured or
+        replayed uncaptured), which every rank runs at the same token count in the same step."""
+        before, self.fixed_shapes = self.fixed_shapes, True
+        try:
+            yield
+        finally:
+            self.fixed_shapes = before
+
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         if self.world == 1:
@@ -60,6 +78,8 @@ class AllToAllDispatcher:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Handle]:
         """``(recv_x, recv_local_slot_ids, recv_weights, handle)``: the rows this rank's experts compute
         (``topk_ids``: logical experts)."""
+        if self.fixed_shapes:
+            return padded_dispatch(self, x, topk_ids, topk_weights)
         num_tokens, top_k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         if self.expert_map is not None:
@@ -75,21 +95,17 @@ class AllToAllDispatcher:
         recv_w = self._exchange(topk_weights.reshape(-1)[order], sc, rc)
         return recv_x, recv_ids, recv_w, _Handle(order, sc, rc, num_tokens, top_k, topk_ids)
 
-    def combine(self, y: torch.Tensor, handle: _Handle) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: _Handle | PaddedHandle) -> torch.Tensor:
         """Weighted expert outputs ``y`` (rows as dispatched) summed back per home token: [T, hidden].
 
         A token's terms are added one by one onto zeros in ascending expert id, as the one-process MoE
         ops add them, so the sum is the same bit for bit."""
+        if isinstance(handle, PaddedHandle):
+            return padded_combine(self, y, handle)
         back = self._exchange(y, handle.recv_counts, handle.send_counts)
         pairs = torch.empty_like(back)
         pairs[handle.order] = back
-        pairs = pairs.view(handle.num_tokens, handle.top_k, back.shape[-1])
-        slots = torch.sort(handle.topk_ids, dim=1, stable=True).indices
-        pairs = pairs.gather(1, slots.unsqueeze(-1).expand_as(pairs))
-        out = pairs.new_zeros((handle.num_tokens, pairs.shape[-1]))
-        for k in range(handle.top_k):
-            out += pairs[:, k]
-        return out
+        return sum_in_expert_order(pairs.view(handle.num_tokens, handle.top_k, back.shape[-1]), handle.topk_ids)
 
 
 def attach_expert_map(dispatcher, num_layers: int, num_logical: int) -> ExpertMap:
