@@ -4,12 +4,13 @@ Every rank computes the same plan from the old and new ``phy2log`` rows: a new s
 expert from a slot of its own rank when one held it, else from the lowest old slot holding it (on
 whichever rank); the rows then travel in one ``all_to_all_single`` per tensor (as bytes, so any dtype,
 FP8 and FP4 included, goes through gloo, NCCL or HCCL alike). Weights are copied, never recomputed, so
-the outputs do not change.
+the outputs do not change. The new rows are written into the stacks' own storage: a decode graph captured
+before the rearrangement reads the moved weights when replayed after it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -83,14 +84,20 @@ def move_stack(t: torch.Tensor, plan: TransferPlan, group: object | None, exchan
 
 def move_experts(experts: Experts, old: list[int], new: list[int], rank: int, world: int,
                  group: object | None) -> int:
-    """Rearrange one layer's local stacks from layout ``old`` to ``new`` (every rank calls it with the same
-    rows); returns the number of slots that crossed between ranks."""
+    """Rearrange one layer's local stacks from layout ``old`` to ``new`` in place (every rank calls it with
+    the same rows); returns the number of slots that crossed between ranks."""
     plan, crossing = plan_transfer(old, new, rank, world)
     if crossing == 0 and all(plan.local_src.get(j) == j for j in range(len(old) // world)):
         return 0
     for name in ("w13", "w2"):
         lin: Linear = getattr(experts, name)
-        weight = move_stack(lin.weight, plan, group, crossing > 0)
-        scale = None if lin.scale is None else move_stack(lin.scale, plan, group, crossing > 0)
-        setattr(experts, name, replace(lin, weight=weight, scale=scale))
+        for t in (lin.weight, lin.scale):
+            if t is not None:
+                _write_in_place(t, move_stack(t, plan, group, crossing > 0))
     return crossing
+
+
+def _write_in_place(t: torch.Tensor, new: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError("an expert stack must be contiguous to be rearranged in place")
+    _as_rows(t).copy_(_as_rows(new))

@@ -6,6 +6,11 @@ logical expert a slot serves in each main MoE layer; the router's logical top-k 
 :meth:`ExpertMap.physical`, which spreads a logical expert's (token, k) pairs over its replicas round robin
 in order of the pairs (deterministic; any replica gives the same output since replicas hold the same weights).
 MTP layers keep the initial layout (they are not rebalanced).
+
+Graph safety: :meth:`ExpertMap.physical` reads no count back to the host, and its device tables are
+allocated once per (layer, device) at the widest layout (every redundant slot one expert's), then rewritten
+in place by :meth:`ExpertMap.set`, so that a decode graph captured before a rearrangement reads the new
+layout when replayed after it.
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ def initial_phy2log(num_logical: int, num_physical: int, world: int) -> torch.Te
     return torch.tensor(slots, dtype=torch.long)
 
 
-def log2phy_of(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``phy2log[layers, P]`` -> (``log2phy[layers, E, most replicas]`` in ascending slot order, -1 padded;
-    ``logcnt[layers, E]``)."""
+def log2phy_of(phy2log: torch.Tensor, num_logical: int, width: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``phy2log[layers, P]`` -> (``log2phy[layers, E, width]`` in ascending slot order, -1 padded (``width``
+    None: the most replicas any expert has); ``logcnt[layers, E]``)."""
     layers, num_physical = phy2log.shape
     logcnt = torch.zeros((layers, num_logical), dtype=torch.long)
     logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
     if bool((logcnt == 0).any()):
         raise ValueError("every logical expert needs at least one physical slot")
-    width = int(logcnt.max())
+    width = int(logcnt.max()) if width is None else width
     log2phy = torch.full((layers, num_logical, width), -1, dtype=torch.long)
     for layer in range(layers):
         seen = [0] * num_logical
@@ -56,7 +62,11 @@ class ExpertMap:
         if self.num_physical % world:
             raise ValueError(f"{self.num_physical} physical experts cannot be split evenly over {world} ranks")
         self.slots_per_rank = self.num_physical // world
+        self.width = self.num_physical - num_logical + 1  # the most replicas one expert can have
         self.initial = phy2log[0].clone() if initial is None else initial.clone()
+        init_l2p, init_cnt = log2phy_of(self.initial.unsqueeze(0), num_logical, self.width)
+        self._initial_tables = (init_l2p[0], init_cnt[0])
+        self._device_tables: dict[tuple[int | None, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.set(phy2log)
 
     @classmethod
@@ -67,10 +77,11 @@ class ExpertMap:
     def set(self, phy2log: torch.Tensor) -> None:
         """Adopt a new layout (the weights must be moved to match: :mod:`~deepinfer_core.parallel.eplb_transfer`)."""
         self.phy2log = phy2log.to("cpu", torch.long).clone()
-        self.log2phy, self.logcnt = log2phy_of(self.phy2log, self.num_logical)
-        init_l2p, init_cnt = log2phy_of(self.initial.unsqueeze(0), self.num_logical)
-        self._device_tables: dict[tuple[int | None, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._initial_tables = (init_l2p[0], init_cnt[0])
+        self.log2phy, self.logcnt = log2phy_of(self.phy2log, self.num_logical, self.width)
+        for (layer, _), (l2p, cnt) in self._device_tables.items():  # in place: graphs hold these tensors
+            if layer is not None:
+                l2p.copy_(self.log2phy[layer])
+                cnt.copy_(self.logcnt[layer])
 
     def row(self, layer: int | None) -> torch.Tensor:
         return self.initial if layer is None else self.phy2log[layer]
@@ -96,7 +107,8 @@ class ExpertMap:
         flat = logical_ids.reshape(-1)
         l2p, cnt = self._tables(layer, flat.device)
         order = torch.argsort(flat, stable=True)
-        per_expert = torch.bincount(flat, minlength=self.num_logical)
+        per_expert = torch.zeros(self.num_logical, dtype=flat.dtype, device=flat.device)
+        per_expert.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its size back
         starts = torch.cumsum(per_expert, 0) - per_expert
         occurrence = torch.empty_like(flat)
         occurrence[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
