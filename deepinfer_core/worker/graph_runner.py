@@ -11,6 +11,11 @@ sequences with no blocks and state slot -1, whose writes land in the cache's tra
 index tensors live in one packed int64 device buffer per graph, filled by a single host-to-device copy
 from one of two (pinned, where the platform has it) staging buffers every graph shares. Capture itself,
 streams and events come from the backend's :class:`~deepinfer_core.platform.Platform`.
+
+Under expert parallel (a ``coordinator``, :mod:`~deepinfer_core.parallel.batch_sync`) the ranks agree on
+every step's graph before it runs: each pads to the largest rank's size bucket, a rank with nothing
+scheduled replays that size over padding sequences only (:meth:`GraphRunner.placeholder_step`), and the
+forward of every graph dispatches and combines at fixed shapes (the dispatcher's ``graph_shapes``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -33,6 +39,7 @@ from deepinfer_core.model.metadata import (
     derive_padded,
 )
 from deepinfer_core.models.interface import Model
+from deepinfer_core.parallel.batch_sync import BatchCoordinator, StepShape
 from deepinfer_core.platform import Graph, Platform
 
 
@@ -128,6 +135,7 @@ class GraphRunner:
         self.query_lens = sorted(set(query_lens))
         self.keep_streams = keep_streams
         self.prologue = prologue
+        self.coordinator: BatchCoordinator | None = None  # expert parallel: the ranks agree on each step's graph
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
         self.inputs: dict[tuple[int, int, int], _StaticInputs] = {}  # (size, context, query len) -> inputs
         self.graphs: dict[tuple[int, int, int], Graph] = {}
@@ -151,10 +159,41 @@ class GraphRunner:
     def layout(self, size: int, context: int, query_len: int = 1) -> GraphPadding:
         return GraphPadding(size, {rate: -(-context // rate) for rate in self.rates}, context, query_len)
 
-    def padding_for(self, spans: list[SeqSpan], logits_rows: list[int]) -> GraphPadding | None:
-        """The graph layout for this step, or None when it must run eagerly (prefill, too many sequences,
-        sequences of unequal or uncaptured query lengths, a sequence longer than the largest context
-        bucket). A step of q > 1 tokens per sequence must want every token's logits."""
+    def padding_for(self, spans: list[SeqSpan], logits_rows: list[int], eager: bool = False
+                    ) -> GraphPadding | None:
+        """The graph layout for this step, or None when it must run eagerly (``eager``, prefill, too many
+        sequences, sequences of unequal or uncaptured query lengths, a sequence longer than the largest
+        context bucket). A step of q > 1 tokens per sequence must want every token's logits.
+
+        With a coordinator this is the step's agreement with the other ranks (a collective: called once per
+        forward, eager ones included): the layout of the largest rank's size bucket, or None for all."""
+        local = None if eager else self.local_padding(spans, logits_rows)
+        if self.coordinator is None:
+            return local
+        q = local.query_len if local is not None else 1
+        agreed = self.coordinator.agree(StepShape(len(spans), q, local is not None))
+        if agreed is None:
+            return None
+        return self.layout(self.sizes[bisect.bisect_left(self.sizes, agreed.num_seqs)], local.context, q)
+
+    def placeholder_step(self) -> bool:
+        """A rank with nothing scheduled: agree with the others (see :meth:`padding_for`), then replay the
+        agreed graph size over padding sequences only, whose writes land in the cache's trash (True), or
+        return False where the ranks run this step eagerly (the caller then runs the MoE collectives with
+        no tokens)."""
+        agreed = self.coordinator.agree(StepShape(0))
+        if agreed is None:
+            return False
+        pad = self.layout(self.sizes[bisect.bisect_left(self.sizes, agreed.num_seqs)], self.contexts[0],
+                          agreed.query_len)
+        empty = build_forward_batch([], [], self.model.compressor_specs(), self.block_size,
+                                    self.model.cfg.sliding_window, pad=pad)
+        self.replay_step(self.load(empty))
+        return True
+
+    def local_padding(self, spans: list[SeqSpan], logits_rows: list[int]) -> GraphPadding | None:
+        """:meth:`padding_for` on this rank alone: never a collective (for probes that may run on one rank
+        only)."""
         n = len(spans)
         if not n or n > self.sizes[-1]:
             return None
@@ -237,7 +276,9 @@ class GraphRunner:
 
     def _forward(self, batch: ForwardBatch, query_len: int, shared: bool):
         pre = self.prologue(batch, query_len, shared) if self.prologue is not None else None
-        logits, streams = self.model.forward(batch, self.cache)
+        ep = getattr(self.model, "ep", None)
+        with ep.graph_shapes() if ep is not None else nullcontext():
+            logits, streams = self.model.forward(batch, self.cache)
         return logits, streams if self.keep_streams else None, pre
 
     def _shared_forward(self, key: tuple[int, int, int]):

@@ -144,8 +144,8 @@ class ModelRunner:
                 eager: bool = False) -> ForwardBatch:
         """The step's batch on the model's device; padded to a captured shape when a graph will run it
         (never with ``eager``, which a step that reads image rows asks for)."""
-        graphs = self.graph_runner if not eager else None
-        pad = graphs.padding_for(spans, logits_rows) if graphs is not None else None
+        graphs = self.graph_runner  # asked even for an eager step: under expert parallel it is an agreement
+        pad = graphs.padding_for(spans, logits_rows, eager=eager) if graphs is not None else None
         host = build_forward_batch(token_ids, spans, self.model.compressor_specs(), self.block_size,
                                    self.model.cfg.sliding_window, logits_rows, pad=pad,
                                    ngram=getattr(self.model, "ngram_size", 0))

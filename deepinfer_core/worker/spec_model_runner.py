@@ -115,7 +115,9 @@ class SpecDecodeModelRunner(ModelRunner):
             self.proposer = DSparkProposer(self.model, self.cache, num_speculative_tokens)
         else:
             drafting_graphs = None
-            if self.graph_runner is not None:
+            # under expert parallel the drafting runs eagerly (its collectives exchange their sizes), the
+            # same k forwards on every rank, placeholder steps included (``MtpProposer.propose``)
+            if self.graph_runner is not None and self.model.ep is None:
                 drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
                                             capture=bool(self.graph_runner.graphs), platform=self.platform)
             self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
@@ -172,7 +174,7 @@ class SpecDecodeModelRunner(ModelRunner):
         graphs = self.graph_runner
         if q:  # every token's logits: a row's index is its token's
             rows = list(range(len(ids)))
-        pad = graphs.padding_for(spans, rows) if graphs is not None and mm is None else None
+        pad = graphs.padding_for(spans, rows, eager=mm is not None) if graphs is not None else None
         host = build_forward_batch(ids, spans, self.model.compressor_specs(), self.block_size,
                                    self.model.cfg.sliding_window, rows, pad=pad,
                                    ngram=getattr(self.model, "ngram_size", 0))
@@ -275,7 +277,7 @@ class SpecDecodeModelRunner(ModelRunner):
 
     def _chained_padding(self, scheduled: list[ScheduledSeq], q: int):
         probe = [SeqSpan(s.start + self.k, q, [], [], -1) for s in scheduled]
-        return self.graph_runner.padding_for(probe, list(range(len(probe) * q)))
+        return self.graph_runner.local_padding(probe, list(range(len(probe) * q)))
 
     def _execute_chained(self, so: SchedulerOutput) -> _Pending:
         """Launch a step of verifications before the step before ends (see :meth:`_chains`): its spans
@@ -395,7 +397,7 @@ class SpecDecodeModelRunner(ModelRunner):
             return None  # already one graph's shape
         q = next((n for n in graphs.query_lens if n >= longest), None)
         probe = [SeqSpan(s.start, q, [], [], -1) for s in scheduled] if q else []
-        return q if q and graphs.padding_for(probe, list(range(len(probe) * q))) is not None else None
+        return q if q and graphs.local_padding(probe, list(range(len(probe) * q))) is not None else None
 
     def _tables(self, s: ScheduledSeq, extra: int) -> tuple[list[int], list[int]]:
         """The span's block tables, with -1 for the blocks that only ``extra`` filler tokens reach (their

@@ -17,6 +17,7 @@ from deepinfer_core.model.kv_cache_spec import resolve_kv_cache_spec
 from deepinfer_core.model.replay import resolve_bounded_replay
 from deepinfer_core.models import load_model
 from deepinfer_core.models.interface import Model
+from deepinfer_core.parallel.batch_sync import coordinator_for
 from deepinfer_core.parallel.ep import attach_expert_map, dummy_moe_step, place_experts
 from deepinfer_core.parallel.eplb import EplbRecorder, ExpertLoad
 from deepinfer_core.parallel.eplb_state import EplbState
@@ -121,9 +122,19 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
     def execute_dummy(self) -> None:
-        """A step with nothing scheduled: the MoE layers' expert-parallel collectives, with no tokens."""
-        if self.ep_dispatcher is not None:
-            dummy_moe_step(self.model, getattr(self.model_runner, "k", 0))
+        """A step with nothing scheduled: the MoE layers' expert-parallel collectives, with no tokens, or,
+        where the ranks agree on a graph for the step, a replay of that graph's size over padding
+        sequences only; then the drafter's k steps (with speculative decoding), as its peers draft."""
+        if self.ep_dispatcher is None:
+            return
+        runner = self.model_runner
+        k = getattr(runner, "k", 0)
+        graphs = getattr(runner, "graph_runner", None)
+        if graphs is not None and graphs.coordinator is not None and graphs.placeholder_step():
+            for _ in range(k):
+                self.model.drafter.dummy_step()
+            return
+        dummy_moe_step(self.model, k)
 
 
 def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: Any, scheduler_config: Any,
@@ -136,6 +147,9 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
     graphs = None
     if not args.enforce_eager and platform.supports_graphs:
         syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_packed))
+        ep = getattr(model, "ep", None)
+        if ep is not None and not getattr(ep, "graph_safe", False):
+            syncing = syncing + [f"{type(ep).__name__}'s dispatch and combine"]
         if syncing:
             logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
         else:
@@ -149,6 +163,8 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
                 query_lens=spec_query_lens(spec), keep_streams=bool(k),
                 prologue=GraphUndo(cache, model.cfg.num_hidden_layers) if k else None,
             )
+            if graphs is not None:  # expert parallel: the ranks agree on every step's graph
+                graphs.coordinator = coordinator_for(model)
     if k:
         if graphs is not None and not getattr(graphs, "keep_streams", False):
             logger.warning("speculative steps run without graphs: the backend's graph runner returns no "
