@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,12 @@ class DataParallelEngine:
     def rank_counters(self) -> list[dict[str, int]]:
         """Per rank: steps taken, of which placeholder steps (nothing scheduled there), and forwards run."""
         per_rank = self.ranks.call_all(range(self.num_ranks), "counters")
+        return [per_rank[r] for r in range(self.num_ranks)]
+
+    def collective_rpc(self, method: Callable[..., Any], args: tuple = ()) -> list[Any]:
+        """``method(engine_core, *args)`` on every rank, in its process (``method``: a module-level function,
+        sent by reference); the results in rank order."""
+        per_rank = self.ranks.call_all(range(self.num_ranks), "collective_rpc", (method, tuple(args)))
         return [per_rank[r] for r in range(self.num_ranks)]
 
     @property

@@ -7,9 +7,10 @@ torchrun each rank's process is one already (:mod:`deepinfer_core.parallel.exter
 The front-end sends ``(command, payload)``; a rank answers ``("ok", result)``, ``("invalid", message)``
 (a request it refused: ValueError) or ``("error", traceback)``. Commands: ``add``, ``abort``, ``step``,
 ``reset_prefix_cache``, ``prefix_cache_stats``, ``counters``, ``expert_load``, ``rearrange``, ``eplb_stats``,
-``memory``, ``stop``. A rank whose step scheduled nothing runs a
-placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`), so that the ranks
-always meet in the same collectives.
+``memory``, ``collective_rpc``, ``stop``. A rank whose step scheduled nothing runs a
+placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`; a replay of the
+step's agreed graph size where the ranks run graphs), so that the ranks always meet in the same
+collectives.
 
 Faults: a rank that dies is seen at once (its process sentinel); one that does not answer within the
 timeout, or answers with an error, fails the engine too. :class:`RankFailure` names the rank(s) and every
@@ -27,6 +28,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -134,6 +136,12 @@ class RankCore:
     def reset_prefix_cache(self, _: Any) -> None:
         self.engine.reset_prefix_cache()
 
+    def collective_rpc(self, payload: tuple[Callable[..., Any], tuple]) -> Any:
+        """``method(engine, *args)`` on this rank's engine core (``method`` pickled by reference: a
+        module-level function); every rank runs it, so it may hold collectives."""
+        method, args = payload
+        return method(self.engine, *args)
+
     def prefix_cache_stats(self, _: Any) -> dict[str, float]:
         return self.engine.prefix_cache_stats()
 
@@ -210,12 +218,10 @@ class RankProcesses:
         ctx = mp.get_context("spawn")
         port = str(_free_port())
         threads = max(1, (os.cpu_count() or 1) // world_size)
-        ep = getattr(args, "enable_expert_parallel", False)
         for rank in range(world_size):
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
                    "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(device_of_rank.get(rank, 0))}
-            # graphs are not captured around the expert-parallel collectives (yet)
-            rank_args = dataclasses.replace(args, data_parallel_rank=rank, enforce_eager=args.enforce_eager or ep)
+            rank_args = dataclasses.replace(args, data_parallel_rank=rank)
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, args=(rank, env, rank_args, threads, child), daemon=True,
                                name=f"deepinfer-dp-rank{rank}")

@@ -42,10 +42,7 @@ class ExternalLauncherEngine:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks, data_parallel_size is {world}")
         self.rank, self.world_size = int(os.environ["RANK"]), world
-        # graphs are not captured around the expert-parallel collectives (yet)
-        enforce_eager = args.enforce_eager or args.enable_expert_parallel
-        self.core = LLMEngine(dataclasses.replace(args, data_parallel_rank=self.rank, enforce_eager=enforce_eager),
-                              executor_class=RankExecutor)
+        self.core = LLMEngine(dataclasses.replace(args, data_parallel_rank=self.rank), executor_class=RankExecutor)
         self.rank_core = RankCore(self.core)
         self.closed = False
 
