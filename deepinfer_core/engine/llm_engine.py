@@ -89,9 +89,6 @@ class LLMEngine:
         self.structured_outputs_config = structured_outputs_config_of(args.structured_outputs_config)
         self.drafts = DraftPlanner.create(args.speculative_config, cfg, self.parallel_config)
         self._async = bool(args.async_scheduling)
-        if self.drafts is not None and self._async and self.parallel_config.expert_parallel_size > 1:
-            raise ValueError("speculative decoding with expert parallel runs steps synchronously: "
-                             "async_scheduling is not available with it yet")
         backend.hook.deepinfer_configure(model_config=cfg, cache_config=self.cache_config)
         check_block_size(cfg, self.cache_config.block_size)  # a plugin may have changed it
         env = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()

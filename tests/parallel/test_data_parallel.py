@@ -144,13 +144,6 @@ def test_arguments_every_rank_refuses_are_a_value_error():
     assert isinstance(info.value.__cause__, RankFailure)
 
 
-def test_speculation_with_expert_parallel_refuses_async_scheduling():
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="async_scheduling is not available"):
-        LLM(dtype="float32", data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec,
-            async_scheduling=True)
-
-
 def _assert_all_gone(engine: DataParallelEngine) -> None:
     assert not any(proc.is_alive() for proc in engine.ranks.procs)
     for pid in engine.rank_pids:
