@@ -16,10 +16,16 @@ rows home), so the model's MoE runs unchanged:
 
 Activations must be bfloat16 (DeepEP's format); EPLB's slot map is applied as in the all-to-all
 dispatcher. ``deep_ep`` is imported only when a dispatcher is built.
+
+Decode graphs under expert parallel (``graph_safe``) need the low-latency mode: its shapes are fixed by
+``max_dispatch_tokens_per_rank``, so ``graph_shapes`` has nothing to switch; the normal mode reads counts
+back to the host, and an engine with it runs eagerly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +101,18 @@ class DeepEPDispatcher:
     def local_experts(self) -> range:
         return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether dispatch and combine can be captured in a decode graph (low-latency mode only)."""
+        return self.low_latency
+
+    @contextmanager
+    def graph_shapes(self) -> Iterator[None]:
+        """A decode graph's forward: the low-latency kernels' shapes are fixed already."""
+        if not self.low_latency:
+            raise RuntimeError("DeepEP's normal mode cannot run inside a graph (DEEPINFER_DEEPEP_MODE=low_latency)")
+        yield
+
     def _slots(self, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_map is None:
             return topk_ids.to(self.topk_idx_t)
@@ -121,6 +139,9 @@ class DeepEPDispatcher:
         return rows, recv_idx[token, k].long(), recv_w[token, k], _NormalHandle(handle, token, recv_x.shape[0])
 
     def _dispatch_low_latency(self, x, idx, weights):
+        if x.shape[0] > self.max_tokens:  # a static shape: also checked when a graph is captured
+            raise ValueError(f"DeepEP low-latency dispatch takes at most {self.max_tokens} tokens per rank, got "
+                             f"{x.shape[0]} (a smaller max_cudagraph_capture_size or token budget)")
         recv_x, _, handle, _, _ = self.buffer.low_latency_dispatch(
             x, idx, self.max_tokens, self.num_experts, use_fp8=False, async_finish=False, return_recv_hook=False)
         local, per_expert, hidden = recv_x.shape
