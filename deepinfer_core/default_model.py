@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "deepseek-v4-tiny"
+#: the trained tiny DeepSeek-V4 (an MTP layer), for what needs a V4: the MTP drafter, transformers' golden runs
+EMBEDDED_V4_MODEL = Path(__file__).parent / "assets" / "deepseek-v4-tiny"
 RANDOM_NAME = "tiny"
 RANDOM_SEED = 0
 _VERSION = "v2"
@@ -24,6 +26,13 @@ def default_model_path() -> Path:
     """The trained tiny model when shipped, else the random one."""
     if (EMBEDDED_MODEL / "model.safetensors").is_file():
         return EMBEDDED_MODEL
+    return random_model_path()
+
+
+def v4_model_path() -> Path:
+    """The trained tiny V4 when shipped, else the random one."""
+    if (EMBEDDED_V4_MODEL / "model.safetensors").is_file():
+        return EMBEDDED_V4_MODEL
     return random_model_path()
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.default_model import EMBEDDED_MODEL as DEFAULT_MODEL_DIR
+from deepinfer_core.default_model import EMBEDDED_V4_MODEL as DEFAULT_MODEL_DIR  # its tokenizer
 from deepinfer_core.testing.published_checkpoint import to_published, write_tensors
 
 #: the text model's fields (Hugging Face names); Engram row counts and the compressed vocab are derived

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from engine_fixtures import one_torch_thread  # noqa: F401 (fixture)
 
+from deepinfer_core.default_model import v4_model_path
 from deepinfer_core.entrypoints import LLM, SamplingParams
 from deepinfer_core.testing.virtual_clock import StepCosts, VirtualClock, is_decode, load_step_costs
 
@@ -97,7 +98,7 @@ def test_jitter_scatters_step_times_around_their_cost():
 def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_torch_thread):  # noqa: F811
     """Plain decode with async scheduling: the device paces the steps (its time a step, not host + device),
     and outside ``attach`` the engine is timed by the wall clock again."""
-    llm = LLM(None, dtype="float32", async_scheduling=True, max_num_seqs=4)
+    llm = LLM(str(v4_model_path()), dtype="float32", async_scheduling=True, max_num_seqs=4)
     costs = StepCosts(plain=2e-3, plain_per_seq=0.0, spec=5e-3, spec_per_seq=0.0, host=5e-4)
     clock = VirtualClock(costs)
     speed = per_user(llm, clock, [4], max_tokens=40)
@@ -111,7 +112,7 @@ def test_plain_async_steps_take_the_device_time_and_the_clock_is_given_back(one_
 def test_steps_with_prompt_chunks_pay_their_eager_launch_on_the_host(one_torch_thread):  # noqa: F811
     """Where a step with prompt chunks launches kernel by kernel (``eager_host``) the host pays it at the
     launch: every such step of a run adds it to the run's time, decode steps do not."""
-    llm = LLM(None, dtype="float32", async_scheduling=True, max_num_seqs=2)
+    llm = LLM(str(v4_model_path()), dtype="float32", async_scheduling=True, max_num_seqs=2)
     prompts = prompts_of(llm, 4, length=16)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(4)]
 
@@ -141,7 +142,8 @@ def test_gate_keeps_the_faster_modes_speed_with_the_h200s_step_costs(one_torch_t
     batches, max_tokens = [1, 32, 64], 256
 
     def speed(config, sizes):
-        llm = LLM(None, dtype="float64", async_scheduling=True, max_num_seqs=64, speculative_config=config)
+        llm = LLM(str(v4_model_path()), dtype="float64", async_scheduling=True, max_num_seqs=64,
+                  speculative_config=config)
         return per_user(llm, VirtualClock(H200_TRAINED), sizes, max_tokens)
 
     spec = {"method": "mtp", "num_speculative_tokens": 3}

@@ -407,11 +407,11 @@ def test_alone_vs_inside_random_batches_many(tiny_path, make_llm, dtype):
 @pytest.mark.slow
 def test_alone_vs_inside_random_batches_other_models_and_two_threads(tiny_path, make_llm):
     """Other layouts (4 and 1 hyper-connection streams), the embedded trained model, two threads."""
-    from deepinfer_core.default_model import default_model_path
+    from deepinfer_core.default_model import v4_model_path
 
     torch.set_num_threads(2)
     try:
-        for path, block_size in ((tiny_path("tiny_hc4"), 16), (tiny_path("tiny_hc1"), 16), (default_model_path(), 32)):
+        for path, block_size in ((tiny_path("tiny_hc4"), 16), (tiny_path("tiny_hc1"), 16), (v4_model_path(), 32)):
             results, _ = run_alone_vs_batched(make_llm, path, batch_invariant=True, num_prompts=4, seed=2,
                                               block_size=block_size)
             _assert_identical(results)

@@ -35,6 +35,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from deepinfer_core.chat import encode_messages  # noqa: E402
+from deepinfer_core.default_model import v4_model_path  # noqa: E402
 from deepinfer_core.engine.args import EngineArgs  # noqa: E402
 from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
 from deepinfer_core.entrypoints.async_llm import AsyncLLM  # noqa: E402
@@ -47,7 +48,7 @@ needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None
                                     reason="structured outputs need the optional xgrammar ('deepinfer[structured]')")
 MODEL = "deepseek-v4-tiny"
 KEY = "test-key"
-ENGINE = {"batch_invariant": True, "block_size": 32, "max_num_seqs": 16}
+ENGINE = {"model": str(v4_model_path()), "batch_invariant": True, "block_size": 32, "max_num_seqs": 16}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                             "parameters": {"type": "object",
                                                            "properties": {"location": {"type": "string"}}}}}
@@ -160,7 +161,8 @@ def test_metrics_of_a_speculating_server_count_its_drafts(server):
     engine's own; one without reports none."""
     assert "spec_decode" not in server.get("/metrics")[1].decode()
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    with serving(LLMEngine(EngineArgs(block_size=32, max_num_seqs=4, speculative_config=spec))) as s:
+    args = EngineArgs(model=ENGINE["model"], block_size=32, max_num_seqs=4, speculative_config=spec)
+    with serving(LLMEngine(args)) as s:
         s.client().completions.create(model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=0)
         s.wait_idle()
         text = s.get("/metrics")[1].decode()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core.chat import encode_messages, parse_completion
-from deepinfer_core.default_model import EMBEDDED_MODEL
+from deepinfer_core.default_model import EMBEDDED_V4_MODEL as EMBEDDED_MODEL  # a V4 config
 from deepinfer_core.tokenizer import (
     DEEPSEEK_V4_VOCAB_SIZE,
     TokenizerError,

@@ -18,7 +18,7 @@ from model_fixtures import engine_logits, hf_logits, max_rel_diff, no_kernel_pac
 from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig, UnsupportedModelError
-from deepinfer_core.default_model import EMBEDDED_MODEL
+from deepinfer_core.default_model import EMBEDDED_V4_MODEL as EMBEDDED_MODEL  # a V4 config
 from deepinfer_core.model.loader import (
     FP8_BLOCK,
     CheckpointError,
