@@ -6,6 +6,8 @@ weights (:mod:`.eplb_transfer`) and the periodic rearrangement (:mod:`.eplb_stat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,12 +26,21 @@ class ExpertLoad:
     def for_model(cls, model: Any) -> ExpertLoad:
         return cls([block.moe for block in model.weights.layers], model.cfg.n_routed_experts, model.device)
 
+    token_mask: torch.Tensor | None = None  # [T] inside a graph's forward: the real (not padding) tokens
+
     def record(self, moe: Any, topk_ids: torch.Tensor) -> None:
         """Count one MoE layer's routing (global expert ids [T, k]); an MTP layer's is not counted."""
         layer = self._layer_of.get(id(moe))
         if layer is not None:
             flat = topk_ids.reshape(-1)
-            self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
+            self.counts[layer].index_add_(0, flat, self._weights(topk_ids))
+
+    def _weights(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """1 per (token, k) pair, 0 for a padding token's."""
+        mask = self.token_mask
+        if mask is None or mask.shape[0] != topk_ids.shape[0]:
+            return torch.ones_like(topk_ids.reshape(-1))
+        return mask.unsqueeze(1).expand_as(topk_ids).reshape(-1).to(topk_ids.dtype)
 
     def take(self) -> torch.Tensor:
         """The counts so far (on the host), zeroed for the next window."""
@@ -58,6 +69,22 @@ class EplbRecorder(ExpertLoad):
         self.dispatcher.layer = layer
         if layer is not None:
             flat = topk_ids.reshape(-1)
-            ones = torch.ones_like(flat)
+            ones = self._weights(topk_ids)
             self.counts[layer].index_add_(0, flat, ones)
             self.step_counts[layer].index_add_(0, flat, ones)
+
+
+@contextmanager
+def padding_uncounted(model: Any, batch: Any) -> Iterator[None]:
+    """A graph's forward of ``batch`` (a padded layout): the expert load leaves out the padding sequences'
+    tokens, those whose window KV goes nowhere (slot -1; a real decode token always has a window row).
+    The mask is computed from the batch's tensors on the device, so a captured graph recomputes it."""
+    load = getattr(model, "expert_load", None)
+    if load is None:
+        yield
+        return
+    load.token_mask = batch.window_slots >= 0
+    try:
+        yield
+    finally:
+        load.token_mask = None

@@ -40,6 +40,7 @@ from deepinfer_core.model.metadata import (
 )
 from deepinfer_core.models.interface import Model
 from deepinfer_core.parallel.batch_sync import BatchCoordinator, StepShape
+from deepinfer_core.parallel.eplb import padding_uncounted
 from deepinfer_core.platform import Graph, Platform
 
 
@@ -277,7 +278,7 @@ class GraphRunner:
     def _forward(self, batch: ForwardBatch, query_len: int, shared: bool):
         pre = self.prologue(batch, query_len, shared) if self.prologue is not None else None
         ep = getattr(self.model, "ep", None)
-        with ep.graph_shapes() if ep is not None else nullcontext():
+        with ep.graph_shapes() if ep is not None else nullcontext(), padding_uncounted(self.model, batch):
             logits, streams = self.model.forward(batch, self.cache)
         return logits, streams if self.keep_streams else None, pre
 

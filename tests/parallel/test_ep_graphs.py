@@ -8,8 +8,9 @@ eager logits bit for bit; EPLB rewrites the slot tables in place. Across process
 fixed-shape exchange of two ranks equals the MoE on one process for skewed routing; two ranks with graphs,
 async scheduling and EPLB give one process's greedy tokens and logprobs through chunked prefill,
 preemption, a forced rearrangement between two replays (weights and tables where they were) and a phase
-where one rank idles (its placeholder steps replay the other's graph size); MTP speculation (slow: the
-trained default model, so drafts are both accepted and rejected) and four ranks (slow) likewise.
+where one rank idles (its placeholder steps replay the other's graph size, their padding tokens left out
+of the expert load); MTP speculation (slow: the
+trained tiny V4, so drafts are both accepted and rejected) and four ranks (slow) likewise.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine_fixtures import greedy, make_prompt
 from model_fixtures import engine_logits, no_kernel_packs
 
 from deepinfer_core.comm import TorchDistributedCommunicator
+from deepinfer_core.default_model import v4_model_path
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.models import load_model
 from deepinfer_core.parallel.batch_sync import AgreedShape, BatchCoordinator, StepShape, combine_shapes
@@ -201,10 +203,14 @@ def _run_with_graphs(path, ranks: int, redundant: int, prompts, max_tokens, idle
         assert sum(c["preemptions"] for c in counters) > 0
         # one request: every other rank idles through its steps
         before = engine.collective_rpc(graph_counts)
+        engine.expert_load()  # the load counted so far, taken
         engine.add_request("idle", idle_prompt, greedy(12, logprobs=1))
         while engine.has_unfinished_requests():
             latest.update({o.request_id: o for o in engine.step()})
         counts = engine.collective_rpc(graph_counts)
+        cfg = engine.model_config
+        computed = len(idle_prompt) + 12 - 1  # the padding rows of the graphs are not counted
+        assert int(engine.expert_load().sum()) == computed * cfg.num_experts_per_tok * cfg.num_hidden_layers
     finally:
         engine.shutdown()
     _assert_equal(_outputs([latest[str(i)] for i in range(len(prompts))] + [latest["idle"]]), expected)
@@ -233,10 +239,10 @@ def test_four_ranks_with_graphs_equal_one_process(tmp_path):
 @pytest.mark.slow
 def test_mtp_speculation_on_ranks_with_graphs_equals_one_process():
     """MTP (k=2) on two expert-parallel ranks with verification graphs and async scheduling: the greedy
-    tokens of one process without speculation (the trained default model and held-out text: drafts are
+    tokens of one process without speculation (the trained tiny V4 and held-out text: drafts are
     accepted and rejected), a prompt prefilled in chunks, a rank idle at the end (placeholder steps
     replay the verification graph, then run the drafter's k steps)."""
-    kw = dict(dtype="float64", max_num_batched_tokens=64)
+    kw = dict(model=str(v4_model_path()), dtype="float64", max_num_batched_tokens=64)
     single = LLM(**kw)
     ids = single.llm_engine.encode(open("data/heldout_slice.txt").read())
     prompts = [ids[:150]] + [ids[i * 120: i * 120 + 10 + 13 * i] for i in range(1, 5)]
