@@ -1,5 +1,6 @@
 """Pytest setup shared by the core's tests (tests/) and the backends' (backends/<name>/tests/): the
-command-line options, and tests/ on the import path for the shared fixtures and helpers there."""
+command-line options, tests/ on the import path for the shared fixtures and helpers there, and the
+grouping that keeps multi-process tests on one pytest-xdist worker."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
+
+
+#: test folders whose tests start several processes (ranks) each: under ``pytest -n 2 --dist loadgroup`` they
+#: run one at a time on one worker, so two of them never share the cores (their hung-rank timeouts assume
+#: the ranks get to run)
+MULTIPROCESS = ("tests/parallel/",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(MULTIPROCESS):
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
