@@ -1,7 +1,9 @@
-"""The embedded default checkpoint: a small trained DeepSeek-V4 shipped as package data.
+"""The embedded default checkpoint: a small trained DeepSeek-V4.1 with its DSpark drafter, shipped as
+package data beside the small trained DeepSeek-V4 it replaced as the default (both share one tokenizer).
 
-``tools/train_tiny.py`` reproduces it; when the folder is missing (a stripped install), a random tiny
-model is built deterministically on first use into a cache folder instead.
+``tools/train_tiny_v41.py`` reproduces the V4.1 and ``tools/train_tiny.py`` the V4; when a folder is
+missing (a stripped install), a random tiny DeepSeek-V4 is built deterministically on first use into a
+cache folder instead.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-EMBEDDED_MODEL = Path(__file__).parent / "assets" / "deepseek-v4-tiny"
+#: the default: the trained tiny DeepSeek-V4.1 (every V4.1 feature on, three DSpark stages)
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "deepseek-v41-tiny"
 #: the trained tiny DeepSeek-V4 (an MTP layer), for what needs a V4: the MTP drafter, transformers' golden runs
 EMBEDDED_V4_MODEL = Path(__file__).parent / "assets" / "deepseek-v4-tiny"
 RANDOM_NAME = "tiny"
@@ -23,7 +26,7 @@ def cache_root() -> Path:
 
 
 def default_model_path() -> Path:
-    """The trained tiny model when shipped, else the random one."""
+    """The trained tiny V4.1 when shipped, else the random tiny V4."""
     if (EMBEDDED_MODEL / "model.safetensors").is_file():
         return EMBEDDED_MODEL
     return random_model_path()

@@ -38,12 +38,20 @@ def _drained_after(request):
         assert_drained(request.getfixturevalue("llm").llm_engine)
 
 
+def default_llm(**kw) -> LLM:
+    """``LLM(model=None)`` (``make_llm(None)`` is the trained tiny V4), checked every step."""
+    llm = LLM(None, **kw)
+    check_every_step(llm.llm_engine)
+    return llm
+
+
 def test_default_model_is_embedded(make_llm):
-    """model=None is the trained tiny checkpoint shipped with the package (nothing downloaded)."""
+    """model=None is the trained tiny DeepSeek-V4.1 shipped with the package (nothing downloaded)."""
     from deepinfer_core.default_model import EMBEDDED_MODEL
 
-    default = make_llm(None, dtype="float64", block_size=128)
+    default = default_llm(dtype="float64", block_size=128)
     assert default.llm_engine.model_config.path == EMBEDDED_MODEL
+    assert default.llm_engine.model_config.hf_config.model_type == "deepseek_v41"
     out = default.generate("def fibonacci(n):", greedy(6), use_tqdm=False)[0]
     assert out.finished and out.error is None and len(out.outputs[0].token_ids) == 6
     assert out.prompt == "def fibonacci(n):" and out.prompt_token_ids
@@ -57,7 +65,7 @@ def test_random_default_is_built_when_nothing_is_shipped(tmp_path_factory, monke
 
     monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path_factory.mktemp("deepinfer_cache")))
     monkeypatch.setattr(default_model, "EMBEDDED_MODEL", tmp_path_factory.mktemp("stripped") / "none")
-    default = make_llm(None, dtype="float64")
+    default = default_llm(dtype="float64", block_size=engine_fixtures.BLOCK_SIZE)
     out = default.generate("def fibonacci(n):", greedy(6), use_tqdm=False)[0]
     assert all(0 <= t < VOCAB for t in out.outputs[0].token_ids)
     tiny = make_llm(tiny_path("tiny"), dtype="float64")

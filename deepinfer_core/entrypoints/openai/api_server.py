@@ -228,7 +228,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="N",
                    help="larger request bodies are answered 413 (default: 16 MiB)")
     s.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model path, or deepseek-v4-tiny)")
+                   help="the model name clients send (default: the model path, or deepseek-v41-tiny)")
     s.add_argument("--max-pending-requests", type=int, default=1024, metavar="N",
                    help="sequences queued or running at once, a request counting its n; more are answered "
                         "429 (default: 1024)")
