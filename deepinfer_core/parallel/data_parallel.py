@@ -192,8 +192,9 @@ class DataParallelEngine:
         return torch.stack(counts).sum(0) if counts else None
 
     def rearrange_experts(self, load: torch.Tensor | None = None) -> dict[str, Any]:
-        """EPLB now, between steps, on every rank (``load[layer, expert]``; None: the measured window);
-        the statistics of the rearrangement. Raises without EPLB."""
+        """EPLB now, between steps, on every rank (``load[layer, expert]``: the target's, or a dict of expert
+        group name -> its load; a group given none: its measured window); the statistics of the
+        rearrangement. Raises without EPLB."""
         if not self.parallel_config.enable_eplb:
             raise RuntimeError("EPLB is off (enable_eplb=True turns it on)")
         return self.ranks.call_all(range(self.num_ranks), "rearrange", load)[0]

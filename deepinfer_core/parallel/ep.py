@@ -6,7 +6,12 @@ slots (``layer``, the MoE layer being run, is set by the EPLB recorder just befo
 
 Also the model side of expert parallelism: :func:`shard_experts` keeps a rank's own experts and hands the
 model its dispatcher, :func:`dummy_moe_step` joins every MoE layer's collectives with no tokens (a rank
-with nothing scheduled, so that its peers never wait forever)."""
+with nothing scheduled, so that its peers never wait forever).
+
+Expert groups: the target's MoE layers dispatch through ``model.ep``. A drafter whose MoE has experts of
+its own (``drafter.num_experts``: DeepSeek-V4.1's DSpark stages, another count and top-k than the
+target's) is a second group, with a dispatcher over its own expert count (``drafter.ep``), its own slot
+map and its own load; a drafter without (V4's MTP block) shares the target's dispatcher and slices."""
 
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ class AllToAllDispatcher:
     every rank sends a fixed capacity per peer (:mod:`.ep_padded`), the shapes a captured graph holds."""
 
     expert_map: ExpertMap | None = None  # EPLB: logical -> physical slots (None: a slot per logical expert)
-    layer: int | None = None  # the main MoE layer being dispatched (None: an MTP layer)
+    layer: int | None = None  # the MoE layer of the map being dispatched (None: an MTP layer)
     fixed_shapes = False  # inside graph_shapes(): dispatch and combine at fixed, data-independent shapes
     graph_safe = True  # its fixed-shape mode reads nothing back to the host
 
@@ -117,21 +122,30 @@ def attach_expert_map(dispatcher, num_layers: int, num_logical: int) -> ExpertMa
     return dispatcher.expert_map
 
 
-def shard_experts(model, dispatcher) -> None:
-    """Keep only ``dispatcher.local_experts`` of every routed-expert stack of ``model`` (main layers and
-    MTP blocks) and let its MoE layers dispatch through ``dispatcher``.
+def shard_experts(model, dispatcher, drafter_dispatcher=None) -> None:
+    """Keep only ``dispatcher.local_experts`` of every routed-expert stack of ``model``'s target group (main
+    layers, and a drafter's without experts of its own) and let its MoE layers dispatch through
+    ``dispatcher``; likewise the drafter's own group with ``drafter_dispatcher`` (None: left whole).
 
     The stacks are sliced after a full load (the other experts' memory is released, the peak is the
     whole model's); loading only the local experts is the loader's part."""
     place_experts(model, list(dispatcher.local_experts), dispatcher.num_experts)
     model.ep = dispatcher
+    if drafter_dispatcher is not None:
+        place_stacks(drafter_stacks(model), list(drafter_dispatcher.local_experts), drafter_dispatcher.num_experts)
+        model.drafter.ep = drafter_dispatcher
 
 
 def place_experts(model, rows: list[int], expected: int) -> None:
-    """Re-stack every routed-expert stack of ``model`` (main layers and MTP blocks) as ``stack[rows]``:
-    a rank's physical slots out of the experts it loaded (``expected`` of them in every stack)."""
+    """Re-stack every routed-expert stack of ``model``'s target group as ``stack[rows]``: a rank's physical
+    slots out of the experts it loaded (``expected`` of them in every stack)."""
+    place_stacks(target_stacks(model), rows, expected)
+
+
+def place_stacks(stacks: list[Experts], rows: list[int], expected: int) -> None:
+    """Re-stack each of ``stacks`` as ``stack[rows]`` (each must hold ``expected`` experts)."""
     index = torch.tensor(rows, dtype=torch.long)
-    for ex in expert_stacks(model):
+    for ex in stacks:
         if ex.w13.weight.shape[0] != expected:
             raise ValueError(f"an expert stack holds {ex.w13.weight.shape[0]} experts, the dispatcher "
                              f"shards {expected}")
@@ -141,13 +155,38 @@ def place_experts(model, rows: list[int], expected: int) -> None:
             setattr(ex, name, replace(lin, weight=take_rows(lin.weight, index), scale=scale))
 
 
+def drafter_experts(model) -> int | None:
+    """The routed experts of ``model``'s drafter's own group (None: no drafter, or one that shares the
+    target's experts' dispatcher)."""
+    return getattr(getattr(model, "drafter", None), "num_experts", None)
+
+
 def expert_stacks(model) -> list[Experts]:
     """The routed-expert stacks a rank shards: its target's layers' and its drafter's (a checkpoint's
     drafter weights no drafter runs are left whole)."""
+    return target_stacks(model) + drafter_stacks(model)
+
+
+def target_stacks(model) -> list[Experts]:
+    """The stacks that dispatch through ``model.ep``: the main layers', and a drafter's without experts of
+    its own."""
     stacks = [block.moe.experts for block in model.weights.layers]
-    if getattr(model, "drafter", None) is not None:
-        stacks += [ex for ex in records(model.drafter.weights, leaves=(Experts,)) if isinstance(ex, Experts)]
-    return stacks
+    return stacks if drafter_experts(model) is not None else stacks + _drafter_records(model)
+
+
+def drafter_stacks(model) -> list[Experts]:
+    """The stacks of a drafter's own expert group, in the order of its MoE layers (empty where it has
+    none)."""
+    if drafter_experts(model) is None:
+        return []
+    return [moe.experts for moe in model.drafter.moe_layers()]
+
+
+def _drafter_records(model) -> list[Experts]:
+    drafter = getattr(model, "drafter", None)
+    if drafter is None:
+        return []
+    return [ex for ex in records(drafter.weights, leaves=(Experts,)) if isinstance(ex, Experts)]
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -157,18 +196,16 @@ def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def dummy_moe_step(model, mtp_steps: int = 0) -> None:
-    """Every MoE layer of the forward, then the drafter's draft step ``mtp_steps`` times (a speculative
-    step's drafting), with no tokens: the rank takes part in each dispatch and combine, and in the lookup
-    collective of Engram tables sharded over the ranks, in the forward's order."""
+def dummy_moe_step(model) -> None:
+    """Every MoE layer of the forward with no tokens: the rank takes part in each dispatch and combine,
+    and in the lookup collective of Engram tables sharded over the ranks, in the forward's order (a
+    speculative step's drafting follows: the proposer's ``dummy_step``)."""
     sharded = getattr(model, "engram_lookup", None)
     for block in model.weights.layers:
         if sharded is not None and getattr(block, "engram", None) is not None:
             cols = (model.cfg.engram_max_ngram_size - 1) * model.cfg.engram_n_heads
             sharded(block.engram, torch.empty((0, cols), dtype=torch.long, device=model.device))
         dummy_moe(model, block.moe)
-    for _ in range(mtp_steps):
-        model.drafter.dummy_step()
 
 
 def dummy_moe(model, moe) -> None:

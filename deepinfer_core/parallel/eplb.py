@@ -64,6 +64,12 @@ class EplbRecorder(ExpertLoad):
         return cls([block.moe for block in model.weights.layers], model.cfg.n_routed_experts, model.device,
                    dispatcher)
 
+    @classmethod
+    def for_drafter(cls, model: Any, dispatcher: Any) -> EplbRecorder:
+        """The recorder of the drafter's own expert group (its MoE layers, in order; ``dispatcher``: its own)."""
+        drafter = model.drafter
+        return cls(drafter.moe_layers(), drafter.num_experts, model.device, dispatcher)
+
     def record(self, moe: Any, topk_ids: torch.Tensor) -> None:
         layer = self._layer_of.get(id(moe))
         self.dispatcher.layer = layer

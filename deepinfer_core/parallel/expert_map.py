@@ -5,7 +5,8 @@ ranks: rank ``r`` holds slots ``[r * P / world, (r + 1) * P / world)``. ``phy2lo
 logical expert a slot serves in each main MoE layer; the router's logical top-k ids become slots through
 :meth:`ExpertMap.physical`, which spreads a logical expert's (token, k) pairs over its replicas round robin
 in order of the pairs (deterministic; any replica gives the same output since replicas hold the same weights).
-MTP layers keep the initial layout (they are not rebalanced).
+MTP layers keep the initial layout (they are not rebalanced). A drafter with experts of its own (DSpark)
+has a map of its own, over its own dispatcher, whose layers are its MoE layers.
 
 Graph safety: :meth:`ExpertMap.physical` reads no count back to the host, and its device tables are
 allocated once per (layer, device) at the widest layout (every redundant slot one expert's), then rewritten

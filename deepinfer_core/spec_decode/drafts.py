@@ -56,8 +56,6 @@ class DraftPlanner:
             if config.num_speculative_tokens > block:
                 raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} is more than the DSpark "
                                  f"block of this checkpoint drafts ({block})")
-            if parallel.expert_parallel_size > 1:
-                raise ValueError("speculative_config method 'dspark' does not run under expert parallel yet")
         rows = [b.rows for b in cache_layout(cfg).branch_pools if b.stateful]
         cap = max_speculative_tokens(rows)
         if cap is not None and config.num_speculative_tokens > cap:

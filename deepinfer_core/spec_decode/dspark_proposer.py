@@ -11,6 +11,10 @@ survival estimates. The first ``k`` positions of the block are the drafts.
 
 Positions a verification rejected keep whatever their ring rows held: a draft reads only positions up to
 its sequence's last kept one, which the seeding of that step wrote.
+
+With expert parallel every rank's step runs one draft pass over the stages (their MoE layers' dispatch and
+combine), a rank with nothing to draft with no tokens (:meth:`DSparkProposer.dummy_step`), so that the
+ranks' collectives line up; seeding holds no collective.
 """
 
 from __future__ import annotations
@@ -43,8 +47,15 @@ class DSparkProposer:
     def propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
         """Seed the stages' rings over ``spans`` (``streams``: what the target's forward returned for the
         drafter, [T, targets * D]) and draft for the spans that ask."""
-        if not spans:
+        proposal = self._propose(spans, streams) if spans else None
+        if proposal is None:
+            if self.model.ep is not None:  # the expert-parallel peers run a draft pass this step
+                self.dummy_step()
             return Proposal([], [])
+        return proposal
+
+    def _propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal | None:
+        """Seed and draft; None where no span drafts (no draft pass ran)."""
         seq_spans, rows, last_rows, n = [], [], [], 0
         for span in spans:
             seq_spans.append(SeqSpan(span.start, len(span.next_ids), span.block_table, span.window_block_table, -1))
@@ -58,7 +69,7 @@ class DSparkProposer:
         self.drafter.seed(streams[index], batch, self.cache)
         drafting = [s for s in spans if s.draft]
         if not drafting:
-            return Proposal([], [])
+            return None
         device = streams.device
         tokens = torch.tensor([s.next_ids[-1] for s in drafting], dtype=torch.long).to(device, non_blocking=True)
         positions = torch.tensor([s.start + len(s.next_ids) - 1 for s in drafting], dtype=torch.long).to(device)
@@ -73,4 +84,5 @@ class DSparkProposer:
         raise NotImplementedError("DSpark drafts eagerly: it has no drafting graphs")
 
     def dummy_step(self) -> None:
-        raise ValueError("DSpark drafting under expert parallel is not supported")
+        """A step's drafting with no tokens: one pass over the stages' MoE collectives."""
+        self.drafter.dummy_step()

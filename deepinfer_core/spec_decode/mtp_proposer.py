@@ -64,12 +64,14 @@ class MtpProposer:
         proposal = self._propose(spans, streams)
         if self.model.ep is not None:  # the expert-parallel peers run the block k times a step
             for _ in range(self.k - self._forwards):
-                self.dummy_step()
+                self.drafter.dummy_step()
         return proposal
 
     def dummy_step(self) -> None:
-        """One draft step with no tokens (an expert-parallel rank's share of its peers' collectives)."""
-        self.drafter.dummy_step()
+        """A step's drafting with no tokens: the block's k forwards' collectives (an expert-parallel rank's
+        share of its peers')."""
+        for _ in range(self.k):
+            self.drafter.dummy_step()
 
     def _forward(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         self._forwards += 1

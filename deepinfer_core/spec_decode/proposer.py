@@ -3,8 +3,8 @@
 After every target forward the runner hands the proposer the positions the step kept (``propose``): the
 proposer catches its drafter up over them and drafts for the spans that ask. Steps of decodes only may
 draft through the proposer's ``graphs`` instead, from the kept tokens on the device, over catch-up spans
-laid out by ``catch_up_span``. With expert parallel a rank runs ``dummy_step`` for each draft step it
-has no tokens for, so that its collectives meet its peers'.
+laid out by ``catch_up_span``. With expert parallel every rank's step runs the same drafter collectives:
+``propose`` pads what it ran to a full step's, and a rank with nothing scheduled runs ``dummy_step``.
 """
 
 from __future__ import annotations
@@ -55,5 +55,6 @@ class Proposer(Protocol):
         ...
 
     def dummy_step(self) -> None:
-        """One draft step with no tokens: its expert-parallel collectives only."""
+        """A step's drafting with no tokens: its expert-parallel collectives only (MTP: k forwards of the
+        block; DSpark: one pass over the stages)."""
         ...

@@ -18,7 +18,14 @@ from deepinfer_core.model.replay import resolve_bounded_replay
 from deepinfer_core.models import load_model
 from deepinfer_core.models.interface import Model
 from deepinfer_core.parallel.batch_sync import coordinator_for
-from deepinfer_core.parallel.ep import attach_expert_map, dummy_moe_step, place_experts
+from deepinfer_core.parallel.ep import (
+    attach_expert_map,
+    drafter_experts,
+    drafter_stacks,
+    dummy_moe_step,
+    place_experts,
+    place_stacks,
+)
 from deepinfer_core.parallel.eplb import EplbRecorder, ExpertLoad
 from deepinfer_core.parallel.eplb_state import EplbState
 from deepinfer_core.parallel.process_group import init_process_group, world_group
@@ -89,10 +96,34 @@ class Worker:
         self.model.ep = disp  # this rank read only (the span of) its own routed experts
         if emap is None:
             self.model.expert_load = ExpertLoad.for_model(self.model)  # counted on the device
+        else:
+            place_experts(self.model, [e - local.start for e in slots], len(local))  # one stack row per slot
+            self.model.expert_load = EplbRecorder.for_model(self.model, disp)
+        self._shard_drafter_experts(local)
+        if emap is not None:
+            self.eplb_state = EplbState(self.model, disp, self.parallel_config.eplb_config)
+
+    def _shard_drafter_experts(self, local: range) -> None:
+        """A drafter whose MoE has experts of its own (DSpark's stages): their own dispatcher over their own
+        count, this rank's slots of them kept, and with EPLB their own slot map and load recorder. The
+        loader read all of them, or the target's span ``local`` where the two counts are equal. Without
+        speculative decoding the drafter never runs: its experts are left as loaded."""
+        num = drafter_experts(self.model)
+        if num is None or SpeculativeConfig.from_arg(getattr(self.args, "speculative_config", None)) is None:
             return
-        place_experts(self.model, [e - local.start for e in slots], len(local))  # one stack row per slot
-        self.model.expert_load = EplbRecorder.for_model(self.model, disp)
-        self.eplb_state = EplbState(self.model, disp, self.parallel_config.eplb_config)
+        pc, cfg, drafter = self.parallel_config, self.model_config, self.model.drafter
+        disp = self.backend.hook.deepinfer_make_ep_dispatcher(
+            communicator=self.communicator, num_experts=pc.num_physical_experts(num), hidden_size=cfg.hidden_size)
+        if pc.enable_eplb:
+            slots = attach_expert_map(disp, len(drafter.moe_layers()), num).local_logical(self.rank)
+        else:
+            slots = list(disp.local_experts)
+        loaded = drafter_stacks(self.model)[0].w13.weight.shape[0]
+        first = 0 if loaded == num else local.start
+        place_stacks(drafter_stacks(self.model), [e - first for e in slots], loaded)
+        drafter.ep = disp
+        if pc.enable_eplb:
+            drafter.expert_load = EplbRecorder.for_drafter(self.model, disp)
 
     def eplb_step(self) -> dict | None:
         """After every step of every rank: EPLB's window, and its rearrangement when one is due."""
@@ -124,17 +155,17 @@ class Worker:
     def execute_dummy(self) -> None:
         """A step with nothing scheduled: the MoE layers' expert-parallel collectives, with no tokens, or,
         where the ranks agree on a graph for the step, a replay of that graph's size over padding
-        sequences only; then the drafter's k steps (with speculative decoding), as its peers draft."""
+        sequences only; then (with speculative decoding) a step's drafting with no tokens, as its peers
+        draft (MTP: the block's k forwards; DSpark: one pass over its stages)."""
         if self.ep_dispatcher is None:
             return
         runner = self.model_runner
-        k = getattr(runner, "k", 0)
         graphs = getattr(runner, "graph_runner", None)
-        if graphs is not None and graphs.coordinator is not None and graphs.placeholder_step():
-            for _ in range(k):
-                self.model.drafter.dummy_step()
-            return
-        dummy_moe_step(self.model, k)
+        if not (graphs is not None and graphs.coordinator is not None and graphs.placeholder_step()):
+            dummy_moe_step(self.model)
+        proposer = getattr(runner, "proposer", None)
+        if proposer is not None:
+            proposer.dummy_step()
 
 
 def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: Any, scheduler_config: Any,

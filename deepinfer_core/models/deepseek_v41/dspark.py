@@ -13,6 +13,11 @@ What the release's ``inference/model.py`` computes (``DSparkBlock``, ``DSparkAtt
   block left to right, adding ``head_m(embed_m(previous token))`` to each position's logits before it is
   sampled (greedily here); the confidence head maps ``[hidden before the norm, Markov embedding]`` to one
   logit per position, in float32.
+
+Under expert parallel the stages' routed experts (their own count and top-k: ``drafter_moe_config``) are a
+group of their own: sharded over the ranks by their own dispatcher (``ep``), their load counted by their
+own recorder (``expert_load``) for EPLB, which rearranges them with the target's. Every rank runs one draft
+pass over the stages each speculative step, one with nothing to draft with no tokens (:meth:`dummy_step`).
 """
 
 from __future__ import annotations
@@ -43,11 +48,30 @@ class DeepseekV41DSpark:
         self.block_size = cfg.dspark_block_size
         self.noise_token_id = cfg.dspark_noise_token_id
         self.first_layer = cfg.num_hidden_layers
-        self.top_k = cfg.drafter_moe_config()[1]
+        self.num_experts, self.top_k = cfg.drafter_moe_config()
+
+    #: expert parallel: the dispatcher over the stages' own experts (set by the worker; None: one process)
+    ep = None
+    #: the stages' expert load (EPLB's recorder over :meth:`moe_layers`), None where nothing counts it
+    expert_load = None
 
     def moe_layers(self, depth: int = 0) -> list[MoE]:
         """The MoE layers one draft runs (all stages at once)."""
         return [stage.block.moe for stage in self.weights]
+
+    def moe(self, moe: MoE, h: torch.Tensor) -> torch.Tensor:
+        """A stage's MoE: the drafter's top-k, through its own expert group."""
+        if self.target.ep is not None and self.ep is None:
+            raise ValueError("the DSpark stages' experts have no expert-parallel dispatcher of their own")
+        return self.target.moe(moe, h, top_k=self.top_k, group=self)
+
+    @torch.inference_mode()
+    def dummy_step(self, depth: int = 0) -> None:
+        """One draft pass with no tokens: every stage's MoE collectives, in the order :meth:`draft` runs
+        them (an expert-parallel rank with nothing to draft, so that its peers' collectives meet it)."""
+        t = self.target
+        for moe in self.moe_layers():
+            self.moe(moe, torch.empty((0, t.cfg.hidden_size), dtype=t.dtype, device=t.device))
 
     # --- seeding: every target step ------------------------------------------------------------------
 
@@ -79,8 +103,6 @@ class DeepseekV41DSpark:
         Returns (ids [B, block + 1]: the given token then the drafted ones, logits [B, block, V] with the
         Markov biases added, confidence logits [B, block] in float32)."""
         t, cfg = self.target, self.target.cfg
-        if t.ep is not None:
-            raise ValueError("DSpark drafting under expert parallel is not supported yet")
         ops, k = t.ops, self.block_size
         b = token_ids.shape[0]
         device = token_ids.device
@@ -102,7 +124,7 @@ class DeepseekV41DSpark:
             streams = ops.hc_post(out, streams, post, comb)
             ffn_pre, post, comb = t.mixes(w.ffn_hc, streams)
             h = ops.rms_norm(ops.hc_collapse(streams, attn_pre), w.ffn_norm, cfg.rms_norm_eps)
-            streams, pre = ops.hc_post(t.moe(w.moe, h, top_k=self.top_k), streams, post, comb), ffn_pre
+            streams, pre = ops.hc_post(self.moe(w.moe, h), streams, post, comb), ffn_pre
         return self.head(ops.hc_collapse(streams, pre).view(b, k, -1), token_ids)
 
     def attention(self, a: Attention, layer: int, h, cos, sin, rows, block_rows, cache: ModelCache) -> torch.Tensor:

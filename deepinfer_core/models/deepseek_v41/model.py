@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -444,20 +445,24 @@ class DeepseekV41Model:
         return weights, ids
 
     def moe(self, moe: MoE, h, token_ids: torch.Tensor | None = None, top_k: int | None = None,
-            image_mask: torch.Tensor | None = None) -> torch.Tensor:
+            image_mask: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
         """The routed experts (through the expert-parallel dispatcher when there is one) plus the shared
         expert; ``token_ids`` is unused (no hash routing in V4.1); ``top_k``: experts per token (default:
-        the target's; the drafter's stages route fewer); ``image_mask``: rows routed with ``bias_vl``."""
+        the target's; the drafter's stages route fewer); ``image_mask``: rows routed with ``bias_vl``;
+        ``group``: whose dispatcher (``ep``) and load recorder (``expert_load``) the layer's experts use,
+        None for the target's (this model's): the DSpark drafter's experts are a group of their own."""
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
+        group = self if group is None else group
+        ep, load = group.ep, group.expert_load
         acc = acc_dtype(h.dtype)
         logits = ops.linear(h.to(acc), gate.weight.weight.to(acc))
         weights, ids = self.route(gate, logits, top_k or cfg.num_experts_per_tok, image_mask)
-        if self.expert_load is not None:
-            self.expert_load.record(moe, ids)
+        if load is not None:
+            load.record(moe, ids)
         weights = weights.to(h.dtype)
         x = h
-        if self.ep is not None:  # each (token, expert) pair goes to the expert's rank, one row per pair
-            x, ids, weights, handle = self.ep.dispatch(h, ids, weights)
+        if ep is not None:  # each (token, expert) pair goes to the expert's rank, one row per pair
+            x, ids, weights, handle = ep.dispatch(h, ids, weights)
             ids, weights = ids.unsqueeze(1), weights.unsqueeze(1)
         if ex.is_fp4:  # kept packed under deepseek numerics
             routed = ops.moe_experts_fp4_quant_act(x, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale, ids,
@@ -467,8 +472,8 @@ class DeepseekV41Model:
                                                ACT_BLOCK)
         else:
             routed = ops.moe_experts(x, ex.w13.weight, ex.w2.weight, ids, weights, cfg.swiglu_limit)
-        if self.ep is not None:
-            routed = self.ep.combine(routed, handle)
+        if ep is not None:
+            routed = ep.combine(routed, handle)
         shared = ops.swiglu(self.qlinear(h, moe.shared.w13), cfg.swiglu_limit)
         return routed + self.qlinear(shared, moe.shared.w2)
 
