@@ -20,6 +20,7 @@ import pytest
 import torch
 from engine_fixtures import greedy, make_prompt
 
+from deepinfer_core.default_model import v4_model_path
 from deepinfer_core.engine.args import EngineArgs
 from deepinfer_core.engine.factory import make_engine
 from deepinfer_core.entrypoints.cli_generate import add_engine_arguments, engine_kwargs
@@ -30,7 +31,7 @@ from deepinfer_core.parallel.eplb import ExpertLoad
 
 one_torch_thread = engine_fixtures.one_torch_thread
 
-KW = dict(dtype="float32", max_num_batched_tokens=64)
+KW = dict(model=str(v4_model_path()), dtype="float32", max_num_batched_tokens=64)  # the trained tiny V4
 LENGTHS = [1, 6, 19, 40, 70, 11, 3]
 MAX_TOKENS = [8, 3, 12, 5, 8, 1, 10]
 VOCAB = 4096
@@ -135,12 +136,12 @@ def test_bad_parallel_arguments_are_refused_before_spawning():
     with pytest.raises(ValueError, match="data_parallel_size must be"):
         make_engine(EngineArgs(data_parallel_size=0))
     with pytest.raises(ValueError, match="cannot be split evenly over 4"):
-        make_engine(EngineArgs(data_parallel_size=4, enable_expert_parallel=True))
+        make_engine(EngineArgs(model=KW["model"], data_parallel_size=4, enable_expert_parallel=True))  # 6 experts
 
 
 def test_arguments_every_rank_refuses_are_a_value_error():
     with pytest.raises(ValueError, match="max_model_len 9999 exceeds") as info:
-        LLM(dtype="float32", data_parallel_size=2, max_model_len=9999)
+        LLM(model=KW["model"], dtype="float32", data_parallel_size=2, max_model_len=9999)
     assert isinstance(info.value.__cause__, RankFailure)
 
 
@@ -200,7 +201,7 @@ def test_speculative_decoding_on_the_ranks_equals_one_process(expert_parallel, s
     up. The greedy tokens are those of one process without speculation
     (float64, the trained model and held-out text, so drafts are accepted and rejected; a prompt
     prefilled in chunks), and the counters are the ranks' summed."""
-    kw = dict(dtype="float64", max_num_batched_tokens=64)
+    kw = dict(KW, dtype="float64")  # V4: its MTP drafter
     single = LLM(**kw)
     ids = single.llm_engine.encode(open("data/heldout_slice.txt").read())
     # the first prompt is prefilled in chunks: its rank's first steps draft nothing (the catch-up only)
