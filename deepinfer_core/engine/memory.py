@@ -46,8 +46,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
     hold them (every expert); for a model holding ``num_experts`` routed-expert slots per MoE layer (all
     its experts by default), ``loaded`` as FP8 mode keeps them (E4M3 and packed FP4 where the checkpoint
     declares them) and ``dequantised`` every weight in ``dtype`` (float32 where the engine keeps float32,
-    what a float run holds). Each with its routed-expert part (``*_experts``); ``loaded_tables``: the
-    lookup tables kept FP8 (DeepSeek-V4.1's Engram tables), part of ``loaded``."""
+    what a float run holds) but the lookup tables, which every run keeps FP8. Each with its routed-expert
+    part (``*_experts``); ``loaded_tables``: those tables (DeepSeek-V4.1's Engram), part of both."""
     keys = ("stored", "stored_experts", "loaded", "loaded_experts", "dequantised", "dequantised_experts",
             "loaded_tables")
     out = dict.fromkeys(keys, 0)
@@ -70,7 +70,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
             kept = n + math.prod(shape[:-2]) * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128) * 4
         else:
             kept = plain
-        out["dequantised"] += plain
+        out["dequantised"] += kept if manifest.rows[name].kept else plain
         out["dequantised_experts"] += plain if expert else 0
         out["loaded"] += kept
         out["loaded_experts"] += kept if expert else 0
