@@ -9,6 +9,7 @@ import json
 import engine_fixtures
 import pytest
 
+from deepinfer_core.default_model import v4_model_path
 from deepinfer_core.engine.args import EngineArgs
 from deepinfer_core.entrypoints.cli import main
 from deepinfer_core.entrypoints.llm import LLM
@@ -16,7 +17,8 @@ from deepinfer_core.parallel.memory_plan import measured_memory, plan_memory
 
 one_torch_thread = engine_fixtures.one_torch_thread
 
-KW = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, kv_cache_bytes=64 << 20)
+KW = dict(model=str(v4_model_path()), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
+          kv_cache_bytes=64 << 20)  # the trained tiny V4: 6 experts a layer
 EP = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
           eplb_config={"num_redundant_experts": 2})
 
@@ -41,7 +43,7 @@ def test_expert_parallel_ranks_allocate_what_the_plan_says(capsys):
         assert llm.llm_engine.rank_memory() == _predicted(plan)
     finally:
         llm.llm_engine.shutdown()
-    assert main(["plan", "--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+    assert main(["plan", "--model", KW["model"], "--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
                  "--kv-cache-bytes", str(64 << 20), "-dp", "2", "--enable-expert-parallel", "--enable-eplb",
                  "--num-redundant-experts", "2", "--json"]) == 0
     assert [r for r in json.loads(capsys.readouterr().out)] == [r.as_dict() for r in plan]
