@@ -205,9 +205,9 @@ def test_trained_model_accepts_and_stays_greedy_equal(make_llm):
 def test_invalid_speculative_configs(tiny_path):
     from deepinfer_core.entrypoints.llm import LLM
 
-    path = tiny_path("tiny_hc1")  # rings of 4 rows: at most 3 drafts
-    with pytest.raises(ValueError, match="at most|more than this model allows"):
-        LLM(str(path), block_size=16, **spec(4))
+    path = tiny_path("tiny_hc1")  # rings of 8 rows (cache_layout.MIN_RING_ROWS): at most 7 drafts
+    with pytest.raises(ValueError, match=r"more than this model allows \(7: .* ring of 8 rows\)"):
+        LLM(str(path), block_size=16, **spec(8))
     with pytest.raises(ValueError, match="method"):
         LLM(str(path), block_size=16, speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
