@@ -33,8 +33,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 KERNEL_DTYPES = DTYPES[:3]
 TRITON_OPS = ["compress_windows", "hc_head", "hc_post", "hc_pre", "indexer_topk", "moe_experts", "rms_norm",
               "rotary_emb", "sparse_attention"]
-#: Triton kernels serving by default too, tested in their own files (test_nvidia_fp4_moe.py, test_nvidia_fp8_kv.py)
-FP4_FP8_KV_OPS = ["moe_experts_fp4", "sparse_attention_fp8"]
+#: Triton kernels serving by default too, tested in their own files (test_nvidia_fp4_moe.py, test_nvidia_fp8_kv.py,
+#: gpu/test_gpu_engram.py)
+FP4_FP8_KV_OPS = ["moe_experts_fp4", "sparse_attention_fp8", "engram_lookup"]
 REPO = Path(__file__).resolve().parents[3]
 NATIVE = "deepinfer_core.ops.native"  # the module of the torch bodies below the kernels
 
