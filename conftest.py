@@ -4,7 +4,9 @@ grouping that keeps multi-process tests on one pytest-xdist worker."""
 
 from __future__ import annotations
 
+import gc
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(MULTIPROCESS):
             item.add_marker(pytest.mark.xdist_group("multiprocess"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def collect_cycles_after_each_module() -> Iterator[None]:
+    """Free what a test file's engines and models left in reference cycles before the next file runs: the
+    collector's own full passes come too rarely for objects that hold gigabytes of tensors."""
+    yield
+    gc.collect()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
