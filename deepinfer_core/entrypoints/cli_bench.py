@@ -148,6 +148,19 @@ def run_sweep_mode(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads_before)
 
 
+def _transformers_knows(model: str | None) -> bool:
+    """Whether transformers can build the checkpoint ``model`` (None: the default) to compare against: V4 yes,
+    V4.1 (no transformers class) no. A folder that cannot be read is left to the benchmark to report."""
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.default_model import default_model_path
+
+    try:
+        cfg = ModelConfig.from_pretrained(model or default_model_path())
+    except Exception:
+        return True
+    return cfg.architecture.name != "DeepseekV41ForCausalLM"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.mode != "throughput":
         return run_sweep_mode(args)
@@ -168,12 +181,17 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         kwargs.setdefault("cpu_threads", args.threads)  # the engine sets its count: make it this one
     model, backend, dtype = kwargs.pop("model"), kwargs.pop("backend"), kwargs.pop("dtype")
-    cfg = BenchConfig(model=model, backend=backend, dtype=dtype, batch_sizes=args.batch_sizes,
-                      prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed, repeats=args.repeats,
-                      warmup=not args.no_warmup, hf=not args.no_hf, engine_args=kwargs)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
+
+    hf = not args.no_hf
+    if hf and not _transformers_knows(model):
+        log("transformers has no implementation of this architecture (DeepSeek-V4.1): measuring the engine only")
+        hf = False
+    cfg = BenchConfig(model=model, backend=backend, dtype=dtype, batch_sizes=args.batch_sizes,
+                      prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed, repeats=args.repeats,
+                      warmup=not args.no_warmup, hf=hf, engine_args=kwargs)
 
     try:
         report = run_benchmark(cfg, log=log)
