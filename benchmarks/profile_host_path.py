@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_spec_decode as spec_bench  # noqa: E402
 
+from deepinfer_core.default_model import v4_model_path  # noqa: E402
 from deepinfer_core.entrypoints.llm import LLM  # noqa: E402
 from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
 from deepinfer_core.models.deepseek_v4.mtp import DeepseekV4MTP  # noqa: E402
@@ -96,7 +97,9 @@ def _engine(mode: str, args) -> LLM:
     """An engine of ``mode`` (off / fixed / confidence) whose runners lay steps out as a GPU's graphs do."""
     k = args.k
     spec = None if mode == "off" else spec_bench._spec(k, mode)
-    llm = LLM(None, speculative_config=spec, async_scheduling=True, max_num_seqs=args.batch_size, dtype="float32")
+    # the trained tiny V4 (its MTP drafter and decode graphs: what this profile measures)
+    llm = LLM(str(v4_model_path()), speculative_config=spec, async_scheduling=True, max_num_seqs=args.batch_size,
+              dtype="float32")
     engine = llm.llm_engine
     query_lens = (1,) if spec is None else tuple(range(1, k + 2)) if mode == "confidence" else (1, 1 + k)
     use_uncaptured_graphs(engine, [s for s in SIZES if s <= args.batch_size] or [1], query_lens, drafting=True)

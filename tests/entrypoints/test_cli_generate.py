@@ -106,8 +106,10 @@ def test_generate_argparse_errors_exit_2(capsys):
 
 def test_bench_writes_json_and_prints_a_table(tmp_path, capsys):
     out_file = tmp_path / "bench.json"
-    code = cli.main(["bench", "--batch-sizes", "1,2", "--prompt-len", "8", "--gen-len", "4",
-                     "--json-out", str(out_file)])
+    from deepinfer_core.default_model import v4_model_path
+
+    code = cli.main(["bench", "--model", str(v4_model_path()), "--batch-sizes", "1,2", "--prompt-len", "8",
+                     "--gen-len", "4", "--json-out", str(out_file)])  # the V4: transformers has it
     stdout = capsys.readouterr().out
     assert code == 0
     report = json.loads(out_file.read_text())

@@ -705,7 +705,8 @@ def test_load_many_clients(server, offline):
 
 
 def test_deepinfer_serve_command(tmp_path):
-    """`deepinfer serve` on the embedded model: binds 127.0.0.1, answers, stops on SIGINT."""
+    """`deepinfer serve` on the embedded default model (the trained tiny V4.1): binds 127.0.0.1, answers, stops
+    on SIGINT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -725,8 +726,9 @@ def test_deepinfer_serve_command(tmp_path):
             except OSError:
                 time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
-        assert client.models.list().data[0].id == MODEL
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert client.models.list().data[0].id == "deepseek-v41-tiny"
+        reply = client.chat.completions.create(model="deepseek-v41-tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3)
         assert reply.choices[0].finish_reason == "length"
     finally:
         proc.send_signal(signal.SIGINT)

@@ -226,7 +226,10 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
         return GraphRunner(model, cache, capture_sizes, max_model_len, block_size, capture=False, platform=platform,
                            query_lens=query_lens, keep_streams=keep_streams)
 
-    engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+    from deepinfer_core.default_model import v4_model_path
+
+    v4 = str(v4_model_path())  # the trained tiny V4: V4.1 decodes eagerly, and drafts with DSpark
+    engine = LLMEngine(EngineArgs(v4, dtype="float32", max_num_seqs=4))
     assert asked == [] and engine.runner.graph_runner is None
     eager = _greedy(engine)
 
@@ -248,23 +251,23 @@ def test_hook_deepinfer_graph_runner_is_asked_only_where_graphs_can_run(recorder
     pack = GraphPack()
     loaded.pm.register(pack, name="graph-pack")
     try:
-        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+        engine = LLMEngine(EngineArgs(v4, dtype="float32", max_num_seqs=4))
         assert asked == [] and engine.runner.graph_runner is None  # cpu_ref's MoE waits for the host
         from deepinfer_core.ops.registry import OpTable
 
         monkeypatch.setattr(OpTable, "syncs_host", lambda self, ops: [])
-        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4))
+        engine = LLMEngine(EngineArgs(v4, dtype="float32", max_num_seqs=4))
         assert asked == [((1, 2, 4), "GraphPlatform", (1,), False)]
         assert isinstance(engine.runner.graph_runner, GraphRunner)
         assert _greedy(engine) == eager
         asked.clear()
-        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4,
+        engine = LLMEngine(EngineArgs(v4, dtype="float32", max_num_seqs=4,
                                       speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
         assert asked == [((1, 2, 4), "GraphPlatform", (1, 3), True)]
         assert engine.runner.graph_runner.query_lens == [1, 3]
         assert _greedy(engine) == eager
         assert engine.drafts.confidence is None and engine.runner.step_profile is None  # fixed k: no timing
-        engine = LLMEngine(EngineArgs(dtype="float32", max_num_seqs=4, speculative_config={
+        engine = LLMEngine(EngineArgs(v4, dtype="float32", max_num_seqs=4, speculative_config={
             "method": "mtp", "num_speculative_tokens": 2, "schedule": "confidence"}))
         profile = engine.drafts.confidence.profile  # the graphs timed, for the scheduler to price steps by
         # every verification length: a step verifying fewer drafts replays (and is priced as) a shorter graph

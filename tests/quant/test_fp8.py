@@ -12,6 +12,7 @@ from deepinfer_cpu_ref import ops as ref
 from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
+from deepinfer_core.default_model import v4_model_path
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.model.loader import CheckpointError, fp8_weight_names, load_weights
 from deepinfer_core.models import load_model
@@ -287,8 +288,9 @@ def test_engine_with_fp8_weights_tracks_the_float32_model():
     """Embedded checkpoint, cpu_ref, greedy, 24 tokens per prompt. Measured: teacher-forced top-1
     agreement 0.969 and mean logit cosine 0.999 (min 0.969) at 32 tokens; 7 of 8 prompts agree on
     their first 8 tokens."""
-    base = LLM(dtype="float32", max_num_seqs=8)
-    fp8 = LLM(dtype="float32", max_num_seqs=8, quantization="fp8")
+    v4 = str(v4_model_path())  # quantization="fp8" is V4's (V4.1 dequantises on load)
+    base = LLM(v4, dtype="float32", max_num_seqs=8)
+    fp8 = LLM(v4, dtype="float32", max_num_seqs=8, quantization="fp8")
     assert fp8.llm_engine.model.p["layers.1.ffn.experts.w13"].dtype == FP8_DTYPE
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = base.generate(PROMPTS, params, use_tqdm=False)
