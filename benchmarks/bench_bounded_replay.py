@@ -151,7 +151,8 @@ def layer_flops(cfg, layer: int, position: float) -> float:
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     linear = d * cfg.q_lora_rank + cfg.q_lora_rank * h * hd + d * hd + h * hd * cfg.o_lora_rank // cfg.o_groups \
         * 1 + cfg.o_groups * cfg.o_lora_rank * d
-    moe = (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * d * cfg.moe_intermediate_size + d * cfg.n_routed_experts
+    moe = ((cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * d * cfg.moe_intermediate_size
+           + d * cfg.n_routed_experts)
     mhc = 2 * (cfg.hc_mult * d) * (cfg.hc_mult * (2 + cfg.hc_mult))
     rate = cfg.compress_rate(layer)
     keys = min(position + 1, cfg.sliding_window) + (min(position / rate, cfg.index_topk) if rate else 0)
@@ -164,7 +165,8 @@ def layer_flops(cfg, layer: int, position: float) -> float:
         index = cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.index_n_heads * cfg.index_head_dim \
             * candidates
     if layer in cfg.kv_source_layer_ids:
-        linear += d * hd * (2 if rate > 1 else 1) + (hd * cfg.index_head_dim if layer in cfg.index_source_layer_ids else 0)
+        index_keys = hd * cfg.index_head_dim if layer in cfg.index_source_layer_ids else 0
+        linear += d * hd * (2 if rate > 1 else 1) + index_keys
     return 2.0 * (linear + moe + mhc + attention + index)
 
 
@@ -245,7 +247,8 @@ def quality(full: torch.Tensor, cut: torch.Tensor, follow: list[int]) -> dict:
     """Greedy agreement, largest logprob difference and perplexities of the teacher-forced tokens (row i
     predicts ``follow[i]``; the last row predicts nothing)."""
     target = torch.tensor(follow)
-    nll = {name: -rows[:-1].gather(1, target.unsqueeze(1)).mean().item() for name, rows in (("full", full), ("cut", cut))}
+    nll = {name: -rows[:-1].gather(1, target.unsqueeze(1)).mean().item()
+           for name, rows in (("full", full), ("cut", cut))}
     return dict(greedy_agreement=(full.argmax(-1) == cut.argmax(-1)).double().mean().item(),
                 max_logprob_diff=(full - cut).abs().max().item(),
                 ppl_full=math.exp(nll["full"]), ppl_cut=math.exp(nll["cut"]))

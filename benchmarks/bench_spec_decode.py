@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--method", choices=("mtp", "dspark"), default="mtp",
-                    help="the drafter: mtp (V4's MTP layer) or dspark (V4.1's DSpark stages; --model a V4.1 checkpoint)")
+                    help="the drafter: mtp (V4's MTP layer) or dspark (V4.1's DSpark stages; --model a V4.1 "
+                         "checkpoint)")
     ap.add_argument("--ks", type=_ints, default=[1, 2, 3], metavar="K,K,...")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)

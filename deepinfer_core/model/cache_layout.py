@@ -19,7 +19,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
 #: the fewest rows a compressor ring keeps. A verification's tokens must land on distinct rows of every ring
 #: so that the rows of rejected drafts can be put back without touching accepted ones (``spec_decode/
 #: rollback.py``): rings of fewer rows (V4.1's ratio-2 sources) keep this many, which admits 7 drafts.

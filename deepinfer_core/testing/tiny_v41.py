@@ -4,8 +4,8 @@ Every feature bites at short lengths (``TINY_V41``): a window of 8, KV sources o
 followed by readers, index sources that reindex and layers that reuse their top-k, a candidate source
 whose 2-entry blocks the later index sources rank inside (3 blocks kept: pruning starts past 6 entries),
 an index top-k of 4 (smaller than the compressed positions of any prompt past a dozen tokens), two
-Engram layers, three DSpark stages; optionally a two-block vision tower (``TINY_V41_VISION``). Widths are whole quantisation groups (32 for FP8 tiles and
-activations, 16 for compressed KV).
+Engram layers, three DSpark stages; optionally a two-block vision tower (``TINY_V41_VISION``). Widths are
+whole quantisation groups (32 for FP8 tiles and activations, 16 for compressed KV).
 
 The weights are random at scales that keep activations of order one; every tensor is written as the
 release stores it (:func:`~deepinfer_core.testing.published_checkpoint.to_published`), so the values a

@@ -1,8 +1,8 @@
 """Bounded replay in the engine (float64, cpu_ref): generation under prefix caching, preemption, chunked
 prefill, async scheduling and speculative decoding equals the same generation without them; ``mask``
-equals ``compact`` (with structured output too); prompts no longer than the keep equal the full prefill, longer ones differ from it
-(the approximation: not bit-identical, as vLLM's and TRT-LLM's are not); models that cannot be cut are
-refused, or left on the full prefill by default.
+equals ``compact`` (with structured output too); prompts no longer than the keep equal the full prefill,
+longer ones differ from it (the approximation: not bit-identical, as vLLM's and TRT-LLM's are not); models
+that cannot be cut are refused, or left on the full prefill by default.
 
 The tiny V4.1 here has its Engram layers at 1 and 3, before its last KV source (4), as the release does
 (1 and 14, before 20): window 8, so the keep is 8 plus the longest backtracking.

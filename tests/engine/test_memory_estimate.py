@@ -34,7 +34,8 @@ def assert_same_kv(rank: RankMemory, fp: Footprint, cfg: ModelConfig, block_size
                              + (rank.num_state_slots + 1) * fp.state_bytes_per_seq)
 
 
-EP2 = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_config={"num_redundant_experts": 2})
+EP2 = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+           eplb_config={"num_redundant_experts": 2})
 
 
 @pytest.mark.parametrize("model, layout", [(v4_model_path, {}), (v4_model_path, EP2), (default_model_path, {})],

@@ -43,7 +43,8 @@ def test_expert_parallel_ranks_allocate_what_the_plan_says(capsys):
         assert llm.llm_engine.rank_memory() == _predicted(plan)
     finally:
         llm.llm_engine.shutdown()
-    assert main(["plan", "--model", KW["model"], "--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+    assert main(["plan", "--model", KW["model"], "--dtype", "float32", "--max-num-batched-tokens", "64",
+                 "--max-num-seqs", "8",
                  "--kv-cache-bytes", str(64 << 20), "-dp", "2", "--enable-expert-parallel", "--enable-eplb",
                  "--num-redundant-experts", "2", "--json"]) == 0
     assert [r for r in json.loads(capsys.readouterr().out)] == [r.as_dict() for r in plan]

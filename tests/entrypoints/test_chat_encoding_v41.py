@@ -117,7 +117,8 @@ def test_image_token_in_text_is_refused():
 def test_images_expand_to_their_spans_in_prompt_order():
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "A"}}]},
             {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": [{"type": "text", "text": "t"}, {"type": "image_url", "image_url": {"url": "B"}}]}]
+            {"role": "user", "content": [{"type": "text", "text": "t"},
+                                         {"type": "image_url", "image_url": {"url": "B"}}]}]
     assert [p["image_url"]["url"] for p in image_parts(msgs)] == ["A", "B"]
     assert encode_messages(msgs).count(IMAGE_TOKEN) == 2
     img = chat_v41.IMAGE_TOKEN_ID

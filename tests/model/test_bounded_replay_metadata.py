@@ -74,7 +74,8 @@ def test_mask_and_compact_cut_the_same_keys_and_slots(seed):
             assert all(max(0, sp.context_len - window + 1) >= floor[s] for s, sp in spans)
             for p, vis in zip(batch.positions.tolist(), _visible_positions(batch, batch.window_rows())):
                 assert vis == list(range(max(0, p - window + 1), p + 1))
-            assert set(batch.window_rows()[batch.window_rows() >= 0].tolist()) <= written | set(batch.window_slots.tolist())
+            read = batch.window_rows()
+            assert set(read[read >= 0].tolist()) <= written | set(batch.window_slots.tolist())
             written |= set(batch.window_slots.tolist())
             continue
         mask, compact = late_batch(batch, "mask"), late_batch(batch, "compact")

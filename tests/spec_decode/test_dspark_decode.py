@@ -138,7 +138,7 @@ def test_invalid_dspark_configs(tiny_path):
 
 
 
-def test_async_scheduling_stays_greedy_equal(tiny_path, make_llm, make_async):
+def test_async_scheduling_stays_greedy_equal(tiny_path, make_llm, make_async):  # noqa: F811
     """With async scheduling a step is scheduled while the one before runs: its spans carry placeholders
     that the runner moves on by the accepted drafts, and the Engram history it hands the target is the
     accepted tokens'."""
