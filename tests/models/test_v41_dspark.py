@@ -7,6 +7,7 @@ window of 8 rolling over during the decode, three stages with their own 4 expert
 
 from __future__ import annotations
 
+import engine_fixtures
 import pytest
 import torch
 import v41_reference as ref
@@ -22,12 +23,7 @@ pytestmark = pytest.mark.skipif(not ref.reference_present(), reason=f"{ref.REFER
 STEPS = 12  # decode steps after the prefill, each followed by a draft
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 def reference_drafts(path, quant: bool, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
@@ -50,7 +46,7 @@ def reference_drafts(path, quant: bool, dtype: torch.dtype) -> list[tuple[torch.
 
 def engine_drafts(path, numerics: str, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     model = load_model(path, dtype=dtype, numerics=numerics)
-    assert model.dspark is not None and model.drafter is None
+    assert model.dspark is not None and model.drafter is model.dspark
     runner = SimpleRunner(model, 1, 64, block_size=8)
     logits, batch, hidden = runner.forward({0: IDS[:PREFILL]})
     assert hidden.shape == (PREFILL, 3 * model.cfg.hidden_size)
