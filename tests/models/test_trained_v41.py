@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import engine_fixtures
 import pytest
 import torch
 import v41_reference as ref
@@ -25,12 +26,7 @@ pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "model.safetensors").is_fi
                                 reason=f"no trained checkpoint in {EMBEDDED_MODEL} (run tools/train_tiny_v41.py)")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import engine_fixtures
 import pytest
 import torch
 
@@ -29,12 +30,7 @@ DECODE = [7, 8, 9]
 TOP_K = 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 @pytest.fixture(scope="module")

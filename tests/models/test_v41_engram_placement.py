@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine_fixtures
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,12 +35,7 @@ from deepinfer_core.testing.tiny_v41 import build_tiny_v41, tiny_v41_config
 IDS = torch.randint(5, 3900, (30,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import functools
 import json
 from pathlib import Path
 
+import engine_fixtures
 import pytest
 import torch
 import v41_reference as ref
@@ -44,12 +45,7 @@ PREFILL = 13
 IDS = torch.randint(5, 3900, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 @pytest.fixture(scope="module")

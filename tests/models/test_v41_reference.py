@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+import engine_fixtures
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,12 +31,7 @@ PROMPT_LEN = 40
 PREFILL = 13  # odd: a ratio-2 group is left open across the prefill/decode boundary
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 # --- the stand-ins ---------------------------------------------------------------------------------

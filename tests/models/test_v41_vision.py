@@ -13,6 +13,7 @@ import functools
 import io
 import types
 
+import engine_fixtures
 import pytest
 import torch
 import v41_reference as ref
@@ -39,12 +40,7 @@ TINY = VisionConfig(num_hidden_layers=2, hidden_size=64, num_heads=4, intermedia
 MODEL_DIM = 128
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = engine_fixtures.one_torch_thread  # one intra-op thread: the tiny model's ops are faster
 
 
 def reference_args(vc: VisionConfig, dim: int = MODEL_DIM) -> types.SimpleNamespace:

@@ -19,7 +19,7 @@ from deepinfer_core import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not ref.reference_present(), reason=f"{ref.REFERENCE_DIR} not present")
 
 MAX_TOKENS = 6
-one_thread = tv.one_thread
+one_torch_thread = tv.one_torch_thread
 tiny_vl = tv.tiny_vl
 
 
