@@ -81,12 +81,14 @@ class GraphPadding:
     """The fixed layout of a captured graph: ``num_seqs`` sequences of ``query_len`` new tokens each (1 for
     decode, 1 + drafts for a verification), and ``max_entries[rate]`` compressed candidates per query,
     enough for sequences of ``context`` tokens (the graph's context bucket; None: as long as
-    ``max_entries`` holds)."""
+    ``max_entries`` holds). ``ngram`` > 0 (an n-gram model): each sequence carries ``ngram - 1`` history
+    tokens (:class:`PaddedFacts`), read through an index that is the same for every step of the layout."""
 
     num_seqs: int
     max_entries: dict[int, int]
     context: int | None = None
     query_len: int = 1
+    ngram: int = 0
 
     def num_blocks(self, block_size: int) -> int:
         """Columns of the layout's block tables: the blocks its candidates can address."""
@@ -281,8 +283,9 @@ def build_forward_batch(
     token's n-gram (:meth:`ForwardBatch.ngram_ids`).
     """
     if pad is not None:
-        if ngram:
-            raise ValueError("n-gram models run eagerly: no padded (graph) batch carries n-gram histories")
+        if ngram != pad.ngram:
+            raise ValueError(f"a padded batch of an {ngram}-gram model needs a layout of {ngram}-gram histories "
+                             f"(GraphPadding.ngram is {pad.ngram})")
         if any(max(0, s.context_len - sliding_window + 1) < s.replay_from for s in spans):
             raise ValueError("a bounded-replay prefill runs eagerly: a padded (graph) batch cannot cut its "
                              "late layers to the tail")
@@ -465,6 +468,9 @@ class PaddedFacts:
     wfirst: np.ndarray | torch.Tensor  # [S]
     slots: np.ndarray | torch.Tensor  # [S]
     write_from: np.ndarray | torch.Tensor  # [S]
+    # n-gram layouts only: the ids at positions ctx - n + 1 .. ctx - 1 (BEFORE_START before the sequence,
+    # DEAD at image tokens), the values themselves, so that the index into them is fixed per layout
+    history: np.ndarray | torch.Tensor | None = None  # [S, n - 1]
 
     @classmethod
     def from_spans(cls, spans: list[SeqSpan], token_ids: list[int], pad: GraphPadding, block_size: int,
@@ -490,18 +496,31 @@ class PaddedFacts:
             return np.array(values + [fill] * extra, dtype=np.int64)
 
         ids = np.array(list(token_ids) + [0] * (extra * pad.query_len), dtype=np.int64)
+        history = None
+        if pad.ngram:
+            history = np.full((pad.num_seqs, pad.ngram - 1), BEFORE_START, dtype=np.int64)
+            for i, s in enumerate(spans):
+                want = min(pad.ngram - 1, s.context_len)
+                if len(s.history or []) != want:
+                    raise ValueError(f"a span at position {s.context_len} carries {len(s.history or [])} history "
+                                     f"tokens; an {pad.ngram}-gram model needs the {want} before it")
+                if want:
+                    history[i, pad.ngram - 1 - want:] = s.history
         return cls(per_seq([s.context_len for s in spans], 0), ids, tables, wtables, per_seq(wfirst, 0),
-                   per_seq([s.state_slot for s in spans], -1), per_seq([s.write_from for s in spans], 0))
+                   per_seq([s.state_slot for s in spans], -1), per_seq([s.write_from for s in spans], 0), history)
 
     def packed(self, *more: np.ndarray) -> torch.Tensor:
         """Every array flattened into one int64 tensor (field order), then ``more``'s."""
-        arrays = [getattr(self, f.name) for f in fields(self)] + list(more)
+        arrays = [getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None] + list(more)
         return torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
 
     def views(self, flat: torch.Tensor) -> PaddedFacts:
         """These facts' shapes as views of ``flat`` (laid out as :meth:`packed` lays them out)."""
         parts, offset = {}, 0
         for f in fields(self):
+            if getattr(self, f.name) is None:
+                parts[f.name] = None
+                continue
             shape = getattr(self, f.name).shape
             n = int(np.prod(shape))
             parts[f.name] = flat[offset:offset + n].view(shape)
@@ -555,6 +574,13 @@ def _padded_arrays(xp: _Xp, f: PaddedFacts, compressor_specs: set[CompressorSpec
         "block_tables": f.tables,
         "token_seq": owner,
     }
+    if f.history is not None:  # column s of token j: this step's token j - s, else history slot n - 1 + j - s
+        n = f.history.shape[1] + 1
+        back = xp.arange(q)[:, None] - xp.arange(n)[None, :]  # [q, n]
+        new = (seq * q)[:, None, None] + back[None]
+        old = size * q + (seq * (n - 1))[:, None, None] + (n - 1) + back[None]
+        arrays["ngram_tokens"] = f.history.reshape(-1)
+        arrays["ngram_index"] = xp.where(back[None] >= 0, new, old).reshape(size * q, n)
     metas = {key: _padded_compressor_meta(*key, lay, block_size, xp)
              for key in sorted({(spec.rate, spec.overlap) for spec in compressor_specs})}
     return arrays, metas

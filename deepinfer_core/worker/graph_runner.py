@@ -138,13 +138,15 @@ class GraphRunner:
         self.prologue = prologue
         self.coordinator: BatchCoordinator | None = None  # expert parallel: the ranks agree on each step's graph
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
+        self.ngram = getattr(model, "ngram_size", 0)  # an n-gram model's layouts carry each sequence's history
         self.inputs: dict[tuple[int, int, int], _StaticInputs] = {}  # (size, context, query len) -> inputs
         self.graphs: dict[tuple[int, int, int], Graph] = {}
         for q in self.query_lens:
             for size in reversed(self.sizes):
                 for context in reversed(self.contexts):
                     empty = build_forward_batch([], [], model.compressor_specs(), block_size,
-                                                model.cfg.sliding_window, pad=self.layout(size, context, q))
+                                                model.cfg.sliding_window, pad=self.layout(size, context, q),
+                                                ngram=self.ngram)
                     self.inputs[size, context, q] = _StaticInputs(empty, self.platform)
         # the verification layouts the device derives from facts (``load_facts``, ``derive``)
         self.facts = {key: _StaticFacts(PaddedFacts.from_spans([], [], self.layout(*key), block_size,
@@ -158,7 +160,7 @@ class GraphRunner:
             self.capture()
 
     def layout(self, size: int, context: int, query_len: int = 1) -> GraphPadding:
-        return GraphPadding(size, {rate: -(-context // rate) for rate in self.rates}, context, query_len)
+        return GraphPadding(size, {rate: -(-context // rate) for rate in self.rates}, context, query_len, self.ngram)
 
     def padding_for(self, spans: list[SeqSpan], logits_rows: list[int], eager: bool = False
                     ) -> GraphPadding | None:
@@ -188,7 +190,7 @@ class GraphRunner:
         pad = self.layout(self.sizes[bisect.bisect_left(self.sizes, agreed.num_seqs)], self.contexts[0],
                           agreed.query_len)
         empty = build_forward_batch([], [], self.model.compressor_specs(), self.block_size,
-                                    self.model.cfg.sliding_window, pad=pad)
+                                    self.model.cfg.sliding_window, pad=pad, ngram=self.ngram)
         self.replay_step(self.load(empty))
         return True
 
