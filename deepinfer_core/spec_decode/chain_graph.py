@@ -5,8 +5,11 @@ accepted and fills in its first token and drafts; the host knows none of them. T
 them per row of its batch in buffers of this module (:meth:`ChainGraphs.keep`); the next step's
 facts name each sequence's row there (``extra`` row 0, padding sequences a row that stays zero) and
 one replay per verification layout (``GraphRunner.facts`` key) reads them: the shift and draft counts
-it writes are the step's (:attr:`ChainGraphs.shift`, :attr:`ChainGraphs.num_drafts`). Without captured
-graphs (CPU) the same ops run eagerly.
+it writes are the step's (:attr:`ChainGraphs.shift`, :attr:`ChainGraphs.num_drafts`). An n-gram model's
+step also takes its history there: the host loads the ``n - 1`` tokens before the span's first position
+where the step before accepted nothing, then the step before's drafts (``extra`` rows from
+``EXTRA_ROWS``), and the history is the ``n - 1`` of them from the shift on. Without captured graphs (CPU)
+the same ops run eagerly.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from deepinfer_core.worker.graph_runner import EXTRA_ROWS
 
 
 class ChainGraphs:
@@ -61,3 +66,7 @@ class ChainGraphs:
         ids = facts.input_ids.view(size, q)
         ids[:, 0] = self.last[index]
         ids[:, 1:] = self.drafts[index, : q - 1]
+        if facts.history is not None:
+            known = extra[EXTRA_ROWS:].t()  # [size, n - 1 + drafts]
+            back = torch.arange(facts.history.shape[1], device=shift.device)
+            facts.history.copy_(known.gather(1, shift.unsqueeze(1) + back))

@@ -53,7 +53,8 @@ def capture_sizes(max_size: int, step: int = 32) -> list[int]:
     return sorted(set(sizes) | {max_size})
 
 
-#: per-sequence values a chained verification step loads with its facts (``GraphRunner.load_facts``)
+#: per-sequence values a chained verification step loads with its facts (``GraphRunner.load_facts``); an
+#: n-gram model's add ``GraphRunner.extra_rows - EXTRA_ROWS`` more: the tokens its history may start from
 EXTRA_ROWS = 3
 
 #: the smallest context bucket (tokens) of the decode graphs
@@ -105,13 +106,13 @@ class _StaticInputs:
 
 class _StaticFacts:
     """A verification graph's facts on the device (``PaddedFacts`` views of one buffer, a padding layout's
-    until loaded), followed by ``EXTRA_ROWS * size`` values of the caller's."""
+    until loaded), followed by ``extra_rows * size`` values of the caller's."""
 
-    def __init__(self, host: PaddedFacts, size: int, platform: Platform):
-        rows = EXTRA_ROWS * size
+    def __init__(self, host: PaddedFacts, size: int, platform: Platform, extra_rows: int = EXTRA_ROWS):
+        rows = extra_rows * size
         self.flat = torch.cat([host.packed(), torch.zeros(rows, dtype=torch.long)]).to(platform.device)
         self.facts = host.views(self.flat)
-        self.extra = self.flat[-rows:].view(EXTRA_ROWS, size)
+        self.extra = self.flat[-rows:].view(extra_rows, size)
 
 
 class GraphRunner:
@@ -139,6 +140,9 @@ class GraphRunner:
         self.coordinator: BatchCoordinator | None = None  # expert parallel: the ranks agree on each step's graph
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
         self.ngram = getattr(model, "ngram_size", 0)  # an n-gram model's layouts carry each sequence's history
+        # a chained step's history starts up to ``max(query_lens) - 1`` tokens (the drafts the step before may
+        # accept) into ``ngram - 1 + max(query_lens) - 1`` tokens the host knows (``ChainGraphs``)
+        self.extra_rows = EXTRA_ROWS + (self.ngram - 2 + max(self.query_lens) if self.ngram else 0)
         self.inputs: dict[tuple[int, int, int], _StaticInputs] = {}  # (size, context, query len) -> inputs
         self.graphs: dict[tuple[int, int, int], Graph] = {}
         for q in self.query_lens:
@@ -152,7 +156,7 @@ class GraphRunner:
         self.facts = {key: _StaticFacts(PaddedFacts.from_spans([], [], self.layout(*key), block_size,
                                                                model.cfg.sliding_window,
                                                                window_blocks=self.facts_window_blocks(key[2])),
-                                        key[0], self.platform)
+                                        key[0], self.platform, self.extra_rows)
                       for key in self.inputs if key[2] > 1}
         self.derive_graphs: dict[tuple[int, int, int], Graph] = {}
         self.staging = _Staging(max(s.packed.numel() for s in self.inputs.values()), self.platform)
@@ -233,7 +237,7 @@ class GraphRunner:
 
     def load_facts(self, pad: GraphPadding, host: PaddedFacts, extra: np.ndarray) -> tuple[PaddedFacts, torch.Tensor]:
         """Copy ``host`` (``pad``'s shapes, ``facts_window_blocks`` window columns) and ``extra``
-        ([EXTRA_ROWS, size], the caller's) into the static facts of ``pad``'s graph, one copy; returns their
+        ([extra_rows, size], the caller's) into the static facts of ``pad``'s graph, one copy; returns their
         device views, which may be changed in place before :meth:`derive`."""
         static = self.facts[pad.num_seqs, pad.context, pad.query_len]
         self.staging.copy(host.packed(extra), static.flat)

@@ -45,7 +45,7 @@ import torch
 
 from deepinfer_core.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from deepinfer_core.engine.sequence import PLACEHOLDER
-from deepinfer_core.model.metadata import PaddedFacts, SeqSpan, build_forward_batch, pad_tables
+from deepinfer_core.model.metadata import BEFORE_START, PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
 from deepinfer_core.spec_decode.dspark_proposer import DSparkProposer
@@ -275,6 +275,15 @@ class SpecDecodeModelRunner(ModelRunner):
         return [SeqSpan(s.start, q, *pad_tables(s.block_table, s.window_block_table, s.start + self.k + q - 1,
                                                 self.block_size), s.state_slot, s.write_from) for s in scheduled]
 
+    def _chained_history(self, s: ScheduledSeq) -> list[int]:
+        """An n-gram model's chained span: the ``n - 1`` tokens before its first position where the step
+        before accepted nothing (BEFORE_START before the sequence), then that step's drafts (0 past them):
+        its history is ``n - 1`` of them from the accepted count on (``ChainGraphs``)."""
+        width = self.graph_runner.extra_rows - EXTRA_ROWS
+        history = self._history(s)
+        known = [BEFORE_START] * (self.graph_runner.ngram - 1 - len(history)) + history + self._drafts.get(s.seq_id, [])
+        return (known + [0] * width)[:width]
+
     def _chained_padding(self, scheduled: list[ScheduledSeq], q: int):
         probe = [SeqSpan(s.start + self.k, q, [], [], -1) for s in scheduled]
         return self.graph_runner.local_padding(probe, list(range(len(probe) * q)))
@@ -289,14 +298,18 @@ class SpecDecodeModelRunner(ModelRunner):
         scheduled, graphs = so.scheduled, self.graph_runner
         n, q = len(scheduled), self._chained_query_len(scheduled)
         spans, pad = self._chained_spans(scheduled, q), self._chained_padding(scheduled, q)
+        known = [self._chained_history(s) for s in scheduled] if graphs.ngram else []
+        spans = [dataclasses.replace(sp, history=h[: graphs.ngram - 1]) for sp, h in zip(spans, known)] or spans
         facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, self.model.cfg.sliding_window,
                                        window_blocks=graphs.facts_window_blocks(q))
         states = [self.requests[s.seq_id] for s in scheduled]
         verify_graphs, chain_graphs = self._graphs_of(graphs)
-        extra = np.zeros((EXTRA_ROWS, pad.num_seqs), dtype=np.int64)
+        extra = np.zeros((graphs.extra_rows, pad.num_seqs), dtype=np.int64)
         extra[0] = chain_graphs.zero_row
-        extra[:, :n] = [[chain.rows[s.seq_id] for s in scheduled], [s.num_drafts for s in scheduled],
-                        [self._room(st) for st in states]]
+        extra[:EXTRA_ROWS, :n] = [[chain.rows[s.seq_id] for s in scheduled], [s.num_drafts for s in scheduled],
+                                  [self._room(st) for st in states]]
+        if known:
+            extra[EXTRA_ROWS:, :n] = np.array(known, dtype=np.int64).T
         device, _ = graphs.load_facts(pad, facts, extra)
         shift, num_drafts = chain_graphs.apply((pad.num_seqs, pad.context, pad.query_len), n)
         ids = device.input_ids[: n * q].view(n, q)
