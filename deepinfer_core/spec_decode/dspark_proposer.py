@@ -12,6 +12,10 @@ survival estimates. The first ``k`` positions of the block are the drafts.
 Positions a verification rejected keep whatever their ring rows held: a draft reads only positions up to
 its sequence's last kept one, which the seeding of that step wrote.
 
+Steps of decodes only may seed and draft through ``graphs`` instead
+(:class:`~deepinfer_core.spec_decode.dspark_graph.DSparkGraphs`), from the kept tokens on the device,
+over catch-up spans of ``k + 1`` positions laid out by :meth:`DSparkProposer.catch_up_span`.
+
 With expert parallel every rank's step runs one draft pass over the stages (their MoE layers' dispatch and
 combine), a rank with nothing to draft with no tokens (:meth:`DSparkProposer.dummy_step`), so that the
 ranks' collectives line up; seeding holds no collective.
@@ -22,18 +26,21 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.model.cache import ModelCache
-from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.models.interface import Model
+from deepinfer_core.spec_decode.dspark_graph import DSparkGraphs
 from deepinfer_core.spec_decode.proposer import DraftSpan, Proposal
 
 
 class DSparkProposer:
     """The :class:`~deepinfer_core.spec_decode.proposer.Proposer` of ``model.drafter`` (DSpark stages).
-    Eager: ``graphs`` is None, every step drafts through :meth:`propose`."""
 
-    graphs = None
+    ``graphs``: a :class:`~deepinfer_core.spec_decode.dspark_graph.DSparkGraphs` through which the runner
+    drafts steps of decodes only (from the verification's result on the device); :meth:`propose`, the
+    other steps' drafting, runs eagerly."""
 
-    def __init__(self, model: Model, cache: ModelCache, num_speculative_tokens: int, graphs: object = None):
+    def __init__(self, model: Model, cache: ModelCache, num_speculative_tokens: int,
+                 graphs: DSparkGraphs | None = None):
         drafter = model.drafter
         if drafter is None or not hasattr(drafter, "block_size"):
             raise ValueError("speculative_config method 'dspark' needs a checkpoint with DSpark stages (mtp.* "
@@ -42,6 +49,7 @@ class DSparkProposer:
             raise ValueError(f"num_speculative_tokens {num_speculative_tokens} is more than the DSpark block "
                              f"of this checkpoint drafts ({drafter.block_size})")
         self.model, self.drafter, self.cache, self.k = model, drafter, cache, num_speculative_tokens
+        self.graphs = graphs
 
     @torch.inference_mode()
     def propose(self, spans: list[DraftSpan], streams: torch.Tensor) -> Proposal:
@@ -81,7 +89,12 @@ class DSparkProposer:
 
     def catch_up_span(self, start: int, rows: list[int], block_table: list[int], window_block_table: list[int],
                       shift: int = 0) -> tuple[SeqSpan, list[int]]:
-        raise NotImplementedError("DSpark drafts eagerly: it has no drafting graphs")
+        """A padded seeding's span of ``k + 1`` positions from ``start`` (its tables reaching its last, ``shift``
+        more where the span may move on that much, -1 past the blocks the step holds) and the target state's
+        row of each position: ``rows``, its last one repeated."""
+        q = self.k + 1
+        table, window = pad_tables(block_table, window_block_table, start + q - 1 + shift, self.cache.block_size)
+        return SeqSpan(start, q, table, window, -1), rows + rows[-1:] * (q - len(rows))
 
     def dummy_step(self) -> None:
         """A step's drafting with no tokens: one pass over the stages' MoE collectives."""

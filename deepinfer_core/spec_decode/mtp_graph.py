@@ -72,8 +72,7 @@ class MtpGraphs:
             catch_up = self._catch_up([], [], size)
             host = self._pack(catch_up, [0] * size, [], size)
             packed = host.to(model.device)
-            streams = torch.zeros((size * self.q, cfg.hc_mult, cfg.hidden_size), dtype=model.dtype,
-                                  device=model.device)
+            streams = torch.zeros((size * self.q, *self._stream_shape()), dtype=model.dtype, device=model.device)
             self.inputs[size] = _Inputs(packed, *self._views(catch_up, size, packed), streams)
         # the catch-up's facts on the device for a layout derived there (``propose`` with ``shift``)
         self.facts: dict[int, tuple[torch.Tensor, PaddedFacts]] = {}
@@ -87,6 +86,10 @@ class MtpGraphs:
             with torch.inference_mode():
                 self.graphs = dict(self.platform.capture_graphs(self.sizes, self._run))
                 self.derive_graphs = dict(self.platform.capture_graphs(self.sizes, self._derive_static))
+
+    def _stream_shape(self) -> tuple[int, ...]:
+        """A row of what the target's forward returns for the drafter: its last hyper-connection streams."""
+        return self.model.cfg.hc_mult, self.model.cfg.hidden_size
 
     def size_for(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_seqs)

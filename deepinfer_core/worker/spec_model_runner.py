@@ -9,7 +9,8 @@ sequence a plain decode, or every one a verification of the same number of draft
 (``GraphRunner.query_lens``: 1 and 1 + k, every 1 + j with confidence scheduling). A decode-only step
 of unequal spans is padded to the shortest graph that holds its longest span with filler tokens (always
 rejected; the undo log puts their writes back); steps with prefill chunks run eagerly. Drafting replays
-``spec_decode/mtp_graph.py``'s graphs when every span drafts from at most k + 1 kept positions.
+the proposer's graphs (``spec_decode/mtp_graph.py``, ``spec_decode/dspark_graph.py``) when every span
+drafts from at most k + 1 kept positions.
 
 A plain step (``SchedulerOutput.speculate`` False: the engine's gate found plain decode faster) runs as
 the plain runner runs it, with no drafting: the MTP block's window rows of its positions are left as
@@ -48,6 +49,7 @@ from deepinfer_core.engine.sequence import PLACEHOLDER
 from deepinfer_core.model.metadata import BEFORE_START, PaddedFacts, SeqSpan, build_forward_batch, pad_tables
 from deepinfer_core.spec_decode.chain_graph import ChainGraphs
 from deepinfer_core.spec_decode.confidence import StepProfile
+from deepinfer_core.spec_decode.dspark_graph import DSparkGraphs
 from deepinfer_core.spec_decode.dspark_proposer import DSparkProposer
 from deepinfer_core.spec_decode.mtp_graph import MtpGraphs
 from deepinfer_core.spec_decode.mtp_proposer import MtpProposer
@@ -111,16 +113,15 @@ class SpecDecodeModelRunner(ModelRunner):
         if profile_steps and self.graph_runner is not None:
             self.step_profile = StepProfile(self.graph_runner.profile_steps())
         self.proposer: Proposer
-        if method == "dspark":
-            self.proposer = DSparkProposer(self.model, self.cache, num_speculative_tokens)
-        else:
-            drafting_graphs = None
-            # under expert parallel the drafting runs eagerly (its collectives exchange their sizes), the
-            # same k forwards on every rank, placeholder steps included (``MtpProposer.propose``)
-            if self.graph_runner is not None and self.model.ep is None:
-                drafting_graphs = MtpGraphs(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
-                                            capture=bool(self.graph_runner.graphs), platform=self.platform)
-            self.proposer = MtpProposer(self.model, self.cache, num_speculative_tokens, drafting_graphs)
+        graphs_of = DSparkGraphs if method == "dspark" else MtpGraphs
+        drafting_graphs = None
+        # under expert parallel the drafting runs eagerly (its collectives exchange their sizes), the same
+        # drafter collectives on every rank, placeholder steps included (the proposers' ``propose``)
+        if self.graph_runner is not None and self.model.ep is None:
+            drafting_graphs = graphs_of(self.model, self.cache, self.graph_runner.sizes, num_speculative_tokens,
+                                        capture=bool(self.graph_runner.graphs), platform=self.platform)
+        proposer_of = DSparkProposer if method == "dspark" else MtpProposer
+        self.proposer = proposer_of(self.model, self.cache, num_speculative_tokens, drafting_graphs)
         self._step_graphs: tuple[Any, VerifyGraphs, ChainGraphs] | None = None
         if self.graph_runner is not None:
             self._graphs_of(self.graph_runner)
