@@ -7,8 +7,8 @@ facts name each sequence's row there (``extra`` row 0, padding sequences a row t
 one replay per verification layout (``GraphRunner.facts`` key) reads them: the shift and draft counts
 it writes are the step's (:attr:`ChainGraphs.shift`, :attr:`ChainGraphs.num_drafts`). An n-gram model's
 step also takes its history there: the host loads the ``n - 1`` tokens before the span's first position
-where the step before accepted nothing, then the step before's drafts (``extra`` rows from
-``EXTRA_ROWS``), and the history is the ``n - 1`` of them from the shift on. Without captured graphs (CPU)
+where the step before accepted nothing (``extra`` rows from ``EXTRA_ROWS``), followed on the device by the
+drafts the step before kept, and the history is the ``n - 1`` of them from the shift on. Without captured graphs (CPU)
 the same ops run eagerly.
 """
 
@@ -30,18 +30,20 @@ class ChainGraphs:
         self.accepted = torch.zeros(size + 1, **zeros)
         self.last = torch.zeros(size + 1, **zeros)
         self.drafts = torch.zeros(size + 1, num_speculative_tokens, **zeros)
+        self.kept = torch.zeros(size + 1, num_speculative_tokens, **zeros)
         self.shift = torch.zeros(size, **zeros)
         self.num_drafts = torch.zeros(size, **zeros)
         keys = list(runner.facts) if runner.graphs else []
         self.graphs = dict(runner.platform.capture_graphs(keys, self._apply)) if keys else {}
 
-    def keep(self, last: torch.Tensor, accepted: torch.Tensor, drafts: torch.Tensor) -> None:
+    def keep(self, last: torch.Tensor, accepted: torch.Tensor, drafts: torch.Tensor, kept: torch.Tensor) -> None:
         """A step's results per row (its first ``len(last)``) for the next one: each row's next first token,
-        its accepted drafts and its new drafts."""
+        its accepted draft count, its new drafts and its kept tokens ([n, k + 1]: the accepted drafts first)."""
         n = last.shape[0]
         self.last[:n].copy_(last)
         self.accepted[:n].copy_(accepted)
         self.drafts[:n].copy_(drafts)
+        self.kept[:n].copy_(kept[:, : self.kept.shape[1]])
 
     def apply(self, key: tuple[int, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the loaded facts of layout ``key`` on and fill in their tokens; (shift, draft counts) of its
@@ -67,6 +69,6 @@ class ChainGraphs:
         ids[:, 0] = self.last[index]
         ids[:, 1:] = self.drafts[index, : q - 1]
         if facts.history is not None:
-            known = extra[EXTRA_ROWS:].t()  # [size, n - 1 + drafts]
+            known = torch.cat([extra[EXTRA_ROWS:].t(), self.kept[index]], dim=1)  # [size, n - 1 + k]
             back = torch.arange(facts.history.shape[1], device=shift.device)
             facts.history.copy_(known.gather(1, shift.unsqueeze(1) + back))

@@ -54,7 +54,7 @@ def capture_sizes(max_size: int, step: int = 32) -> list[int]:
 
 
 #: per-sequence values a chained verification step loads with its facts (``GraphRunner.load_facts``); an
-#: n-gram model's add ``GraphRunner.extra_rows - EXTRA_ROWS`` more: the tokens its history may start from
+#: n-gram model's add ``GraphRunner.extra_rows - EXTRA_ROWS`` more: the history the step before starts from
 EXTRA_ROWS = 3
 
 #: the smallest context bucket (tokens) of the decode graphs
@@ -140,9 +140,9 @@ class GraphRunner:
         self.coordinator: BatchCoordinator | None = None  # expert parallel: the ranks agree on each step's graph
         self.rates = sorted({spec.rate for spec in model.compressor_specs()})
         self.ngram = getattr(model, "ngram_size", 0)  # an n-gram model's layouts carry each sequence's history
-        # a chained step's history starts up to ``max(query_lens) - 1`` tokens (the drafts the step before may
-        # accept) into ``ngram - 1 + max(query_lens) - 1`` tokens the host knows (``ChainGraphs``)
-        self.extra_rows = EXTRA_ROWS + (self.ngram - 2 + max(self.query_lens) if self.ngram else 0)
+        # a chained step's history: the one its span would have if the step before accepted nothing, which
+        # the device moves on by the drafts that step accepted (``ChainGraphs``)
+        self.extra_rows = EXTRA_ROWS + max(self.ngram - 1, 0)
         self.inputs: dict[tuple[int, int, int], _StaticInputs] = {}  # (size, context, query len) -> inputs
         self.graphs: dict[tuple[int, int, int], Graph] = {}
         for q in self.query_lens:

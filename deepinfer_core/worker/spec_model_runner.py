@@ -278,12 +278,10 @@ class SpecDecodeModelRunner(ModelRunner):
 
     def _chained_history(self, s: ScheduledSeq) -> list[int]:
         """An n-gram model's chained span: the ``n - 1`` tokens before its first position where the step
-        before accepted nothing (BEFORE_START before the sequence), then that step's drafts (0 past them):
-        its history is ``n - 1`` of them from the accepted count on (``ChainGraphs``)."""
-        width = self.graph_runner.extra_rows - EXTRA_ROWS
+        before accepted nothing (BEFORE_START before the sequence), all on the host; the device moves them
+        on by the drafts that step accepted (``ChainGraphs``)."""
         history = self._history(s)
-        known = [BEFORE_START] * (self.graph_runner.ngram - 1 - len(history)) + history + self._drafts.get(s.seq_id, [])
-        return (known + [0] * width)[:width]
+        return [BEFORE_START] * (self.graph_runner.ngram - 1 - len(history)) + history
 
     def _chained_padding(self, scheduled: list[ScheduledSeq], q: int):
         probe = [SeqSpan(s.start + self.k, q, [], [], -1) for s in scheduled]
@@ -300,7 +298,7 @@ class SpecDecodeModelRunner(ModelRunner):
         n, q = len(scheduled), self._chained_query_len(scheduled)
         spans, pad = self._chained_spans(scheduled, q), self._chained_padding(scheduled, q)
         known = [self._chained_history(s) for s in scheduled] if graphs.ngram else []
-        spans = [dataclasses.replace(sp, history=h[: graphs.ngram - 1]) for sp, h in zip(spans, known)] or spans
+        spans = [dataclasses.replace(sp, history=h) for sp, h in zip(spans, known)] or spans
         facts = PaddedFacts.from_spans(spans, [0] * (n * q), pad, self.block_size, self.model.cfg.sliding_window,
                                        window_blocks=graphs.facts_window_blocks(q))
         states = [self.requests[s.seq_id] for s in scheduled]
@@ -392,7 +390,7 @@ class SpecDecodeModelRunner(ModelRunner):
         tokens, confs = self.proposer.graphs.propose(catch, ids.view(-1), accepted, rows, streams, shift)
         if self.graph_runner is not None:  # a chained step may follow
             self._graphs_of(self.graph_runner)[1].keep(ids.gather(1, accepted.unsqueeze(1)).squeeze(1), accepted,
-                                                       tokens)
+                                                       tokens, ids)
         self._chain = _Chain(None, {s.seq_id: i for i, s in enumerate(scheduled)})
         return tokens, confs
 
