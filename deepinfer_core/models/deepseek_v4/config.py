@@ -9,6 +9,7 @@ from typing import Any
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache_layout import BranchSpec, CacheLayout
 from deepinfer_core.model.errors import UnsupportedModelError
+from deepinfer_core.models.deepseek_v4.dspark_config import DSparkSpec, dspark_spec, validate
 
 #: keys a config.json must give: transformers' defaults for them are one model size's (they fix the
 #: tensor shapes and the per-layer schedule), so a default could not match another checkpoint and would
@@ -48,7 +49,10 @@ class DeepseekV4Config(ModelConfig):
             hf_config = HFConfig.from_pretrained(str(path))
         except Exception as exc:
             raise UnsupportedModelError(f"invalid DeepSeek-V4 config in {path / 'config.json'}: {exc}") from exc
-        return cls(hf_config, path)
+        cfg = cls(hf_config, path)
+        if cfg.dspark is not None:
+            validate(cfg.dspark, hf_config, raw, str(path / "config.json"))
+        return cfg
 
     @property
     def architecture(self) -> Any:
@@ -59,6 +63,46 @@ class DeepseekV4Config(ModelConfig):
     @property
     def rope_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    # --- the drafter: one MTP layer (V4-Flash) or DSpark stages (V4-Flash-0731, :mod:`.dspark_config`) ---
+
+    @property
+    def dspark(self) -> DSparkSpec | None:
+        """The DSpark drafter this config declares, None for a plain V4 (MTP) config."""
+        return dspark_spec(self.hf_config)
+
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        """The drafter's layers: the DSpark stages (0731's ``n_mtp_layers``, where the root config still says
+        1), else the MTP layers."""
+        spec = self.dspark
+        return spec.stages if spec is not None else self.hf_config.num_nextn_predict_layers
+
+    @property
+    def dspark_block_size(self) -> int:
+        """Positions a DSpark draft holds; 0 without DSpark stages."""
+        spec = self.dspark
+        return spec.block_size if spec is not None else 0
+
+    @property
+    def dspark_noise_token_id(self) -> int:
+        return self.dspark.noise_token_id
+
+    @property
+    def dspark_target_layer_ids(self) -> list[int]:
+        """The layers whose outputs (hc-mean) the DSpark drafter reads; none without DSpark stages."""
+        spec = self.dspark
+        return list(spec.target_layer_ids) if spec is not None else []
+
+    @property
+    def dspark_markov_rank(self) -> int:
+        return self.dspark.markov_rank
+
+    def drafter_moe_config(self) -> tuple[int, int]:
+        """(routed experts, activated) of the drafter's MoE: the DSpark stages', else the target's."""
+        spec = self.dspark
+        return (spec.num_experts, spec.top_k) if spec is not None else (self.n_routed_experts,
+                                                                          self.num_experts_per_tok)
 
     def compress_rate(self, layer: int) -> int:
         layer_type = self.layer_types[layer]
