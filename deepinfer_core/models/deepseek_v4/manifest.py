@@ -13,6 +13,13 @@ embedding, head, router, norms, ``hc_*``, ``ape``, sinks, ``tid2eid``, ``wo_a`` 
 has no FP8 op) or the MTP ``e_proj`` / ``h_proj``. Under ``numerics="deepseek"`` only what DeepSeek's
 model.py runs through its FP8 GEMM: not the compressors' float32 projections, the bf16 indexer
 ``weights_proj``, nor routed experts that are not packed FP4.
+
+V4-Flash-0731 (a config with DSpark stages, :mod:`.dspark_config`) has, in place of the MTP layer, its
+stages ``mtp.{0..S-1}``: window-only blocks with their own MoE (the stages' expert count), no
+``e_proj``/``h_proj``/``enorm``/``hnorm``; the first stage holds ``main_proj`` (FP8, [D, D * targets]) and
+``main_norm``, the last the output collapse ``hc_head_*`` and ``norm`` (as V4's MTP layer has them), the
+Markov head (``markov_head.{embed,head}.weight`` [V, rank], bf16) and the confidence head
+(``confidence_head.proj.weight`` [1, D + rank], bf16).
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from deepinfer_core.quant.fp8 import FP8_BLOCK
 
 #: the linears ``inference/model.py`` builds in the default (FP8) dtype; ``wo_a`` is FP8 in the file too
 FP8_NAMES = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight"
-                       r"|\.shared_experts\.w[123]\.weight|^mtp\.\d+\.(e_proj|h_proj)\.weight)$")
+                       r"|\.shared_experts\.w[123]\.weight|^mtp\.\d+\.(e_proj|h_proj|main_proj)\.weight)$")
 FP4_NAMES = re.compile(r"\.ffn\.experts\.(\d+\.w[123]\.weight|w13|w2)$")
 BF16_NAMES = re.compile(r"(^embed\.weight|^head\.weight|\.compressor\.(wkv|wgate)\.weight"
-                        r"|\.indexer\.weights_proj\.weight|\.ffn\.gate\.weight)$")
+                        r"|\.indexer\.weights_proj\.weight|\.ffn\.gate\.weight"
+                        r"|^mtp\.\d+\.(markov_head\.(embed|head)|confidence_head\.proj)\.weight)$")
 
 _ALWAYS_FP8 = re.compile(
     r"(\.attn\.(wq_a|wq_b|wkv|wo_b)\.weight|\.ffn\.shared_experts\.(w[123]\.weight|w13)|\.ffn\.experts\.w(13|2))$"
@@ -123,9 +131,10 @@ def manifest(cfg: DeepseekV4Config) -> CheckpointManifest:
         add(p + "attn.attn_sink", (h,), **kw)
         add(p + "attn.wo_a.weight", (g * olr, h * hd // g), **kw)
         add(p + "attn.wo_b.weight", (d, g * olr), **kw)
-        add(p + "ffn.gate.weight", (e, d), **kw)
-        add(p + "ffn.experts.w13", (e, 2 * inter, d), experts=True, **kw)
-        add(p + "ffn.experts.w2", (e, d, inter), experts=True, **kw)
+        ne = cfg.drafter_moe_config()[0] if mtp else e  # DSpark stages: their own expert count
+        add(p + "ffn.gate.weight", (ne, d), **kw)
+        add(p + "ffn.experts.w13", (ne, 2 * inter, d), experts=True, **kw)
+        add(p + "ffn.experts.w2", (ne, d, inter), experts=True, **kw)
         # w1 and w3 are stacked on load into one [2I, D] projection, w13
         for w, shape in (("w1", (inter, d)), ("w3", (inter, d))):
             add(p + f"ffn.shared_experts.{w}.weight", shape, loaded=False, **kw)
@@ -150,8 +159,10 @@ def manifest(cfg: DeepseekV4Config) -> CheckpointManifest:
         if not mtp and cfg.mlp_layer_types[layer] == "hash_moe":
             add(p + "ffn.gate.tid2eid", (v, cfg.num_experts_per_tok), integer=True, **kw)
         else:
-            add(p + "ffn.gate.bias", (e,), **kw)
-        if mtp:
+            add(p + "ffn.gate.bias", (ne,), **kw)
+        if mtp and cfg.dspark is not None:
+            _dspark_rows(cfg, p, int(p.split(".")[1]), add, **kw)
+        elif mtp:
             add(p + "e_proj.weight", (d, d), **kw)
             add(p + "h_proj.weight", (d, d), **kw)
             for norm in ("enorm", "hnorm", "norm"):
@@ -162,3 +173,20 @@ def manifest(cfg: DeepseekV4Config) -> CheckpointManifest:
     tied = {"head.weight": "embed.weight"} if cfg.tie_word_embeddings else {}
     return CheckpointManifest.of(rows, renames=RENAMES, ignored=IGNORED, tied=tied)
 
+
+def _dspark_rows(cfg: DeepseekV4Config, p: str, stage: int, add, **kw) -> None:
+    """A DSpark stage's own tensors beside its block: ``main_proj``/``main_norm`` on the first, the output
+    collapse, norm, Markov and confidence heads on the last."""
+    d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    spec = cfg.dspark
+    if stage == 0:
+        add(p + "main_proj.weight", (d, d * len(spec.target_layer_ids)), **kw)
+        add(p + "main_norm.weight", (d,), **kw)
+    if stage == spec.stages - 1:
+        add(p + "hc_head_fn", (n, n * d), **kw)
+        add(p + "hc_head_base", (n,), **kw)
+        add(p + "hc_head_scale", (1,), **kw)
+        add(p + "norm.weight", (d,), **kw)
+        add(p + "markov_head.embed.weight", (v, spec.markov_rank), **kw)
+        add(p + "markov_head.head.weight", (v, spec.markov_rank), **kw)
+        add(p + "confidence_head.proj.weight", (1, d + spec.markov_rank), **kw)

@@ -18,9 +18,9 @@ from deepinfer_core.model.records import Experts, Linear, build_records, named_t
 from deepinfer_core.models.deepseek_v4.names import canonical_name
 from deepinfer_core.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
 
-__all__ = ["LAYOUT", "Attention", "Block", "Compressor", "Experts", "Gate", "HyperConnection", "Indexer", "Linear",
-           "MTPBlock", "MoE", "ModelWeights", "OutputNorm", "SharedExpert", "build_weights", "records",
-           "stack_shared_experts"]
+__all__ = ["LAYOUT", "Attention", "Block", "Compressor", "DSparkModelWeights", "DSparkStage", "Experts", "Gate",
+           "HyperConnection", "Indexer", "Linear", "MTPBlock", "MoE", "ModelWeights", "OutputNorm", "SharedExpert",
+           "build_weights", "records", "stack_shared_experts"]
 
 
 @dataclass
@@ -142,10 +142,39 @@ class ModelWeights:
         return named_tensors(self, LAYOUT)
 
 
+@dataclass
+class DSparkStage:
+    """One DSpark stage of V4-Flash-0731 (``mtp.j``): a window-only block; the first stage holds ``main_proj``
+    / ``main_norm`` (over the target layers' outputs), the last the streams' collapse (``hc_head``) and the
+    output ``norm``, the Markov head (``markov_embed`` [V, rank], ``markov_head`` [V, rank]) and the confidence head
+    (``confidence`` [1, D + rank])."""
+
+    block: Block
+    main_proj: Linear | None = None
+    main_norm: torch.Tensor | None = None
+    hc_head: HyperConnection | None = None
+    norm: torch.Tensor | None = None
+    markov_embed: torch.Tensor | None = None
+    markov_head: Linear | None = None
+    confidence: Linear | None = None
+
+
+@dataclass
+class DSparkModelWeights(ModelWeights):
+    """V4-Flash-0731's weights: the V4 backbone, DSpark stages under ``mtp.``."""
+
+    mtp: list[DSparkStage] = field(default_factory=list)
+
+
 #: where each field of a record lives, relative to the record's prefix (:mod:`deepinfer_core.model.records`)
 LAYOUT: dict[type, dict[str, str]] = {
     ModelWeights: {"embed": "embed.weight", "head": "head.weight", "output": "", "layers": "layers.",
                    "mtp": "mtp."},
+    DSparkModelWeights: {"embed": "embed.weight", "head": "head.weight", "output": "", "layers": "layers.",
+                         "mtp": "mtp."},
+    DSparkStage: {"block": "", "main_proj": "main_proj.weight", "main_norm": "main_norm.weight",
+                  "hc_head": "hc_head_", "norm": "norm.weight", "markov_embed": "markov_head.embed.weight",
+                  "markov_head": "markov_head.head.weight", "confidence": "confidence_head.proj.weight"},
     OutputNorm: {"hc": "hc_head_", "norm": "norm.weight"},
     HyperConnection: {"fn": "fn", "base": "base", "scale": "scale"},
     MTPBlock: {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "e_proj": "e_proj.weight",
@@ -191,11 +220,16 @@ def build_weights(cfg: Any, params: dict[str, torch.Tensor], hook: Any = None,
     handed once to every plugin's ``deepinfer_process_weights`` when ``hook`` is given. ``num_experts``:
     how many routed experts each stack holds (all by default; fewer where only a range was loaded)."""
     params = {canonical_name(k): v for k, v in params.items()}
-    weights = build_records(ModelWeights, params, LAYOUT)
+    dspark = getattr(cfg, "dspark", None) is not None
+    weights = build_records(DSparkModelWeights if dspark else ModelWeights, params, LAYOUT)
     if len(weights.layers) != cfg.num_hidden_layers:
         raise CheckpointError(f"found {len(weights.layers)} decoder layers, the config has {cfg.num_hidden_layers}")
     want = cfg.n_routed_experts if num_experts is None else num_experts
-    for i, layer in enumerate([*weights.layers, *(m.block for m in weights.mtp)]):
+    blocks = [*weights.layers, *(m.block for m in weights.mtp)]
+    if dspark:  # the stages' experts are a count of their own, loaded whole (see the loader)
+        blocks = weights.layers
+        _check_stages(cfg, weights.mtp, num_experts is None)
+    for i, layer in enumerate(blocks):
         ex = layer.moe.experts
         if ex.w13.format != ex.w2.format:
             raise CheckpointError(f"block {i}: routed experts' w13 is {ex.w13.format} and w2 {ex.w2.format}; "
@@ -206,3 +240,19 @@ def build_weights(cfg: Any, params: dict[str, torch.Tensor], hook: Any = None,
     if hook is not None:
         hook.deepinfer_process_weights(weights=weights, model_config=cfg)
     return weights
+
+
+def _check_stages(cfg: Any, stages: list[DSparkStage], whole: bool) -> None:
+    """The stages a 0731 checkpoint holds: all of them or none, each expert stack of one format (of the
+    stages' count where every expert was loaded)."""
+    want = cfg.drafter_moe_config()[0]
+    if stages and len(stages) != cfg.num_nextn_predict_layers:
+        raise CheckpointError(f"found {len(stages)} DSpark stages (mtp.*), the config has "
+                              f"{cfg.num_nextn_predict_layers}")
+    for j, stage in enumerate(stages):
+        ex = stage.block.moe.experts
+        if ex.w13.format != ex.w2.format:
+            raise CheckpointError(f"mtp.{j}: routed experts' w13 is {ex.w13.format} and w2 {ex.w2.format}")
+        if whole and ex.w13.weight.shape[0] != want:
+            raise CheckpointError(f"mtp.{j}: the expert stacks hold {ex.w13.weight.shape[0]} experts, expected "
+                                  f"{want}")
