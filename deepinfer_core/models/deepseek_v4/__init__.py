@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config, cache_layout
+from deepinfer_core.models.deepseek_v4.dspark import DeepseekV4DSpark
 from deepinfer_core.models.deepseek_v4.manifest import manifest
 from deepinfer_core.models.deepseek_v4.model import NUMERICS, DeepseekV4Model
 from deepinfer_core.models.deepseek_v4.mtp import DeepseekV4MTP
@@ -45,9 +46,10 @@ ARCHITECTURE = Architecture(
     numerics=NUMERICS,
     build_weights=build_weights,
     prepare_params=stack_shared_experts,
-    drafters={"mtp": DeepseekV4MTP},
+    # V4-Flash: one MTP layer; V4-Flash-0731: DSpark stages (a config has one or the other)
+    drafters={"mtp": DeepseekV4MTP, "dspark": DeepseekV4DSpark},
     kv_layouts={"deepseek": "fp8_ds"},
 )
 
 __all__ = ["ARCHITECTURE", "NUMERICS", "DeepseekV4Config", "DeepseekV4Model", "ModelWeights", "default_numerics",
-           "DeepseekV4MTP", "load_model", "manifest"]
+           "DeepseekV4DSpark", "DeepseekV4MTP", "load_model", "manifest"]

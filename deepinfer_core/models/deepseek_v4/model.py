@@ -11,6 +11,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.cache import CompressorSpec, ModelCache
 from deepinfer_core.model.cache_layout import cache_layout
 from deepinfer_core.model.metadata import ForwardBatch, compressed_candidates
+from deepinfer_core.models.deepseek_v4.dspark import DeepseekV4DSpark
 from deepinfer_core.models.deepseek_v4.mtp import DeepseekV4MTP
 from deepinfer_core.models.deepseek_v4.weights import (
     Attention,
@@ -73,13 +74,23 @@ class DeepseekV4Model:
         self.rope = RotaryTables(cfg, self.device)
         self.cache_layout = cache_layout(cfg)
         self.cache_specs = self.cache_layout.layers
-        #: the checkpoint's draft model (its mtp.* layers), None where it has none
-        drafter = cfg.architecture.drafters.get("mtp")
-        self.drafter: DeepseekV4MTP | None = drafter(self, weights.mtp) if weights.mtp and drafter else None
+        #: the checkpoint's draft model (its mtp.* layers: one MTP layer, or V4-Flash-0731's DSpark stages),
+        #: None where it has none
+        drafter = cfg.architecture.drafters.get("dspark" if cfg.dspark_block_size else "mtp")
+        self.drafter: DeepseekV4MTP | DeepseekV4DSpark | None = (
+            drafter(self, weights.mtp) if weights.mtp and drafter else None)
+        #: the layers whose outputs a DSpark drafter reads (what :meth:`forward` then returns), none for MTP
+        self.dspark_targets = frozenset(cfg.dspark_target_layer_ids) if isinstance(
+            self.drafter, DeepseekV4DSpark) else frozenset()
 
     @property
     def has_mtp(self) -> bool:
-        return self.drafter is not None
+        return isinstance(self.drafter, DeepseekV4MTP)
+
+    @property
+    def dspark(self) -> DeepseekV4DSpark | None:
+        """The DSpark drafter (V4-Flash-0731), None for an MTP checkpoint or one without drafter weights."""
+        return self.drafter if isinstance(self.drafter, DeepseekV4DSpark) else None
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) of every weight; FP8 scales as ``name + "_scale"``."""
@@ -122,18 +133,19 @@ class DeepseekV4Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits of ``batch.logits_indices`` rows, last layer's hyper-connection streams [T, n, D]).
-
-        The streams are what the MTP module consumes.
-        """
+        """Returns (logits of ``batch.logits_indices`` rows, what the drafter reads): the last layer's
+        hyper-connection streams [T, n, D] (the MTP module's input), or with a DSpark drafter the mean over
+        the streams of each target layer's output, concatenated [T, targets * D]."""
         ops, cfg, w = self.ops, self.cfg, self.weights
         x = ops.embedding(batch.input_ids, w.embed).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        rope, candidates = self._rope(batch), {}
+        rope, candidates, targets = self._rope(batch), {}, []
         for layer, block in enumerate(w.layers):
             streams = self.block(block, layer, streams, batch, cache, rope, batch.input_ids, candidates)
+            if layer in self.dspark_targets:  # 0731's drafter reads a target layer's output
+                targets.append(streams.mean(dim=1))
         hidden = self.final_norm(streams[batch.logits_indices], w.output)
-        return self.logits(hidden), streams
+        return self.logits(hidden), torch.cat(targets, dim=-1) if targets else streams
 
     def mtp_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`DeepseekV4MTP.forward` of :attr:`drafter`; a checkpoint without one refuses."""
@@ -309,12 +321,13 @@ class DeepseekV4Model:
     #: per-layer counts of the pairs routed to each expert (EPLB statistics), None: not counted
     expert_load = None
 
-    def moe(self, moe: MoE, h, token_ids) -> torch.Tensor:
+    def moe(self, moe: MoE, h, token_ids, top_k: int | None = None) -> torch.Tensor:
+        """Routed experts plus the shared expert; ``top_k``: experts per token (default: the target's)."""
         ops, cfg, gate, ex = self.ops, self.cfg, moe.gate, moe.experts
         logits = self.linear(h, gate.weight)
         fixed = gate.tid2eid[token_ids] if gate.tid2eid is not None else None
         weights, ids = ops.moe_route(
-            logits, cfg.scoring_func, cfg.num_experts_per_tok, gate.bias, fixed, cfg.routed_scaling_factor,
+            logits, cfg.scoring_func, top_k or cfg.num_experts_per_tok, gate.bias, fixed, cfg.routed_scaling_factor,
         )
         if self.expert_load is not None:
             self.expert_load.record(moe, ids)
