@@ -48,6 +48,9 @@ class DraftPlanner:
         if not getattr(cfg, "num_nextn_predict_layers", 0):
             raise ValueError(f"speculative_config method {config.method!r} needs a checkpoint with its drafter's "
                              f"layers (num_nextn_predict_layers >= 1, the mtp.* tensors)")
+        if config.method == "mtp" and getattr(cfg, "dspark_block_size", 0):
+            raise ValueError("speculative_config method 'mtp' cannot run this checkpoint's drafter: its mtp.* "
+                             "layers are DSpark stages (V4-Flash-0731); use method 'dspark'")
         if config.method == "dspark":
             block = getattr(cfg, "dspark_block_size", 0)
             if not block:
