@@ -9,8 +9,10 @@ import pytest
 import torch
 from gpu_support import BACKEND, TINY_MODELS, gpu_marks, make_prompt
 
+from deepinfer_core.default_model import EMBEDDED_MODEL
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.spec_decode.dspark_graph import DSparkGraphs
 
 pytestmark = gpu_marks()
 
@@ -264,3 +266,53 @@ def test_chained_sampled_steps_queue_without_waiting():
     assert runs[True][0] == runs[False][0]
     stats = runs[True][3]
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+
+
+def make_v41(**kw) -> LLM:
+    """The embedded trained V4.1 (Engram, three DSpark stages) on the backend, float32."""
+    return LLM(str(EMBEDDED_MODEL), backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
+
+
+def _v41_workload(max_tokens: int):
+    """Six held-out prompts, greedy requests of ``max_tokens`` and more, and the eager V4.1's tokens without
+    speculation."""
+    plain = make_v41(enforce_eager=True)
+    assert plain.llm_engine.runner.graph_runner is None
+    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
+    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens + 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    return prompts, params, [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_dspark_greedy_with_graphs_equals_eager(k, async_scheduling):
+    """The embedded V4.1 with DSpark speculation: verification steps replay the 1 + k graphs (their Engram
+    n-gram histories in the static inputs), drafting replays the DSpark graphs (ring seeding and one pass
+    over the stages), with async scheduling steps chain on the device; the greedy tokens are those of the
+    eager engine with DSpark and of the eager engine without speculation (all but near-ties in float32)."""
+    prompts, params, ref = _v41_workload(24)
+    spec = {"method": "dspark", "num_speculative_tokens": k}
+    eager = make_v41(enforce_eager=True, speculative_config=spec)
+    eager_outs = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    llm = make_v41(speculative_config=spec, async_scheduling=async_scheduling)
+    runner = llm.llm_engine.runner
+    graphs, drafting = runner.graph_runner, runner.proposer.graphs
+    # no graphs here means an op of the model waits for the host: the engine's warning names it
+    assert graphs is not None and graphs.ngram > 0 and graphs.query_lens == [1, 1 + k]
+    assert isinstance(drafting, DSparkGraphs) and drafting.graphs and drafting.derive_graphs
+    verified, drafted, chained = [], [], []
+    replay = graphs.replay_step
+    graphs.replay_step = lambda b: verified.append(b.num_tokens // b.padded_to) or replay(b)
+    propose = drafting.propose
+    drafting.propose = lambda *a: drafted.append(len(a[0])) or propose(*a)
+    execute_chained = runner._execute_chained
+    runner._execute_chained = lambda so: chained.append(so) or execute_chained(so)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert verified.count(1 + k) >= 5 and len(drafted) >= 5, (verified, drafted)
+    assert len(chained) >= 5 if async_scheduling else not chained, len(chained)
+    assert sum(a == b for a, b in zip(outs, eager_outs)) >= len(prompts) - 1
+    assert sum(a == b for a, b in zip(outs, ref)) >= len(prompts) - 1
+    stats = llm.llm_engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] > 0, stats
