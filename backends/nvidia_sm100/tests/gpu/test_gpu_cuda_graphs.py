@@ -9,7 +9,7 @@ import pytest
 import torch
 from gpu_support import BACKEND, TINY_MODELS, gpu_marks, make_prompt
 
-from deepinfer_core.default_model import EMBEDDED_MODEL
+from deepinfer_core.default_model import EMBEDDED_MODEL, v4_model_path
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.spec_decode.dspark_graph import DSparkGraphs
@@ -64,8 +64,8 @@ def test_graph_bucket_padding_and_eager_fallback(tiny_path):
 
 
 def make(**kw) -> LLM:
-    """The trained default model on the backend, float32."""
-    return LLM(backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
+    """The trained tiny V4 (an MTP layer; the default is a V4.1) on the backend, float32."""
+    return LLM(str(v4_model_path()), backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
 
 
 def _trained_workload(max_tokens: int):
