@@ -41,16 +41,15 @@ class DraftPlanner:
         config = SpeculativeConfig.from_arg(value)
         if config is None:
             return None
-        if config.method not in cfg.architecture.drafters:
-            drafters = sorted(cfg.architecture.drafters) or "none"
+        # a config may narrow its architecture's drafters to its checkpoint's (V4-Flash: mtp; 0731: dspark)
+        methods = getattr(cfg, "drafter_methods", None) or cfg.architecture.drafters
+        if config.method not in methods:
+            drafters = sorted(methods) or "none"
             raise ValueError(f"speculative_config method {config.method!r} is not available for "
                              f"{cfg.architecture.name} (its drafters: {drafters})")
         if not getattr(cfg, "num_nextn_predict_layers", 0):
             raise ValueError(f"speculative_config method {config.method!r} needs a checkpoint with its drafter's "
                              f"layers (num_nextn_predict_layers >= 1, the mtp.* tensors)")
-        if config.method == "mtp" and getattr(cfg, "dspark_block_size", 0):
-            raise ValueError("speculative_config method 'mtp' cannot run this checkpoint's drafter: its mtp.* "
-                             "layers are DSpark stages (V4-Flash-0731); use method 'dspark'")
         if config.method == "dspark":
             block = getattr(cfg, "dspark_block_size", 0)
             if not block:

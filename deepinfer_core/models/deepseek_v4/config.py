@@ -79,6 +79,12 @@ class DeepseekV4Config(ModelConfig):
         return spec.stages if spec is not None else self.hf_config.num_nextn_predict_layers
 
     @property
+    def drafter_methods(self) -> tuple[str, ...]:
+        """The speculative methods this checkpoint's drafter serves: its mtp.* layers are DSpark stages or
+        one MTP layer."""
+        return ("dspark",) if self.dspark is not None else ("mtp",)
+
+    @property
     def dspark_block_size(self) -> int:
         """Positions a DSpark draft holds; 0 without DSpark stages."""
         spec = self.dspark
