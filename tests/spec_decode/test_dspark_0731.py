@@ -15,9 +15,12 @@ import shutil
 
 import engine_fixtures
 import pytest
+import test_spec_async
 import torch
 from engine_fixtures import greedy, make_prompt, run_tokens
 from spec_fixtures import oracle_drafts
+from test_dspark_graphs import SIZES, with_dspark_graphs
+from test_spec_async import worker_oracle
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.model.errors import UnsupportedModelError
@@ -28,6 +31,7 @@ from deepinfer_core.spec_decode.dspark_proposer import DSparkProposer
 from deepinfer_core.testing.tiny_0731 import build_tiny_0731
 
 make_llm = engine_fixtures.make_llm
+make_async = test_spec_async.make_async
 one_torch_thread = engine_fixtures.one_torch_thread
 tiny_path = engine_fixtures.tiny_path
 
@@ -144,6 +148,19 @@ def test_confidence_scheduling_stays_greedy_equal(tiny_0731, make_llm):
     ref = reference(make_llm, tiny_0731)
     llm = make_llm(tiny_0731, dtype="float64", **dspark(3, "confidence"))
     assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_drafting_greedy_equal(k, tiny_0731, make_llm, make_async):
+    """Async scheduling, verification and drafting through ``DSparkGraphs`` (``capture=False``: what a replay
+    computes), an oracle placing rejections at every offset: the output is the one without speculation."""
+    ref = reference(make_llm, tiny_0731)
+    llm = make_async(tiny_0731, dtype="float64", max_num_seqs=8, **dspark(k))
+    steps, sizes_run = with_dspark_graphs(llm, k, SIZES)
+    worker_oracle(llm, ref, mixed)
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(ref)
+    assert [q for _, q in steps].count(1 + k) >= 2 and len(sizes_run) >= 2, (steps, sizes_run)
+    assert llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] > 0
 
 
 # --- errors ------------------------------------------------------------------------------------------
