@@ -129,6 +129,16 @@ def test_dspark_greedy_equal(k, tiny_0731, make_llm):
     assert stats["num_draft_tokens"] > 0 and len(stats["verified_per_position"]) == k
 
 
+def test_dspark_greedy_equal_over_a_dense_cache(tiny_0731, make_llm):
+    """Under transformers numerics the window pools hold plain values (not DeepSeek's FP8 entries)."""
+    ref = make_llm(tiny_0731, dtype="float64", numerics="transformers")
+    want = run_tokens(ref, PROMPTS, greedy(MAX_TOKENS))
+    llm = make_llm(tiny_0731, dtype="float64", numerics="transformers", **dspark(2))
+    assert not llm.llm_engine.cache.kv_spec.is_fp8
+    assert run_tokens(llm, PROMPTS, greedy(MAX_TOKENS)) == want
+    assert llm.llm_engine.spec_decode_stats()["num_draft_tokens"] > 0
+
+
 def mixed(seq, m, j):
     """A deterministic mix of rejection points: every accepted length 0..k occurs."""
     return (seq.seq_id * 7 + m * 3 + j * 5) % 4 == 0
