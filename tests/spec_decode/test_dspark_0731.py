@@ -109,7 +109,7 @@ def test_forward_returns_the_target_layers_outputs(tiny_0731):
     torch.testing.assert_close(hidden, torch.cat(seen[1:4], dim=-1), rtol=0, atol=0)
 
 
-def test_published_tensor_count_without_drafter(tmp_path):
+def test_checkpoint_without_stages_has_no_drafter(tmp_path):
     """Without the stages the checkpoint loads as a target without a drafter."""
     path = build_tiny_0731(tmp_path / "m", with_drafter=False)
     model = load_model(path, dtype=torch.float64)
