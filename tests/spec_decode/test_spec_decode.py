@@ -64,8 +64,12 @@ VARIANTS = {
 }
 
 
-ORACLE_CASES = [("tiny", v) for v in VARIANTS] + [
-    (c, v) for c in CONFIGS[1:] for v in ("default", "preempt-blocks9-window3-chunk13")]
+# slow: tiny's chunk8-3seqs (a 3-sequence cap), unchunked (whole-prompt prefills) and preempt-blocks10 (preemption, full window)
+SLOW_ORACLE_VARIANTS = ("chunk8-3seqs", "unchunked", "preempt-blocks10")
+ORACLE_CASES = [
+    pytest.param("tiny", v, marks=pytest.mark.slow) if v in SLOW_ORACLE_VARIANTS else pytest.param("tiny", v)
+    for v in VARIANTS] + [
+    pytest.param(c, v) for c in CONFIGS[1:] for v in ("default", "preempt-blocks9-window3-chunk13")]
 
 
 @pytest.mark.parametrize("config, variant", ORACLE_CASES)
