@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.engine.memory import weight_bytes
+from deepinfer_core.entrypoints import cli
 from deepinfer_core.model.cache import bytes_per_block
 from deepinfer_core.model.kv_cache_spec import KVCacheSpec
 from deepinfer_core.model.loader import load_weights
@@ -102,19 +103,27 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_prints_the_table_and_json(checkpoint, tmp_path):
-    done = _plan(str(checkpoint / "config.json"), "--devices", "2", "--device-memory", "1",
-                 "--num-redundant-experts", "2")
+def _plan_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``_plan`` through the CLI's ``main`` in this process (no interpreter start and torch import per call; the
+    module run as a program is what test_published_config_gives_the_published_weight_total checks)."""
+    code = cli.main(["plan", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["deepinfer", "plan", *args], code, out, err)
+
+
+def test_cli_prints_the_table_and_json(checkpoint, tmp_path, capsys):
+    done = _plan_here(capsys, str(checkpoint / "config.json"), "--devices", "2", "--device-memory", "1",
+                      "--num-redundant-experts", "2")
     assert done.returncode == 0, done.stderr
     assert "as stored" in done.stdout and "csa" in done.stdout and "on 1 GB devices" in done.stdout
     assert "with 2 redundant experts" in done.stdout
-    done = _plan(str(checkpoint), "--json")
+    done = _plan_here(capsys, str(checkpoint), "--json")
     assert json.loads(done.stdout)["stored_bytes"] == weight_bytes(ModelConfig.from_pretrained(checkpoint),
                                                                    torch.bfloat16, "deepseek")["stored"]
-    done = _plan(str(tmp_path))
+    done = _plan_here(capsys, str(tmp_path))
     assert done.returncode == 2 and "no config.json" in done.stderr
     # nothing fits: said in GB, and the exit status says so to a script
-    done = _plan(str(checkpoint), "--device-memory", "0.000001")
+    done = _plan_here(capsys, str(checkpoint), "--device-memory", "0.000001")
     assert done.returncode == 1 and "leave no room for KV on 0 GB devices" in done.stdout and "GiB" not in done.stdout
 
 
