@@ -59,6 +59,10 @@ def trained(make, **kw):
     return make(EMBEDDED_MODEL, dtype="float64", block_size=32, **kw)
 
 
+# k=1 (slow): a single draft a step, the shortest verification layout; k=3 crosses every offset that k=1 does
+K_VALUES = [pytest.param(1, marks=pytest.mark.slow), 3]
+
+
 def trained_reference(make_llm, lengths: list[int]) -> tuple[list[list[int]], list, list[list[int]]]:
     """Held-out prompts (one per length), greedy params of those lengths and the outputs without speculation."""
     plain = trained(make_llm)
@@ -68,7 +72,7 @@ def trained_reference(make_llm, lengths: list[int]) -> tuple[list[list[int]], li
                                                                              use_tqdm=False)]
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", K_VALUES)
 def test_graph_drafting_equals_eager_drafting(k, make_llm):
     """The trained V4.1's DSpark stages (real acceptance: 1 to k + 1 kept positions a step): verification
     and drafting through the graphs propose the eager proposer's drafts with its confidences, requests
@@ -91,7 +95,7 @@ def test_graph_drafting_equals_eager_drafting(k, make_llm):
     assert_same_proposals(runs[False][0], runs[True][0])
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", K_VALUES)
 def test_chained_steps_equal_unchained_ones(k, make_llm, make_async):
     """Async scheduling through the graphs: steps of greedy verifications launch while the step before is
     in flight, their spans, Engram histories and drafting layouts moved on by its accepted drafts on the
@@ -126,7 +130,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", K_VALUES)
 def test_random_tiny_v41_through_graphs_greedy_equal(k, variant, tiny_path, make_llm, make_async):
     """The random tiny V4.1 with async scheduling through the graphs, the worker's proposals replaced by the
     reference continuation with rejections at every offset (chained steps verify the stages' own drafts,
