@@ -75,7 +75,7 @@ def assert_same(mask: torch.Tensor, compact: torch.Tensor, what: str) -> None:
 
 #: prompt lengths at the boundaries: the window, each keep, the chunks, ratio-2 groups and blocks of 8
 LENGTHS = [1, 7, 8, 9, 11, 12, 16, 17, 21, 25, 41]
-DEFAULT_LENGTHS = (1, 8, 9, 16, 41)  # the rest (slow) shift these: window, keep == length, floor on/in a block, odd/even
+DEFAULT_LENGTHS = (1, 8, 9, 16, 41)  # the rest (slow) shift these: window, keep == length, floor on/in a block
 
 
 @pytest.mark.parametrize("length", [n if n in DEFAULT_LENGTHS else pytest.param(n, marks=pytest.mark.slow)

@@ -116,7 +116,8 @@ def test_mtp_drafts_async_greedy_equal(config, k, tiny_path, make_llm, make_asyn
 
 # the confidence schedule past the first case is slow: its budgets change the drafts' count, not the crossings
 @pytest.mark.parametrize("config, variant, schedule", [
-    pytest.param(*case.values, schedule, marks=[*case.marks, *([pytest.mark.slow] if schedule == "confidence" and i else [])])
+    pytest.param(*case.values, schedule,
+                 marks=[*case.marks, *([pytest.mark.slow] if schedule == "confidence" and i else [])])
     for schedule in ("fixed", "confidence") for i, case in enumerate(ORACLE_CASES)])
 def test_oracle_drafts_async_greedy_equal(config, variant, schedule, tiny_path, make_llm, make_async):
     """Accepted and rejected drafts at every offset while the next step is already scheduled, through

@@ -64,7 +64,7 @@ VARIANTS = {
 }
 
 
-# slow: tiny's chunk8-3seqs (a 3-sequence cap), unchunked (whole-prompt prefills) and preempt-blocks10 (preemption, full window)
+# slow: tiny's chunk8-3seqs (3-sequence cap), unchunked (whole prefills), preempt-blocks10 (preemption, full window)
 SLOW_ORACLE_VARIANTS = ("chunk8-3seqs", "unchunked", "preempt-blocks10")
 ORACLE_CASES = [
     pytest.param("tiny", v, marks=pytest.mark.slow) if v in SLOW_ORACLE_VARIANTS else pytest.param("tiny", v)

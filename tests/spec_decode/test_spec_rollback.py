@@ -54,7 +54,8 @@ def run_steps(engine, prompt, steps):
 
 @pytest.mark.parametrize("config", ["tiny", pytest.param("tiny_hc1", marks=pytest.mark.slow)])  # hc: no rows of its own
 # 13 and 15 (slow) shift the rejection by one; 12, 14, 16 already land it on both sides of position 15/16
-@pytest.mark.parametrize("prompt_len", [12, pytest.param(13, marks=pytest.mark.slow), 14, pytest.param(15, marks=pytest.mark.slow), 16])
+@pytest.mark.parametrize("prompt_len", [12, pytest.param(13, marks=pytest.mark.slow), 14,
+                                        pytest.param(15, marks=pytest.mark.slow), 16])
 @pytest.mark.parametrize("accepted", range(K + 1))
 @pytest.mark.parametrize("verify", ["eager", "graph"])
 def test_rejected_drafts_leave_no_trace(config, prompt_len, accepted, verify, tiny_path, make_llm):
