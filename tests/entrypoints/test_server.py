@@ -11,6 +11,7 @@ Both engines are batch-invariant, so batching on the server cannot change a toke
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import importlib.util
@@ -364,7 +365,20 @@ def test_chat_tool_calls(server, offline):
     client = server.client()
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER],
               max_tokens=200, temperature=0, extra_body={"structured_outputs": {"choice": [CALL]}})
-    resp = client.chat.completions.create(**kw)
+
+    def streamed():
+        deltas, content, finish = [], "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                deltas += c.delta.tool_calls or []
+                content += c.delta.content or ""
+                finish = c.finish_reason or finish
+        return deltas, content, finish
+
+    # the streamed request runs beside the non-streamed one, in the same steps: the engine is batch-invariant
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(streamed)
+        resp = client.chat.completions.create(**kw)
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     call = choice.message.tool_calls[0]
@@ -374,12 +388,7 @@ def test_chat_tool_calls(server, offline):
                                                         structured_outputs=StructuredOutputsParams(choice=[CALL])),
                 tools=[WEATHER])[0].chat_messages[0]["tool_calls"]
     assert call.function.arguments == want[0]["function"]["arguments"]
-    deltas, content, finish = [], "", None
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            deltas += c.delta.tool_calls or []
-            content += c.delta.content or ""
-            finish = c.finish_reason or finish
+    deltas, content, finish = stream.result()
     assert content == "" and finish == "tool_calls"
     assert {d.index for d in deltas} == {0}
     head, pieces = deltas[0], [d.function.arguments for d in deltas[1:]]
