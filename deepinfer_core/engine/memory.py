@@ -139,12 +139,15 @@ def profile_activation_bytes(model: Model, sched: SchedulerConfig, block_size: i
     cache = ModelCache(model.cfg, blocks, blocks, 1, block_size, model.dtype, device, spec=spec)
     table = [i % blocks for i in range(-(-longest // block_size))]
     specs, window = model.compressor_specs(), model.cfg.sliding_window
-    prefill = build_forward_batch([0] * tokens, [SeqSpan(longest - tokens, tokens, table, table, 0)], specs,
-                                  block_size, window, None, device)
+    ngram = getattr(model, "ngram_size", 0)  # an n-gram model's batches carry each span's history
+    history = [0] * (ngram - 1) if ngram else None
+    prefill = build_forward_batch([0] * tokens, [SeqSpan(longest - tokens, tokens, table, table, 0,
+                                                         history=history)],
+                                  specs, block_size, window, None, device, ngram=ngram)
     seqs = min(sched.max_num_seqs, max(1, tokens // query_len))
     decode = build_forward_batch([0] * seqs * query_len,
-                                 [SeqSpan(longest - query_len, query_len, table, table, 0)] * seqs, specs,
-                                 block_size, window, list(range(seqs * query_len)), device)
+                                 [SeqSpan(longest - query_len, query_len, table, table, 0, history=history)] * seqs,
+                                 specs, block_size, window, list(range(seqs * query_len)), device, ngram=ngram)
     peak = platform.peak_memory_of(partial(model.forward, prefill, cache))
     peak += platform.peak_memory_of(partial(model.forward, decode, cache))
     undo = 0
