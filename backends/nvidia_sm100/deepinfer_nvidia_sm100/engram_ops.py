@@ -42,7 +42,7 @@ class _DeviceAlias:
 
     def __init__(self, t: torch.Tensor):
         self.__cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
-                                         "data": (t.data_ptr(), True), "version": 3, "strides": None}
+                                         "data": (t.data_ptr(), False), "version": 3, "strides": None}
 
 
 #: (host address, bytes, device) -> its CUDA alias, made once per table
