@@ -60,7 +60,8 @@ def test_each_op_is_served_by_the_planned_implementation(dtype, tables, device):
     expected = op_labels(collect_registry(load_backend(BACKEND)), BuildContext(BACKEND, dtype, device))
     ours = "deepinfer_nvidia_sm100."
     modules = {"torch": {native.__name__},
-               "triton": {ours + "triton_ops", ours + "hc_ops", ours + "fp8_ops", ours + "invariant_ops"},
+               "triton": {ours + "triton_ops", ours + "hc_ops", ours + "fp8_ops", ours + "invariant_ops",
+                          ours + "engram_ops"},
                "flash_mla": {ours + "external"}, "deep_gemm": {ours + "external"}}
     table = tables(dtype)
     for op in CATALOGUE:
