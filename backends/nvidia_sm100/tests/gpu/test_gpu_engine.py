@@ -12,8 +12,8 @@
 * The engine (``LLM(..., backend="nvidia_sm100")`` on CUDA, float32): greedy tokens follow cpu_ref's
   (up to a near-tie, after which the sequences may legitimately part), and the logprob it reports for
   each token matches cpu_ref's log-softmax.
-* Bad input on the GPU ends as on the CPU: an over-long prompt gets an error output while the others
-  run, a sequence that can never fit the pools ends with an error, one that outgrows them ends with an
+* Bad input on the GPU ends as on the CPU: an over-long prompt is refused naming it and the others
+  then run, a sequence that can never fit the pools ends with an error, one that outgrows them ends with an
   error keeping its tokens.
 """
 
@@ -223,17 +223,20 @@ def _drained(llm: LLM) -> None:
         assert pool.num_free == pool.size, f"{pool.name} pool leaked"
 
 
-def test_over_long_prompt_is_an_error_output_and_the_others_run(tiny_path, prompts):
+def test_over_long_prompt_is_refused_naming_it_and_the_others_run(tiny_path, prompts):
+    """Offline, an invalid prompt raises before anything runs (vLLM's behaviour), naming its index; the
+    engine holds nothing afterwards and the valid prompts then run as on the CPU."""
     gpu, cpu = _both(tiny_path, max_model_len=40)
-    batch = [{"prompt_token_ids": prompts[1]}, {"prompt_token_ids": make_prompt(40, seed=9)},
-             {"prompt_token_ids": make_prompt(12, seed=3)}]
+    ok = [{"prompt_token_ids": prompts[1]}, {"prompt_token_ids": make_prompt(12, seed=3)}]
+    bad = [ok[0], {"prompt_token_ids": make_prompt(40, seed=9)}, ok[1]]
     outs = {}
     for llm, where in ((gpu, "cuda"), (cpu, "cpu")):
-        outs[where] = llm.generate(batch, _greedy(5), use_tqdm=False)
+        with pytest.raises(ValueError, match=r"prompt 1: .*max_model_len"):
+            llm.generate(bad, _greedy(5), use_tqdm=False)
         _drained(llm)
-        err = outs[where][1]
-        assert err.finished and err.outputs[0].finish_reason == "error" and "max_model_len" in err.error
-        assert err.outputs[0].token_ids == []
+        outs[where] = llm.generate(ok, _greedy(5), use_tqdm=False)
+        _drained(llm)
+        assert all(o.error is None for o in outs[where])
     assert _summary(outs["cuda"]) == _summary(outs["cpu"])
 
 
