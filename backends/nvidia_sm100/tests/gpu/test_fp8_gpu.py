@@ -317,15 +317,17 @@ def test_fp8_ops_capture_in_a_cuda_graph(device):
 
 
 def test_engine_with_fp8_weights_on_the_gpu():
+    from deepinfer_core.default_model import v4_model_path
     from deepinfer_core.entrypoints.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
     prompts = ["def fibonacci(n):", "The quick brown fox", "import os, sys", "class Node:"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    base = LLM(backend=BACKEND, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
+    v4 = str(v4_model_path())  # block-FP8 quantisation of a bf16 checkpoint: V4's path
+    base = LLM(v4, backend=BACKEND, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
     want = base.generate(prompts, params, use_tqdm=False)
     del base
-    fp8 = LLM(backend=BACKEND, dtype="bfloat16", max_num_seqs=4, quantization="fp8")
+    fp8 = LLM(v4, backend=BACKEND, dtype="bfloat16", max_num_seqs=4, quantization="fp8")
     got = fp8.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in got)
     same = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(want, got))
