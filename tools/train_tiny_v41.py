@@ -59,11 +59,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONFIG_OVERRIDES = dict(sliding_window=32, index_topk=16, candidate_topk_blocks=4, candidate_block_size=8)
 
 
-def model_config() -> dict:
-    """The HF config.json: TINY_V41's text model with :data:`CONFIG_OVERRIDES`, unquantised, no vision."""
+def model_config(overrides: dict = CONFIG_OVERRIDES) -> dict:
+    """The HF config.json: TINY_V41's text model with ``overrides``, unquantised, no vision."""
     from deepinfer_core.testing.tiny_v41 import tiny_v41_config
 
-    config = tiny_v41_config(tokenizer_dir=V4_ASSET, **CONFIG_OVERRIDES)
+    config = tiny_v41_config(tokenizer_dir=V4_ASSET, **overrides)
     config.pop("quantization_config")
     return config
 
@@ -327,6 +327,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=REPO / "deepinfer_core" / "assets" / CHECKPOINT_NAME)
     ap.add_argument("--logs", type=Path, help="metrics and token counts (default: <out>-logs beside <out>)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engram-layer-ids", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="the Engram layers (default TINY_V41's 1,5; 1,3 puts both before the last KV source, "
+                         "4, so bounded replay can cut the late layers)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5000, help="upper bound on target steps")
@@ -385,13 +388,16 @@ def main(argv=None) -> int:
     log("corpus: " + ", ".join(f"{s} {len(split_texts[s])} files / {streams[s].numel()} tokens" for s in streams))
 
     # 2. target
-    config = model_config()
+    overrides = dict(CONFIG_OVERRIDES)
+    if args.engram_layer_ids is not None:
+        overrides["engram_layer_ids"] = args.engram_layer_ids
+    config = model_config(overrides)
     flat = flat_config(config)
     cfg_text = config["text_config"]
     model = v41_trainable.TrainableV41(ref, flat, load_tokenizer(), args.seq_len + 1, args.batch_size, args.seed)
     n_target = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
     n_drafter = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
-    log(f"model: target {n_target / 1e6:.2f}M, drafter {n_drafter / 1e6:.2f}M parameters; {CONFIG_OVERRIDES}")
+    log(f"model: target {n_target / 1e6:.2f}M, drafter {n_drafter / 1e6:.2f}M parameters; {overrides}")
     target_info = train_target(model, args, streams["train"], streams["val"], log, metrics)
     log(f"target: {target_info['steps']} steps in {target_info['seconds']:.0f}s, best val loss "
         f"{target_info['best_val_loss']:.4f} at step {target_info['best_step']}")
@@ -426,7 +432,7 @@ def main(argv=None) -> int:
         "seq_len": args.seq_len,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k not in ("out", "logs", "reference")},
-        "config_overrides": CONFIG_OVERRIDES,
+        "config_overrides": overrides,
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "device": "cpu", "threads": args.threads,
         "parameters": {"target": n_target, "drafter": n_drafter},
