@@ -11,6 +11,18 @@ continuation tokens teacher-forced one at a time after the prefill, their greedy
 prefill's, the largest logprob difference and both perplexities (of random tokens on a random model: a
 measure of the difference, not of the model).
 
+With ``--model DIR`` a trained V4.1 checkpoint (``load_model``) replaces the random weights and the prompts
+are real held-out text: the Python standard library's held-out split (``tools/build_corpus.py``), its
+files in order, each followed by the tokenizer's eos, tokenized with the checkpoint's tokenizer, cut at
+each length; the ``--quality-tokens`` continuation tokens are the text's next tokens. With ``--quality``
+every mode then reports the held-out perplexity of those tokens teacher-forced after its prefill (and
+its top-1 accuracy on them), the greedy agreement with the full prefill at each position and the largest
+logprob difference to it. A model whose late layers carry Engram or own global KV is refused (the reason
+printed and written to the report, exit status 2)::
+
+    python benchmarks/bench_bounded_replay.py --model deepinfer_core/assets/deepseek-v41-tiny \\
+        --lengths 1024,2048,3968 --chunk 512 --quality --quality-tokens 64 --threads 1
+
 CPU (the tiny V4.1 without Engram, window 8)::
 
     python benchmarks/bench_bounded_replay.py --out benchmarks/results/cpu/bounded_replay.json
@@ -31,6 +43,7 @@ import json
 import math
 import platform as host_platform
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +53,7 @@ import torch
 from deepinfer_core.model.replay import replay_keep
 
 MODES = ("full", "mask", "compact")
+REPO = Path(__file__).resolve().parents[1]
 RELEASE_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "reference" / "deepseek-v4.1-flash" / \
     "config.transcribed.json"
 
@@ -51,6 +65,9 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=("tiny", "v41"), default="tiny")
+    ap.add_argument("--model", default=None, help="a trained V4.1 checkpoint folder instead of random weights; "
+                    "prompts from the stdlib's held-out split (lengths default 1024,2048; chunk 512)")
+    ap.add_argument("--numerics", default="unquantised", help="--model: load_model's numerics")
     ap.add_argument("--lengths", type=int_list, default=None, help="prompt lengths (tiny: 256,1024; v41: 8K,32K,128K)")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (tiny: 256; v41: 8192)")
     ap.add_argument("--backtrack", type=int, default=0, help="longest backtracking: drafts or a capture window")
@@ -70,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     tiny = a.preset == "tiny"
+    if a.model:
+        a.lengths = a.lengths or [1024, 2048]
+        a.chunk = a.chunk or 512
     a.lengths = a.lengths or ([256, 1024] if tiny else [8192, 32768, 131072])
     a.chunk = a.chunk or (256 if tiny else 8192)
     a.dtype = a.dtype or ("float32" if tiny else "bfloat16")
@@ -143,6 +163,65 @@ def build_model(a, cfg, dtype: torch.dtype, device: torch.device):
     return DeepseekV41Model(cfg, weights, ops, dtype, numerics="unquantised")
 
 
+def load_trained(a, dtype: torch.dtype, device: torch.device):
+    """The checkpoint of ``--model`` through ``load_model``."""
+    from deepinfer_core.models import load_model
+
+    return load_model(a.model, backend=a.backend, dtype=dtype, device=device, numerics=a.numerics)
+
+
+def replay_refusal(cfg) -> str | None:
+    """Why bounded replay cannot cut this model's late layers (None: it can)."""
+    from deepinfer_core.model.errors import UnsupportedModelError
+    from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
+    from deepinfer_core.models.deepseek_v41.replay import replay_layers
+
+    if not isinstance(cfg, DeepseekV41Config):
+        return f"bounded replay is DeepSeek-V4.1's; this checkpoint is {type(cfg).__name__}"
+    try:
+        replay_layers(cfg)
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return None
+
+
+def heldout_tokens(model_dir: str | Path, count: int) -> tuple[list[int], dict]:
+    """The first ``count`` tokens of the stdlib's held-out split (``tools/build_corpus.py``): its files in
+    order, each followed by eos, tokenized with the checkpoint's tokenizer; and where they came from."""
+    from deepinfer_core.tokenizer import get_tokenizer
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import build_corpus
+
+    tok = get_tokenizer(model_dir)
+    if tok is None:
+        raise SystemExit(f"{Path(model_dir).name} has no tokenizer: held-out text cannot be tokenized")
+    files = [f for f in build_corpus.collect() if f.split == "heldout"]
+    ids: list[int] = []
+    used = []
+    for f, text in zip(files, build_corpus.texts(files, "heldout")):
+        if len(ids) >= count:
+            break
+        ids.extend(tok.encode(text, add_special_tokens=False))
+        ids.append(tok.eos_token_id)
+        used.append(f.relpath)
+    if len(ids) < count:
+        raise SystemExit(f"the held-out split holds {len(ids)} tokens; {count} asked")
+    return ids[:count], dict(source="Python standard library, held-out split (tools/build_corpus.py)",
+                             python_version=host_platform.python_version(), files=used, tokens=count)
+
+
+def block_size_of(cfg, preset: str) -> int:
+    """The cache's block size: a multiple of 16 and of every compression rate (128 for the release)."""
+    if preset == "v41":
+        return 128
+    size = 16
+    for layer in range(cfg.num_hidden_layers):
+        rate = cfg.compress_rate(layer)
+        size = math.lcm(size, rate) if rate else size
+    return size
+
+
 # --- FLOPs ------------------------------------------------------------------------------------------
 
 def layer_flops(cfg, layer: int, position: float) -> float:
@@ -195,7 +274,8 @@ class Prefill:
         from deepinfer_core.model.cache import ModelCache
 
         self.model, self.a = model, a
-        self.block_size = 128 if a.preset == "v41" else 16
+        self.block_size = block_size_of(model.cfg, a.preset)
+        self.ngram = getattr(model, "ngram_size", 0)  # an Engram model: each chunk carries its n-gram history
         blocks = -(-(longest + a.quality_tokens + 1) // self.block_size)
         self.cache = ModelCache(model.cfg, blocks, blocks, 1, self.block_size, model.dtype, model.device)
         self.table = list(range(blocks))
@@ -209,12 +289,14 @@ class Prefill:
         model.bounded_replay = None if mode == "full" else mode
         floor = 0 if mode == "full" else max(0, len(ids) - keep)
         rows, pos, first = [], 0, None
+        fed = list(ids) + list(follow)
         sync(model.device)
         t0 = time.perf_counter()
         for tokens in chunks(ids, self.a.chunk) + [[t] for t in follow]:
-            span = SeqSpan(pos, len(tokens), self.table, self.table, 0, replay_from=floor)
+            history = fed[max(0, pos - self.ngram + 1):pos] if self.ngram else None
+            span = SeqSpan(pos, len(tokens), self.table, self.table, 0, history=history, replay_from=floor)
             batch = build_forward_batch(tokens, [span], model.compressor_specs(), self.block_size,
-                                        model.cfg.sliding_window, device=model.device)
+                                        model.cfg.sliding_window, device=model.device, ngram=self.ngram)
             logits, _ = model.forward(batch, self.cache)
             pos += len(tokens)
             if pos == len(ids):
@@ -254,6 +336,18 @@ def quality(full: torch.Tensor, cut: torch.Tensor, follow: list[int]) -> dict:
                 ppl_full=math.exp(nll["full"]), ppl_cut=math.exp(nll["cut"]))
 
 
+def heldout_quality(full: torch.Tensor, rows: torch.Tensor, follow: list[int]) -> dict:
+    """One mode's rows on real text: the held-out perplexity of ``follow`` and its top-1 accuracy on it
+    (the ``len(follow)`` rows that predict a token), its greedy agreement with the full prefill at each
+    of those positions and the largest logprob difference to it."""
+    target = torch.tensor(follow)
+    n = len(follow)
+    nll = -rows[:n].gather(1, target.unsqueeze(1)).mean().item()
+    return dict(ppl=math.exp(nll), top1=(rows[:n].argmax(-1) == target).double().mean().item(),
+                greedy_agreement=(full[:n].argmax(-1) == rows[:n].argmax(-1)).double().mean().item(),
+                max_logprob_diff=(full[:n] - rows[:n]).abs().max().item(), quality_tokens=n)
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -261,18 +355,33 @@ def main(argv=None) -> dict:
         torch.set_num_threads(a.threads)
     modes = [m for m in a.modes.split(",") if m]
     longest = max(a.lengths)
-    cfg = model_config(a, longest + a.quality_tokens + 1)
-    keep = replay_keep(cfg.sliding_window, a.backtrack)
     t0 = time.perf_counter()
+    heldout = None
     with torch.inference_mode():
-        model = build_model(a, cfg, dtype, device)
+        if a.model:
+            model = load_trained(a, dtype, device)
+            cfg = model.cfg
+            refusal = replay_refusal(cfg)
+            if refusal is not None and any(m != "full" for m in modes):
+                return refused(a, cfg, refusal)
+            if longest + a.quality_tokens > cfg.max_position_embeddings:
+                raise SystemExit(f"--lengths up to {longest} + --quality-tokens {a.quality_tokens} exceed the "
+                                 f"model's max_position_embeddings ({cfg.max_position_embeddings})")
+            stream, heldout = heldout_tokens(a.model, longest + a.quality_tokens)
+        else:
+            cfg = model_config(a, longest + a.quality_tokens + 1)
+            model = build_model(a, cfg, dtype, device)
+        keep = replay_keep(cfg.sliding_window, a.backtrack)
         build_s = time.perf_counter() - t0
         bench = Prefill(model, a, longest)
         gen = torch.Generator().manual_seed(a.seed + 1)
         rows = []
         for length in a.lengths:
-            ids = torch.randint(5, cfg.vocab_size - 8, (length,), generator=gen).tolist()
-            follow = torch.randint(5, cfg.vocab_size - 8, (a.quality_tokens,), generator=gen).tolist()
+            if a.model:  # real text: the prompt and the tokens that follow it
+                ids, follow = stream[:length], stream[length:length + a.quality_tokens]
+            else:
+                ids = torch.randint(5, cfg.vocab_size - 8, (length,), generator=gen).tolist()
+                follow = torch.randint(5, cfg.vocab_size - 8, (a.quality_tokens,), generator=gen).tolist()
             out = {}
             for mode in modes:
                 bench.run(mode, ids[: min(length, a.chunk)], keep)  # warm-up
@@ -290,7 +399,12 @@ def main(argv=None) -> dict:
             for row in out.values():
                 if "full" in out:
                     row["speedup"] = out["full"]["ttft_s"] / row["ttft_s"]
-            if a.quality and "full" in modes:
+            if a.quality and "full" in modes and a.model:
+                _, full = bench.run("full", ids, keep, follow)
+                for mode in modes:
+                    cut = full if mode == "full" else bench.run(mode, ids, keep, follow)[1]
+                    out[mode].update(heldout_quality(full, cut, follow))
+            elif a.quality and "full" in modes:
                 _, full = bench.run("full", ids, keep, follow)
                 for mode in (m for m in modes if m != "full"):
                     out[mode].update(quality(full, bench.run(mode, ids, keep, follow)[1], follow))
@@ -303,33 +417,67 @@ def main(argv=None) -> dict:
                                                                       cfg.num_hidden_layers)),
                   routed_experts=cfg.n_routed_experts, window=cfg.sliding_window, keep=keep,
                   threads=torch.get_num_threads() if device.type == "cpu" else None, build_s=build_s, rows=rows)
+    if a.model:
+        report.update(model_fields(a, cfg), heldout=heldout, numerics=a.numerics)
     print()
     print(table(report))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write(a, report)
     return report
 
 
+def model_fields(a, cfg) -> dict:
+    """What names the checkpoint of ``--model`` (its folder's name only, and what it was trained on)."""
+    info = Path(a.model) / "training_info.json"
+    seq_len = json.loads(info.read_text()).get("seq_len") if info.is_file() else None
+    return dict(preset="model", model=Path(a.model).resolve().name, train_seq_len=seq_len,
+                max_position_embeddings=cfg.max_position_embeddings)
+
+
+def refused(a, cfg, reason: str) -> dict:
+    """The report of a model bounded replay cannot cut: the reason, printed and written; no rows."""
+    print(f"bounded replay refused for {Path(a.model).resolve().name}: {reason}", flush=True)
+    report = dict(benchmark="bounded_replay", label=a.label or git_commit(), commit=git_commit(),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), **model_fields(a, cfg),
+                  refused=reason, rows=[])
+    write(a, report)
+    return report
+
+
+def write(a, report: dict) -> None:
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
 HEADERS = ["length", "mode", "TTFT s", "tok/s", "speed-up", "GFLOP/token", "greedy agree", "max |dlogp|"]
+HELDOUT_HEADERS = ["ppl", "top-1"]  # --model: the held-out perplexity and top-1 accuracy of each mode
 
 
 def cells(row: dict) -> list[str]:
     def f(key, fmt):
         return fmt.format(row[key]) if row.get(key) is not None else "-"
 
-    return [str(row["length"]), row["mode"], f("ttft_s", "{:.3f}"), f("tok_s", "{:.0f}"), f("speedup", "{:.2f}x"),
-            f("gflops_per_token", "{:.4g}"), f("greedy_agreement", "{:.3f}"), f("max_logprob_diff", "{:.3g}")]
+    out = [str(row["length"]), row["mode"], f("ttft_s", "{:.3f}"), f("tok_s", "{:.0f}"), f("speedup", "{:.2f}x"),
+           f("gflops_per_token", "{:.4g}"), f("greedy_agreement", "{:.3f}"), f("max_logprob_diff", "{:.3g}")]
+    if "ppl" in row:
+        out += [f("ppl", "{:.3f}"), f("top1", "{:.3f}")]
+    return out
+
+
+def headers(row: dict) -> list[str]:
+    return HEADERS + (HELDOUT_HEADERS if "ppl" in row else [])
 
 
 def line(row: dict) -> str:
-    return "  ".join(f"{h}={c}" for h, c in zip(HEADERS, cells(row)))
+    return "  ".join(f"{h}={c}" for h, c in zip(headers(row), cells(row)))
 
 
 def table(report: dict) -> str:
-    body = [HEADERS] + [cells(r) for r in report["rows"]]
-    widths = [max(len(c[i]) for c in body) for i in range(len(HEADERS))]
-    lines = [f"{report['label']}  (V4.1 {report['preset']}, {report['layers']} layers, late {report['late_layers'][0]}-"
+    head = headers(report["rows"][0]) if report["rows"] else HEADERS
+    body = [head] + [cells(r) for r in report["rows"]]
+    widths = [max(len(c[i]) for c in body) for i in range(len(head))]
+    what = f"model {report['model']}" if report.get("model") else f"V4.1 {report['preset']}"
+    lines = [f"{report['label']}  ({what}, {report['layers']} layers, late {report['late_layers'][0]}-"
              f"{report['late_layers'][-1]}, window {report['window']}, keep {report['keep']}, {report['device']}, "
              f"{report['dtype']})"]
     for i, c in enumerate(body):
@@ -340,4 +488,4 @@ def table(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(2 if main().get("refused") else 0)
