@@ -72,10 +72,12 @@ def resolve_bounded_replay(value: bool | str | None, cfg: Any) -> str | None:
 
 
 def replay_keep_of(cfg: Any, speculative: Any = None) -> int:
-    """:func:`replay_keep` of model ``cfg`` under the engine's speculative config (None: no drafts): a DSpark
-    drafter reads the target's features over its own window of ``sliding_window`` positions."""
+    """:func:`replay_keep` of model ``cfg`` under the engine's speculative config (None: no drafts). A
+    DSpark drafter reads the target's features over its own window of ``sliding_window`` positions; the
+    keep counts that window whenever the checkpoint has such a drafter, drafting or not, so that turning
+    speculation on never changes the cut, and with it the outputs (speculation stays lossless)."""
     drafts = speculative.num_speculative_tokens if speculative is not None else 0
-    capture = cfg.sliding_window if speculative is not None and speculative.method == "dspark" else 0
+    capture = cfg.sliding_window if getattr(cfg, "dspark_block_size", 0) else 0
     return replay_keep(cfg.sliding_window, drafts, capture)
 
 

@@ -46,10 +46,11 @@ def assert_same(a, b, tol: float = 1e-9):
             assert all(abs(lx[t] - ly[t]) <= tol for t in lx), (lx, ly)
 
 
-def test_the_default_is_compact_with_the_window_as_keep(late, make_llm):  # noqa: F811
+def test_the_default_is_compact_with_the_window_and_the_drafters_as_keep(late, make_llm):  # noqa: F811
+    """The checkpoint has DSpark stages: the keep counts their capture window, drafting or not."""
     llm = make_llm(late, dtype="float64")
     assert llm.llm_engine.model.bounded_replay == "compact"
-    assert llm.llm_engine.scheduler_config.replay_keep == WINDOW
+    assert llm.llm_engine.scheduler_config.replay_keep == 2 * WINDOW
 
 
 def test_mask_equals_compact(late, make_llm):  # noqa: F811
@@ -99,13 +100,12 @@ def test_async_scheduling_equals_sync(late, make_llm):  # noqa: F811
 
 
 def test_speculative_decoding_is_lossless_under_bounded_replay(late, make_llm):  # noqa: F811
-    """DSpark drafts: the keep grows to the window plus its capture window (8 + 8); the output and the
-    logprobs equal plain decoding's under the same keep, which are not the full prefill's."""
+    """The keep is the window plus DSpark's capture window (8 + 8) with speculation on or off: the output and
+    the logprobs equal plain decoding's, which are not the full prefill's."""
     spec = make_llm(late, dtype="float64", max_num_batched_tokens=24,
                     speculative_config={"method": "dspark", "num_speculative_tokens": 2})
-    assert spec.llm_engine.scheduler_config.replay_keep == 2 * WINDOW
     plain = make_llm(late, dtype="float64", max_num_batched_tokens=24)
-    plain.llm_engine.scheduler_config.replay_keep = 2 * WINDOW  # the same cut as the drafting engine's
+    assert spec.llm_engine.scheduler_config.replay_keep == plain.llm_engine.scheduler_config.replay_keep == 2 * WINDOW
     full = make_llm(late, dtype="float64", max_num_batched_tokens=24, bounded_replay=False)
     params = greedy(8, logprobs=3)
     drafted, reference = generate(spec, PROMPTS, params), generate(plain, PROMPTS, params)
@@ -122,9 +122,10 @@ def test_difference_to_the_full_prefill(late, make_llm):  # noqa: F811
     full = make_llm(late, dtype="float64", bounded_replay=False)
     cut = make_llm(late, dtype="float64", bounded_replay="compact")
     params = greedy(4, logprobs=5)
-    short = [p for p in PROMPTS if len(p) <= WINDOW]
+    keep = cut.llm_engine.scheduler_config.replay_keep  # the window and the DSpark stages' capture window
+    short = [p for p in PROMPTS if len(p) <= keep]
     assert_same(generate(full, short, params), generate(cut, short, params), tol=1e-12)
-    long = [p for p in PROMPTS if len(p) > WINDOW]
+    long = [p for p in PROMPTS if len(p) > keep]
     diffs = []
     for a, b in zip(generate(full, long, params), generate(cut, long, params)):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
