@@ -1,6 +1,6 @@
 """Pytest setup shared by the core's tests (tests/) and the backends' (backends/<name>/tests/): the
 command-line options, tests/ on the import path for the shared fixtures and helpers there, and the
-grouping that keeps multi-process tests on one pytest-xdist worker."""
+pytest-xdist grouping: multi-process tests on one worker, every other file's tests on one worker each."""
 
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ MULTIPROCESS = ("tests/parallel/",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # under ``--dist loadgroup`` a group runs on one worker: a file's module fixtures (references, lowered
+    # kernels, built engines) are then made once, not once on each worker its tests were spread over
     for item in items:
-        if item.nodeid.startswith(MULTIPROCESS):
-            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        group = "multiprocess" if item.nodeid.startswith(MULTIPROCESS) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True, scope="module")
