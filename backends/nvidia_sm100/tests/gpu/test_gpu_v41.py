@@ -93,7 +93,7 @@ def test_engine_float32_greedy_follows_cpu_ref(spec, reference, device):
     kw = {} if spec is None else {"speculative_config": {"method": "dspark", "num_speculative_tokens": spec}}
     llm = LLM(str(EMBEDDED_MODEL), backend=BACKEND, dtype="float32", block_size=BLOCK, max_model_len=128,
               max_num_batched_tokens=32, **kw)
-    assert llm.llm_engine.device.type == "cuda"
+    assert llm.llm_engine.device.type == torch.device(device).type
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for s, out in enumerate(outs):
