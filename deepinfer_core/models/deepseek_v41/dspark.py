@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.model.cache import ModelCache
+from deepinfer_core.model.dspark_head import dspark_head
 from deepinfer_core.model.metadata import ForwardBatch
 from deepinfer_core.models.deepseek_v41.weights import Attention, DrafterStage, MoE
 from deepinfer_core.ops.native import acc_dtype
@@ -142,19 +143,5 @@ class DeepseekV41DSpark:
 
     def head(self, hidden: torch.Tensor, token_ids: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block's logits, the Markov walk (greedy) and the confidence logits; ``hidden`` [B, block, D]
-        is the collapsed stream before the output norm."""
-        t, last = self.target, self.weights[-1]
-        ops = t.ops
-        b, k, d = hidden.shape
-        logits = t.logits(ops.rms_norm(hidden.reshape(b * k, d), last.norm, t.cfg.rms_norm_eps)).view(b, k, -1)
-        acc = logits.dtype
-        out, embeds = [token_ids], []
-        for i in range(k):
-            e = ops.embedding(out[-1], last.markov_embed)
-            logits[:, i] += ops.linear(e.to(acc), last.markov_head.weight.to(acc))
-            embeds.append(e)
-            out.append(logits[:, i].argmax(dim=-1))
-        features = torch.cat([hidden.to(acc), torch.stack(embeds, dim=1).to(acc)], dim=-1)
-        confidence = ops.linear(features, last.confidence.weight.to(acc)).squeeze(-1)
-        return torch.stack(out, dim=1), logits, confidence
+        """The block's logits, the Markov walk (greedy) and the confidence logits (:func:`dspark_head`)."""
+        return dspark_head(self.target, self.weights[-1], hidden, token_ids)
