@@ -37,3 +37,39 @@ def make_prompt(length: int, seed: int, vocab_size: int = 384) -> list[int]:
     """Deterministic token ids, BOS/EOS (0, 1) left out."""
     gen = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(2, vocab_size, (length,), generator=gen).tolist()
+
+
+def drive(model, prompts: list[list[int]], feed: list[list[int]] | None, steps: int, chunk: int, block_size: int):
+    """Prefill ``prompts`` in chunks of ``chunk`` tokens, then ``steps`` decode steps, through a
+    ``SimpleRunner`` of ``block_size`` blocks.
+
+    ``feed[s][i]`` is the token sequence ``s`` receives at decode step ``i`` (``None``: greedy on this
+    model's own logits). Returns (per sequence: [steps + 1] float64 logits on the CPU, fed tokens)."""
+    from deepinfer_core.testing.model_runner import SimpleRunner
+
+    n = len(prompts)
+    runner = SimpleRunner(model, num_seqs=n, max_len=max(map(len, prompts)) + steps + 1, block_size=block_size)
+    logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for start in range(0, max(map(len, prompts)), chunk):
+        chunks = {s: p[start : start + chunk] for s, p in enumerate(prompts) if start < len(p)}
+        out = runner.step(chunks)
+        for s in chunks:
+            if start + chunk >= len(prompts[s]):
+                logits[s].append(out[s][-1].double().cpu())
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    for i in range(steps):
+        step = {}
+        for s in range(n):
+            tok = feed[s][i] if feed is not None else int(logits[s][-1].argmax())
+            tokens[s].append(tok)
+            step[s] = [tok]
+        out = runner.step(step)
+        for s in range(n):
+            logits[s].append(out[s][-1].double().cpu())
+    return logits, tokens
+
+
+def near_tie(logits: torch.Tensor, tol: float) -> bool:
+    """Whether the two best of ``logits`` are within ``tol``."""
+    top = logits.topk(2).values
+    return bool(top[0] - top[1] <= tol)

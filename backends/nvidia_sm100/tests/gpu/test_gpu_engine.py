@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_support import BACKEND, TINY_MODELS, gpu_marks, make_prompt
+from gpu_support import BACKEND, TINY_MODELS, drive, gpu_marks, make_prompt, near_tie
 
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.models import load_model
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.testing.model_runner import SimpleRunner
 
 pytestmark = gpu_marks()
 
@@ -79,30 +78,7 @@ def _pin_selections(model, recorded: dict[str, list]) -> None:
 
 
 def _drive(model, prompts: list[list[int]], feed: list[list[int]] | None, steps: int):
-    """Prefill ``prompts`` in chunks of CHUNK tokens, then ``steps`` decode steps.
-
-    ``feed[s][i]`` is the token sequence ``s`` receives at decode step ``i`` (``None``: greedy on this
-    model's own logits). Returns (per sequence: [steps + 1] float64 logits on the CPU, fed tokens)."""
-    n = len(prompts)
-    runner = SimpleRunner(model, num_seqs=n, max_len=max(map(len, prompts)) + steps + 1, block_size=BLOCK)
-    logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for start in range(0, max(map(len, prompts)), CHUNK):
-        chunks = {s: p[start : start + CHUNK] for s, p in enumerate(prompts) if start < len(p)}
-        out = runner.step(chunks)
-        for s in chunks:
-            if start + CHUNK >= len(prompts[s]):
-                logits[s].append(out[s][-1].double().cpu())
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    for i in range(steps):
-        step = {}
-        for s in range(n):
-            tok = feed[s][i] if feed is not None else int(logits[s][-1].argmax())
-            tokens[s].append(tok)
-            step[s] = [tok]
-        out = runner.step(step)
-        for s in range(n):
-            logits[s].append(out[s][-1].double().cpu())
-    return logits, tokens
+    return drive(model, prompts, feed, steps, CHUNK, BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +102,6 @@ def reference(tiny_path, prompts):
     return get
 
 
-def _near_tie(logits: torch.Tensor, tol: float) -> bool:
-    top = logits.topk(2).values
-    return bool(top[0] - top[1] <= tol)
-
-
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_float32_logits_follow_cpu_ref_float64(name, tiny_path, prompts, reference, device):
     ref_logits, ref_tokens, _ = reference(name)
@@ -141,7 +112,7 @@ def test_float32_logits_follow_cpu_ref_float64(name, tiny_path, prompts, referen
             err = (got - want).abs().max().item()
             assert err <= FP32_TOL, f"{name}: sequence {s} step {i}: max abs logit error {err:.3g}"
             if int(got.argmax()) != int(want.argmax()):
-                assert _near_tie(want, FP32_TOL), f"{name}: sequence {s} step {i}: greedy token differs"
+                assert near_tie(want, FP32_TOL), f"{name}: sequence {s} step {i}: greedy token differs"
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -187,7 +158,7 @@ def test_engine_float32_greedy_follows_cpu_ref(name, tiny_path, prompts, referen
             assert abs(got_lp - want[tok].item()) <= FP32_TOL, f"{name}: seq {s} step {i}: logprob"
             if tok != ref_tokens[s][i]:
                 why = f"{name}: seq {s} step {i}: token {tok}, cpu_ref {ref_tokens[s][i]}"
-                assert _near_tie(ref_logits[s][i], FP32_TOL), why
+                assert near_tie(ref_logits[s][i], FP32_TOL), why
                 break  # a near-tie went the other way: the rest of the sequence may differ
 
 

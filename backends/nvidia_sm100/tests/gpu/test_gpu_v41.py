@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_support import BACKEND, gpu_marks
+from gpu_support import BACKEND, drive, gpu_marks, near_tie
 
 from deepinfer_core.default_model import EMBEDDED_MODEL
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.models import load_model
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.testing.model_runner import SimpleRunner
 
 pytestmark = gpu_marks()
 
@@ -38,34 +37,8 @@ def _prompts(vocab: int) -> list[list[int]]:
     return out
 
 
-def _drive(model, prompts, feed, steps):
-    """Chunked prefill then ``steps`` decode steps; ``feed`` None: greedy on this model's own logits.
-    Returns (per sequence: [steps + 1] float64 logits on the CPU, the tokens fed)."""
-    n = len(prompts)
-    runner = SimpleRunner(model, num_seqs=n, max_len=max(map(len, prompts)) + steps + 1, block_size=BLOCK)
-    logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for start in range(0, max(map(len, prompts)), CHUNK):
-        chunks = {s: p[start : start + CHUNK] for s, p in enumerate(prompts) if start < len(p)}
-        out = runner.step(chunks)
-        for s in chunks:
-            if start + CHUNK >= len(prompts[s]):
-                logits[s].append(out[s][-1].double().cpu())
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    for i in range(steps):
-        step = {}
-        for s in range(n):
-            tok = feed[s][i] if feed is not None else int(logits[s][-1].argmax())
-            tokens[s].append(tok)
-            step[s] = [tok]
-        out = runner.step(step)
-        for s in range(n):
-            logits[s].append(out[s][-1].double().cpu())
-    return logits, tokens
-
-
-def _near_tie(logits: torch.Tensor, tol: float) -> bool:
-    top = logits.topk(2).values
-    return bool(top[0] - top[1] <= tol)
+def _drive(model, prompts: list[list[int]], feed: list[list[int]] | None, steps: int):
+    return drive(model, prompts, feed, steps, CHUNK, BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -103,5 +76,5 @@ def test_engine_float32_greedy_follows_cpu_ref(spec, reference, device):
         for i, tok in enumerate(got):
             if tok != ref_tokens[s][i]:
                 why = f"seq {s} step {i}: token {tok}, cpu_ref {ref_tokens[s][i]}"
-                assert _near_tie(ref_logits[s][i], FP32_TOL), why
+                assert near_tie(ref_logits[s][i], FP32_TOL), why
                 break
