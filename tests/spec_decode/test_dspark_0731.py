@@ -19,6 +19,7 @@ import test_spec_async
 import torch
 from engine_fixtures import greedy, make_prompt, run_tokens
 from spec_fixtures import oracle_drafts
+from test_dspark_decode import dspark
 from test_dspark_graphs import SIZES, with_dspark_graphs
 from test_spec_async import worker_oracle
 
@@ -44,10 +45,6 @@ _REF: dict = {}
 @pytest.fixture(scope="session")
 def tiny_0731(tmp_path_factory) -> object:
     return build_tiny_0731(tmp_path_factory.mktemp("tiny_0731") / "m")
-
-
-def dspark(k: int, schedule: str = "fixed") -> dict:
-    return {"speculative_config": {"method": "dspark", "num_speculative_tokens": k, "schedule": schedule}}
 
 
 def reference(make_llm, path) -> dict:
