@@ -68,9 +68,11 @@ def make(**kw) -> LLM:
     return LLM(str(v4_model_path()), backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
 
 
-def _trained_workload(max_tokens: int):
-    """Six held-out prompts, greedy requests of ``max_tokens`` and more, and the eager engine's tokens."""
-    plain = make(enforce_eager=True)
+def _trained_workload(max_tokens: int, maker=make):
+    """Six held-out prompts, greedy requests of ``max_tokens`` and more, and the eager engine's tokens
+    without speculation (``maker``: the engine's builder)."""
+    plain = maker(enforce_eager=True)
+    assert plain.llm_engine.runner.graph_runner is None
     ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
     prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens + 4 * i, ignore_eos=True)
@@ -273,18 +275,6 @@ def make_v41(**kw) -> LLM:
     return LLM(str(EMBEDDED_MODEL), backend=BACKEND, dtype="float32", max_num_seqs=8, **kw)
 
 
-def _v41_workload(max_tokens: int):
-    """Six held-out prompts, greedy requests of ``max_tokens`` and more, and the eager V4.1's tokens without
-    speculation."""
-    plain = make_v41(enforce_eager=True)
-    assert plain.llm_engine.runner.graph_runner is None
-    ids = plain.llm_engine.encode(open("data/heldout_slice.txt").read())
-    prompts = [{"prompt_token_ids": ids[i * 150: i * 150 + 40 + 7 * i]} for i in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens + 4 * i, ignore_eos=True)
-              for i in range(len(prompts))]
-    return prompts, params, [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-
-
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_dspark_greedy_with_graphs_equals_eager(k, async_scheduling):
@@ -292,7 +282,7 @@ def test_dspark_greedy_with_graphs_equals_eager(k, async_scheduling):
     n-gram histories in the static inputs), drafting replays the DSpark graphs (ring seeding and one pass
     over the stages), with async scheduling steps chain on the device; the greedy tokens are those of the
     eager engine with DSpark and of the eager engine without speculation (all but near-ties in float32)."""
-    prompts, params, ref = _v41_workload(24)
+    prompts, params, ref = _trained_workload(24, make_v41)
     spec = {"method": "dspark", "num_speculative_tokens": k}
     eager = make_v41(enforce_eager=True, speculative_config=spec)
     eager_outs = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
