@@ -78,6 +78,20 @@ def dequantised(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def random_checkpoint_tensors(manifest: CheckpointManifest, value: Any, with_drafter: bool = True
+                              ) -> dict[str, torch.Tensor]:
+    """Every tensor the checkpoint file holds, in manifest order, as ``value(name, shape)`` makes it
+    (unquantised: :func:`to_published` stores them as the release does); the drafter's left out unless
+    ``with_drafter``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for row in manifest.rows.values():
+        if not row.in_file or (row.drafter and not with_drafter):
+            continue
+        for name, shape in row.file_parts():
+            tensors[name] = value(name, shape)
+    return tensors
+
+
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> list[str]:
     """``tensors`` as ``model.safetensors``, or as ``shards`` files plus ``model.safetensors.index.json``
     (a weight and its scale may land in different shards, as nothing in the format forbids)."""

@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.testing.published_checkpoint import QUANTIZATION_CONFIG, to_published, write_tensors
+from deepinfer_core.testing.published_checkpoint import (
+    QUANTIZATION_CONFIG,
+    random_checkpoint_tensors,
+    to_published,
+    write_tensors,
+)
 from deepinfer_core.testing.tiny_model import build_tokenizer, tiny_config
 
 #: the drafter's fields of the tiny 0731 (the backbone is tiny_model's "tiny" with hc_mult 4)
@@ -84,12 +89,9 @@ def build_tiny_0731(path: str | Path, seed: int = 0, shards: int = 1, with_draft
     cfg = ModelConfig.from_pretrained(path)
     man = manifest_of(cfg)
     gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for row in man.rows.values():
-        if not row.in_file or (row.drafter and not with_drafter):
-            continue
-        for name, shape in row.file_parts():
-            tensors[name] = _random(name, shape, gen, cfg.num_experts_per_tok, cfg.n_routed_experts)
+    tensors = random_checkpoint_tensors(
+        man, lambda name, shape: _random(name, shape, gen, cfg.num_experts_per_tok, cfg.n_routed_experts),
+        with_drafter)
     write_tensors(path, to_published(tensors, man), shards)
     build_tokenizer(path, cfg.vocab_size)
     (path / "deepinfer_tiny.json").write_text(json.dumps({"name": "tiny_0731", "seed": seed, "layout": "published"}))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.default_model import EMBEDDED_V4_MODEL as DEFAULT_MODEL_DIR  # its tokenizer
-from deepinfer_core.testing.published_checkpoint import to_published, write_tensors
+from deepinfer_core.testing.published_checkpoint import random_checkpoint_tensors, to_published, write_tensors
 
 #: the text model's fields (Hugging Face names); Engram row counts and the compressed vocab are derived
 TINY_V41: dict[str, Any] = dict(
@@ -112,12 +112,7 @@ def build_tiny_v41(path: str | Path, seed: int = 0, shards: int = 1, with_drafte
     cfg = DeepseekV41Config.from_dict(config, path)
     man = manifest(cfg)
     gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for row in man.rows.values():
-        if not row.in_file or (row.drafter and not with_drafter):
-            continue
-        for name, shape in row.file_parts():
-            tensors[name] = _random(name, shape, gen)
+    tensors = random_checkpoint_tensors(man, lambda name, shape: _random(name, shape, gen), with_drafter)
     write_tensors(path, to_published(tensors, man), shards)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json"):
