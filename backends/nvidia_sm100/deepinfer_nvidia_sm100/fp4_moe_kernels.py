@@ -14,11 +14,16 @@ e2m1 values times a power of two are exact in bfloat16 (2 significant bits), so 
 reference's dequantised weights exactly; every dot accumulates in float32.
 
 ``QUANT_ACT`` (DeepSeek's numerics): the tokens enter already quantised (:func:`act_quant_ue8m0_kernel`:
-E4M3 per 128 channels with power-of-two scales, stored dequantised in bfloat16, where E4M3 values times a
-power of two are exact), gate/up are rounded to the model dtype (``ROUND``), the routing weight multiplies
-the SwiGLU output, which is rounded to the model dtype and quantised the same way in the epilogue (one
-128-channel group per program: ``BLOCK_N`` = 128), and the down projection's output is rounded to the
-model dtype. No dot operand is built from a reduction of the same loop (see :mod:`.fp8_kernels`).
+E4M3 per ``ACT_BLOCK`` channels (V4: 128, V4.1: 32) with power-of-two scales, stored dequantised, where
+E4M3 values times a power of two are exact in bfloat16), gate/up are rounded to the model dtype
+(``ROUND``), the routing weight multiplies the SwiGLU output, which is rounded to the model dtype and
+quantised the same way in the epilogue (one activation group per program: ``BLOCK_N`` = the group), and
+the down projection's output is rounded to the model dtype. No dot operand is built from a reduction of
+the same loop (see :mod:`.fp8_kernels`).
+
+``PACKED=False``: the same kernels over experts held in a float dtype (DeepSeek's numerics on dequantised
+or unquantised experts): the even and odd inputs of each K step are loaded apart from the weight rows
+as they are, and the scale pointers are not read.
 """
 
 from __future__ import annotations
@@ -27,8 +32,6 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100.fp8_kernels import round_e4m3
-
-ACT_GROUP = tl.constexpr(128)  # channels per activation scale (quant_act)
 
 
 @triton.jit
@@ -64,7 +67,7 @@ def round_to(x, ROUND: tl.constexpr):
 
 @triton.jit
 def quant_e4m3_pow2(x, valid):
-    """DeepSeek's act_quant with ue8m0 scales, simulated, for one 128-channel group per row of ``x`` [M, 128]
+    """DeepSeek's act_quant with ue8m0 scales, simulated, for one channel group per row of ``x`` [M, group]
     (float32): s = 2^ceil(log2(max(amax, 1e-4) / 448)) (the IEEE quotient, then its exponent bits), x / s
     rounded to E4M3 (ties to even, saturating at 448), times s. Returns the dequantised values."""
     amax = tl.max(tl.where(valid, tl.abs(x), 0.0), 1)
@@ -93,15 +96,30 @@ def fp4_tile(w_ptr, s_ptr, rows, stride_wn, stride_sn, k0, offs_j, K, n_mask, SC
 
 
 @triton.jit
+def weight_tile(w_ptr, s_ptr, rows, stride_wn, stride_sn, k0, offs_j, K, n_mask,
+                PACKED: tl.constexpr, SCALE_E8M0: tl.constexpr):
+    """:func:`fp4_tile`, or (``PACKED=False``) the inputs ``k0 + 2j`` and ``k0 + 2j + 1`` of float weight rows
+    as they are: two tiles [BKH, BN] (zero past K)."""
+    if PACKED:
+        lo, hi = fp4_tile(w_ptr, s_ptr, rows, stride_wn, stride_sn, k0, offs_j, K, n_mask, SCALE_E8M0)
+    else:
+        k_even = k0 + 2 * offs_j
+        ptrs = w_ptr + rows[None, :] * stride_wn + k_even[:, None]
+        lo = tl.load(ptrs, mask=(k_even < K)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        hi = tl.load(ptrs + 1, mask=(k_even + 1 < K)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def act_quant_ue8m0_kernel(
     x_ptr, stride_xm, q_ptr, stride_qm, M, K,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, ACT_BLOCK: tl.constexpr,
 ):
-    """q[m, g*128 : (g+1)*128] = act_quant(x) dequantised (:func:`quant_e4m3_pow2`), one block of rows and
-    one group g per program."""
+    """q[m, g*ACT_BLOCK : (g+1)*ACT_BLOCK] = act_quant(x) dequantised (:func:`quant_e4m3_pow2`), one block of
+    rows and one group g per program."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = g * ACT_GROUP + tl.arange(0, ACT_GROUP)
+    offs_k = g * ACT_BLOCK + tl.arange(0, ACT_BLOCK)
     m_mask = offs_m < M
     valid = m_mask[:, None] & (offs_k < K)[None, :]
     rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
@@ -118,7 +136,7 @@ def moe_fp4_gate_up_kernel(
     sorted_ptr, block_expert_ptr, topk_w_ptr,
     h_ptr, stride_hm,
     num_pairs, TOP_K, D, I, limit,
-    SCALE_E8M0: tl.constexpr, QUANT_ACT: tl.constexpr, ROUND: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, QUANT_ACT: tl.constexpr, ROUND: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """h[row] = swiglu(w13[e] . x[token of row]) for one M-block of rows of expert e and BLOCK_N channels of
@@ -142,14 +160,15 @@ def moe_fp4_gate_up_kernel(
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
             k_even = k0 + 2 * offs_j
-            amask = row_ok[:, None] & (k_even < D)[None, :]
             a_ptrs = x_ptr + token[:, None] * stride_xt + k_even[None, :]
-            a_lo = tl.load(a_ptrs, mask=amask, other=0.0)
-            a_hi = tl.load(a_ptrs + 1, mask=amask, other=0.0)
-            g_lo, g_hi = fp4_tile(w_e, s_e, gate_rows, stride_wn, stride_sn, k0, offs_j, D, n_mask, SCALE_E8M0)
+            a_lo = tl.load(a_ptrs, mask=row_ok[:, None] & (k_even < D)[None, :], other=0.0)
+            a_hi = tl.load(a_ptrs + 1, mask=row_ok[:, None] & (k_even + 1 < D)[None, :], other=0.0)
+            g_lo, g_hi = weight_tile(w_e, s_e, gate_rows, stride_wn, stride_sn, k0, offs_j, D, n_mask,
+                                     PACKED, SCALE_E8M0)
             gate += tl.dot(a_lo, g_lo.to(compute_ty), input_precision=DOT_PREC)
             gate += tl.dot(a_hi, g_hi.to(compute_ty), input_precision=DOT_PREC)
-            u_lo, u_hi = fp4_tile(w_e, s_e, up_rows, stride_wn, stride_sn, k0, offs_j, D, n_mask, SCALE_E8M0)
+            u_lo, u_hi = weight_tile(w_e, s_e, up_rows, stride_wn, stride_sn, k0, offs_j, D, n_mask,
+                                     PACKED, SCALE_E8M0)
             up += tl.dot(a_lo, u_lo.to(compute_ty), input_precision=DOT_PREC)
             up += tl.dot(a_hi, u_hi.to(compute_ty), input_precision=DOT_PREC)
         if QUANT_ACT:
@@ -177,7 +196,7 @@ def moe_fp4_down_kernel(
     sorted_ptr, block_expert_ptr, topk_w_ptr,
     out_ptr, stride_op,
     num_pairs, D, I,
-    SCALE_E8M0: tl.constexpr, QUANT_ACT: tl.constexpr, ROUND: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, QUANT_ACT: tl.constexpr, ROUND: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """out[pair] = w2[e] . h[row] for one M-block of rows of expert e, float32: times the routing weight
@@ -199,11 +218,11 @@ def moe_fp4_down_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             k_even = k0 + 2 * offs_j
-            amask = row_ok[:, None] & (k_even < I)[None, :]
             a_ptrs = h_ptr + offs_m[:, None] * stride_hm + k_even[None, :]
-            a_lo = tl.load(a_ptrs, mask=amask, other=0.0)
-            a_hi = tl.load(a_ptrs + 1, mask=amask, other=0.0)
-            w_lo, w_hi = fp4_tile(w_e, s_e, cols, stride_wn, stride_sn, k0, offs_j, I, n_mask, SCALE_E8M0)
+            a_lo = tl.load(a_ptrs, mask=row_ok[:, None] & (k_even < I)[None, :], other=0.0)
+            a_hi = tl.load(a_ptrs + 1, mask=row_ok[:, None] & (k_even + 1 < I)[None, :], other=0.0)
+            w_lo, w_hi = weight_tile(w_e, s_e, cols, stride_wn, stride_sn, k0, offs_j, I, n_mask,
+                                     PACKED, SCALE_E8M0)
             acc += tl.dot(a_lo, w_lo.to(compute_ty), input_precision=DOT_PREC)
             acc += tl.dot(a_hi, w_hi.to(compute_ty), input_precision=DOT_PREC)
         if QUANT_ACT:

@@ -92,7 +92,9 @@ def register_all(registry: OpRegistry) -> None:
         registry.register(op, fn, priority=TRITON, predicate=triton_applies, batch_invariant=True)
     for op, fn in fp8_ops.ALL_OPS.items():
         registry.register(op, fn, priority=TRITON, predicate=triton_fp8_applies)
-    for ops, env in ((triton_ops.FP4_OPS, FP4_TRITON_ENV), (triton_ops.FP8_KV_OPS, FP8_KV_TRITON_ENV)):
+    # the FP4 MoE's kernels serve DeepSeek's numerics on float experts too: one switch for both
+    for ops, env in ((triton_ops.FP4_OPS, FP4_TRITON_ENV), (triton_ops.QUANT_ACT_OPS, FP4_TRITON_ENV),
+                     (triton_ops.FP8_KV_OPS, FP8_KV_TRITON_ENV)):
         for op, fn in ops.items():
             registry.register(op, fn, priority=TRITON, predicate=unless_switched_off(env))
     for op, fn in engram_ops.ALL_OPS.items():  # host tables read in place over unified addressing
@@ -112,7 +114,7 @@ def _names() -> dict[Callable, str]:
     names.update({fn: "triton" for fn in engram_ops.ALL_OPS.values()})
     names.update({fn: "triton" for fn in (*triton_ops.ALL_OPS.values(), *hc_ops.ALL_OPS.values(),
                                           *fp8_ops.ALL_OPS.values(), *triton_ops.FP4_OPS.values(),
-                                          *triton_ops.FP8_KV_OPS.values())})
+                                          *triton_ops.QUANT_ACT_OPS.values(), *triton_ops.FP8_KV_OPS.values())})
     names.update({fn: "triton (batch-invariant)" for fn in invariant_ops.ALL_OPS.values()})
     names.update({fn: "triton" for fn in invariant_ops.DEFAULT_OPS.values()})  # the default mode's kernel too
     names.update({a.fn: a.library for a in external.ADAPTERS})

@@ -453,17 +453,68 @@ def _fp4_scales(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return _rows(scale.float()), False
 
 
-def quantize_act_ue8m0(x2: torch.Tensor) -> torch.Tensor:
-    """Rows [M, K] (stride 1 along K) -> DeepSeek's act_quant with ue8m0 scales, simulated (E4M3 per 128
-    channels, power-of-two scales, dequantised), in bfloat16, where those values are exact: bit for bit
-    :func:`deepinfer_core.quant.fp4.fake_quant_act_ue8m0`."""
+def quantize_act_ue8m0(x2: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows [M, K] (stride 1 along K) -> DeepSeek's act_quant with ue8m0 scales per ``block`` channels,
+    simulated (E4M3, power-of-two scales, dequantised), in ``dtype`` (bfloat16 or wider, where those values
+    are exact): bit for bit :func:`deepinfer_core.quant.fp4.fake_quant_act_ue8m0`."""
     m, k = x2.shape
-    q = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
+    q = torch.empty((m, k), dtype=dtype, device=x2.device)
     if m:
-        _k_fp4().act_quant_ue8m0_kernel[(_cdiv(m, 16), _cdiv(k, 128))](
-            x2, x2.stride(0), q, q.stride(0), m, k, BLOCK_M=16, num_warps=4,
+        _k_fp4().act_quant_ue8m0_kernel[(_cdiv(m, 16), _cdiv(k, block))](
+            x2, x2.stride(0), q, q.stride(0), m, k, BLOCK_M=16, ACT_BLOCK=block, num_warps=4,
         )
     return q
+
+
+def _act_block(block: int) -> int:
+    """The activation group of DeepSeek's numerics as the kernels take it: one group per program's
+    channels, so a power of two the dots can tile (16 .. 128)."""
+    if block not in (16, 32, 64, 128):
+        raise ValueError(f"the Triton grouped MoE quantises activations per 16, 32, 64 or 128 channels, not {block}")
+    return block
+
+
+def _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float,
+                 quant_act: bool, act_block: int, packed: bool) -> torch.Tensor:
+    """The grouped MoE of :mod:`.fp4_moe_kernels` (``packed``: FP4 experts with their scales; else experts
+    in a float dtype, the scales unused)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    lay = moe_layout(x, w13, topk_ids, topk_weights)
+    block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
+    x = _rows(x)
+    if packed:
+        w13, w2 = _rows(w13.view(torch.uint8)), _rows(w2.view(torch.uint8))
+        (s13, e8m0_13), (s2, e8m0_2) = _fp4_scales(w13_scale), _fp4_scales(w2_scale)
+    else:  # the scale pointers are never read
+        w13, w2 = _rows(w13), _rows(w2)
+        (s13, e8m0_13), (s2, e8m0_2) = (w13, False), (w2, False)
+    kern, rnd, quant_act = _k_fp4(), _ROUND[x.dtype], bool(quant_act)
+    if quant_act:
+        # FP4 weights times power-of-two scales are exact in bfloat16, as are the quantised activations;
+        # float weights multiply in the model dtype
+        a = quantize_act_ue8m0(x, act_block, torch.bfloat16 if packed else x.dtype)
+        block_n, block_k, up_warps = act_block, 64, 8 if act_block == 128 else 4  # one group of h a program
+    else:
+        a = x
+        block_n, block_k, up_warps = 64, 32 if x.dtype == torch.float32 else 64, 4
+    prec = _prec(a.dtype)
+    h = torch.empty((rows, inter), dtype=a.dtype, device=x.device)
+    out = torch.zeros((lay.pairs, d), dtype=torch.float32, device=x.device)
+    kern.moe_fp4_gate_up_kernel[(rows // block_m, _cdiv(inter, block_n))](
+        a, a.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        lay.sorted_pairs, lay.block_expert, lay.weights, h, h.stride(0), lay.pairs, lay.k, d, inter,
+        float(swiglu_limit),
+        SCALE_E8M0=e8m0_13, QUANT_ACT=quant_act, ROUND=rnd, PACKED=packed,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, num_warps=up_warps,
+    )
+    kern.moe_fp4_down_kernel[(rows // block_m, _cdiv(d, 64))](
+        h, h.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+        lay.sorted_pairs, lay.block_expert, lay.weights, out, out.stride(0), lay.pairs, d, inter,
+        SCALE_E8M0=e8m0_2, QUANT_ACT=quant_act, ROUND=rnd, PACKED=packed,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+    )
+    return lay.combine(out, x.dtype)
 
 
 def moe_experts_fp4(
@@ -482,37 +533,52 @@ def moe_experts_fp4(
     packed weights in registers; a token's k contributions summed in float32 in slot order. W4A16
     (``quant_act=False``): x.dtype operands; DeepSeek's numerics (``quant_act=True``): the tokens and the
     SwiGLU output quantised to E4M3 per 128 with power-of-two scales, multiplied in bfloat16 (exact)."""
-    if x.shape[0] == 0:
-        return torch.zeros_like(x)
-    lay = moe_layout(x, w13, topk_ids, topk_weights)
-    block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
-    x = _rows(x)
-    w13, w2 = _rows(w13.view(torch.uint8)), _rows(w2.view(torch.uint8))
-    (s13, e8m0_13), (s2, e8m0_2) = _fp4_scales(w13_scale), _fp4_scales(w2_scale)
-    kern, rnd, quant_act = _k_fp4(), _ROUND[x.dtype], bool(quant_act)
-    if quant_act:
-        a = quantize_act_ue8m0(x)
-        block_n, block_k, up_warps = 128, 64, 8  # one 128-channel group of h per program
-    else:
-        a = x
-        block_n, block_k, up_warps = 64, 32 if x.dtype == torch.float32 else 64, 4
-    prec = _prec(a.dtype)
-    h = torch.empty((rows, inter), dtype=a.dtype, device=x.device)
-    out = torch.zeros((lay.pairs, d), dtype=torch.float32, device=x.device)
-    kern.moe_fp4_gate_up_kernel[(rows // block_m, _cdiv(inter, block_n))](
-        a, a.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
-        lay.sorted_pairs, lay.block_expert, lay.weights, h, h.stride(0), lay.pairs, lay.k, d, inter,
-        float(swiglu_limit),
-        SCALE_E8M0=e8m0_13, QUANT_ACT=quant_act, ROUND=rnd,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, num_warps=up_warps,
-    )
-    kern.moe_fp4_down_kernel[(rows // block_m, _cdiv(d, 64))](
-        h, h.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
-        lay.sorted_pairs, lay.block_expert, lay.weights, out, out.stride(0), lay.pairs, d, inter,
-        SCALE_E8M0=e8m0_2, QUANT_ACT=quant_act, ROUND=rnd,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
-    )
-    return lay.combine(out, x.dtype)
+    return _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, quant_act, 128,
+                        packed=True)
+
+
+def moe_experts_fp4_quant_act(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    block: int,
+) -> torch.Tensor:
+    """:func:`moe_experts_fp4` with DeepSeek's numerics, the activations quantised per ``block`` channels
+    (DeepSeek-V4.1: 32)."""
+    return _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, True,
+                        _act_block(block), packed=True)
+
+
+def moe_experts_quant_act(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+    block: int,
+) -> torch.Tensor:
+    """DeepSeek's numerics over experts held in a float dtype (the activations quantised per ``block``
+    channels), through the FP4 MoE's kernels with the weights read as they are."""
+    return _grouped_moe(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, _act_block(block),
+                        packed=False)
+
+
+def moe_experts_act_quant(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """:func:`moe_experts_quant_act` per 128 channels (DeepSeek-V4's experts held in a float dtype)."""
+    return moe_experts_quant_act(x, w13, w2, topk_ids, topk_weights, swiglu_limit, 128)
 
 
 ALL_OPS = {
@@ -524,7 +590,9 @@ ALL_OPS = {
     "moe_experts": moe_experts,
 }
 #: served by default; ``DEEPINFER_NVIDIA_FP4_TRITON=0`` leaves the op to the native body (:mod:`.registration`)
-FP4_OPS = {"moe_experts_fp4": moe_experts_fp4}
+FP4_OPS = {"moe_experts_fp4": moe_experts_fp4, "moe_experts_fp4_quant_act": moe_experts_fp4_quant_act}
+#: DeepSeek's numerics on experts held in a float dtype: no host round trip, so decode captures in graphs
+QUANT_ACT_OPS = {"moe_experts_quant_act": moe_experts_quant_act, "moe_experts_act_quant": moe_experts_act_quant}
 
 
 # --- sparse attention over DeepSeek's FP8 KV entries -------------------------------------------------

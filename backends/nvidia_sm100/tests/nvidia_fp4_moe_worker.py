@@ -3,8 +3,9 @@ fresh process on the CPU under Triton's interpreter (the switches must be set be
 imported).
 
 ``python nvidia_fp4_moe_worker.py OUT``: saves to ``OUT`` (``torch.save``) the kernel's output for every
-case of :data:`CASES`, the activation quantisation of :func:`act_rows`, and what the backend's op table
-resolves ``moe_experts_fp4`` to with ``DEEPINFER_NVIDIA_FP4_TRITON=1``, with its conformance results.
+case of :data:`CASES` and of :data:`QUANT_ACT_CASES`, the activation quantisation of :func:`act_rows`, and
+what the backend's op table resolves each op of :data:`TABLE_OPS` to with ``DEEPINFER_NVIDIA_FP4_TRITON=1``,
+with its conformance results.
 """
 
 from __future__ import annotations
@@ -84,6 +85,30 @@ CASES = [(name, dtype, quant) for name in ("ragged", "big_blocks") for quant in 
 CASES += [("exact", dtype, True) for dtype in (torch.float32, torch.bfloat16)]
 
 
+#: DeepSeek's numerics at other activation groups (V4.1: 32), on the ``ragged`` case: (op, block, dtype);
+#: the float-weight ops take its FP4 experts dequantised to the dtype (exact)
+QUANT_ACT_CASES = [(op, block, dtype) for op, block in (("moe_experts_fp4_quant_act", 32),
+                                                       ("moe_experts_quant_act", 32), ("moe_experts_act_quant", 128))
+                   for dtype in (torch.float32, torch.bfloat16)]
+#: the ops the worker records the op table's choice of
+TABLE_OPS = ("moe_experts_fp4", "moe_experts_fp4_quant_act", "moe_experts_quant_act", "moe_experts_act_quant")
+
+
+def quant_act_case(op: str, block: int, dtype: torch.dtype) -> tuple:
+    """``op``'s arguments on the ``ragged`` case's tokens, experts and routing."""
+    from deepinfer_core.quant.fp4 import dequantize_fp4_block
+
+    x, w13, s13, w2, s2, ids, weights, limit, _ = moe_case("ragged", dtype, True)
+    if op == "moe_experts_fp4_quant_act":
+        return x, w13, s13, w2, s2, ids, weights, limit, block
+    w13f, w2f = (dequantize_fp4_block(w.view(torch.uint8), s.float(), dtype) for w, s in ((w13, s13), (w2, s2)))
+    return (x, w13f, w2f, ids, weights, limit) + ((block,) if op == "moe_experts_quant_act" else ())
+
+
+def quant_act_id(op: str, block: int, dtype: torch.dtype) -> str:
+    return f"{op}-{block}-{str(dtype).removeprefix('torch.')}"
+
+
 def case_id(name: str, dtype: torch.dtype, quant_act: bool) -> str:
     return f"{name}-{str(dtype).removeprefix('torch.')}-{'w4a8_deepseek' if quant_act else 'w4a16'}"
 
@@ -105,10 +130,13 @@ def main(out_path: str) -> None:
     out: dict = {"moe": {}, "act": {}, "tables": {}}
     for name, dtype, quant in CASES:
         out["moe"][case_id(name, dtype, quant)] = triton_ops.moe_experts_fp4(*moe_case(name, dtype, quant))
+    out["quant_act"] = {quant_act_id(*c): getattr(triton_ops, c[0])(*quant_act_case(*c)) for c in QUANT_ACT_CASES}
     for dtype in (torch.float32, torch.bfloat16):
         out["act"][str(dtype)] = triton_ops.quantize_act_ue8m0(act_rows(dtype))
+        out["act"][f"{dtype}/32"] = triton_ops.quantize_act_ue8m0(act_rows(dtype), 32, dtype)
     for dtype in (torch.float32, torch.bfloat16):
-        out["tables"][str(dtype)] = op_table_record("moe_experts_fp4", dtype)
+        for op in TABLE_OPS:
+            out["tables"][f"{op}/{dtype}"] = op_table_record(op, dtype)
     torch.save(out, out_path)
 
 

@@ -54,10 +54,10 @@ def op_table_record(op: str, dtype: torch.dtype) -> dict:
     return entry
 
 
-def check_served_by_default_and_switch(monkeypatch, op: str, env: str, kernel):
+def check_served_by_default_and_switch(monkeypatch, op: str, env: str, kernel, switched=None):
     """The kernel of ``op`` is registered whatever ``env`` says; it serves on the dtypes the Triton kernels
-    take unless ``env=0``, which leaves ``op`` to the native body and changes no other op. Read when a
-    table is built. Returns the registry (switch unset)."""
+    take unless ``env=0``, which leaves ``op`` to the native body and changes no op but those of ``switched``
+    (default: ``op`` alone). Read when a table is built. Returns the registry (switch unset)."""
     from deepinfer_nvidia_sm100 import capability, registration
 
     from deepinfer_core.ops.registry import BuildContext
@@ -79,7 +79,7 @@ def check_served_by_default_and_switch(monkeypatch, op: str, env: str, kernel):
     default, on, off = (labels(switch, torch.bfloat16) for switch in (None, "1", "0"))
     assert default[op] == on[op] == "triton"
     assert off[op] == "torch"
-    assert {o for o in default if default[o] != off[o]} == {op}
+    assert {o for o in default if default[o] != off[o]} == set(switched or {op})
     assert labels(None, torch.float32)[op] == "triton"
     assert labels(None, torch.float64)[op] == "torch"
     return reg

@@ -29,7 +29,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from nvidia_fp4_moe_worker import CASES, act_rows, case_id, moe_case
+from nvidia_fp4_moe_worker import (
+    CASES,
+    QUANT_ACT_CASES,
+    TABLE_OPS,
+    act_rows,
+    case_id,
+    moe_case,
+    quant_act_case,
+    quant_act_id,
+)
 from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
 from deepinfer_core.ops import native
@@ -95,28 +104,53 @@ def test_kernel_matches_the_native_body(name, dtype, quant_act, interpreted):
 
 
 @needs_triton
+@pytest.mark.parametrize("op, block, dtype", QUANT_ACT_CASES, ids=[quant_act_id(*c) for c in QUANT_ACT_CASES])
+def test_quant_act_kernels_match_the_native_body(op, block, dtype, interpreted):
+    """DeepSeek's numerics per 32 channels (V4.1) on FP4 experts, and on float experts per 32 and 128: the
+    native body in the same dtype, within the quant_act rule above."""
+    args = quant_act_case(op, block, dtype)
+    got = interpreted["quant_act"][quant_act_id(op, block, dtype)]
+    assert got.dtype == dtype and got.shape == args[0].shape
+    unrouted = (args[-3 if op == "moe_experts_act_quant" else -4] < 0).all(dim=1)  # topk_ids
+    assert unrouted.any() and torch.equal(got[unrouted], torch.zeros_like(got[unrouted]))
+    want = getattr(native, op)(*args)
+    err = _normalised_error(got, want)
+    if dtype == torch.float32:
+        assert err.max().item() <= QUANT_F32_TOL, err.max().item()
+    else:
+        differing = (got != want).double().mean().item()
+        assert differing <= QUANT_MAX_DIFFERING, differing
+        assert err.max().item() <= W4A16_TOL[dtype], err.max().item()
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_activation_quantisation_is_bit_for_bit(dtype, interpreted):
     got = interpreted["act"][str(dtype)]
     want = fake_quant_act_ue8m0(act_rows(dtype)).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{int((got != want).sum())} differ"
+    got32 = interpreted["act"][f"{dtype}/32"]  # V4.1's groups, in the model dtype
+    want32 = fake_quant_act_ue8m0(act_rows(dtype), 32)
+    assert got32.dtype == dtype and torch.equal(got32, want32), f"{int((got32 != want32).sum())} differ"
 
 
 @needs_triton
+@pytest.mark.parametrize("op", TABLE_OPS)
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_the_switch_serves_the_kernel_which_conforms(dtype, interpreted):
-    entry = interpreted["tables"][dtype]
+def test_the_switch_serves_the_kernel_which_conforms(op, dtype, interpreted):
+    entry = interpreted["tables"][f"{op}/{dtype}"]
     assert "error" not in entry, entry["error"]
-    assert (entry["module"], entry["name"]) == ("deepinfer_nvidia_sm100.triton_ops", "moe_experts_fp4")
+    assert (entry["module"], entry["name"]) == ("deepinfer_nvidia_sm100.triton_ops", op)
     assert entry["provider"] == f"deepinfer.backends:{BACKEND}"
     assert entry["syncs_host"] == []  # CUDA-graph capturable: the engine may capture the MoE
-    assert entry["cases"] == 2 and not entry["failed"], "\n\n".join(entry["failed"])
+    assert entry["cases"] >= 1 and not entry["failed"], "\n\n".join(entry["failed"])
 
 
-def test_the_kernel_serves_by_default_and_its_switch_turns_it_off(monkeypatch):
+@pytest.mark.parametrize("op", TABLE_OPS)
+def test_the_kernel_serves_by_default_and_its_switch_turns_it_off(op, monkeypatch):
     from deepinfer_nvidia_sm100 import registration, triton_ops
 
     assert registration.FP4_TRITON_ENV == FP4_ENV
-    reg = check_served_by_default_and_switch(monkeypatch, "moe_experts_fp4", FP4_ENV, triton_ops.moe_experts_fp4)
-    assert native.moe_experts_fp4 in [impl.fn for impl in reg.candidates("moe_experts_fp4")]
+    reg = check_served_by_default_and_switch(monkeypatch, op, FP4_ENV, getattr(triton_ops, op), TABLE_OPS)
+    assert getattr(native, op) in [impl.fn for impl in reg.candidates(op)]

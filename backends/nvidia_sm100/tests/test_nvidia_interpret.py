@@ -35,7 +35,8 @@ TRITON_OPS = ["compress_windows", "hc_head", "hc_post", "hc_pre", "indexer_topk"
               "rotary_emb", "sparse_attention"]
 #: Triton kernels serving by default too, tested in their own files (test_nvidia_fp4_moe.py, test_nvidia_fp8_kv.py,
 #: gpu/test_gpu_engram.py)
-FP4_FP8_KV_OPS = ["moe_experts_fp4", "sparse_attention_fp8", "engram_lookup"]
+FP4_FP8_KV_OPS = ["moe_experts_fp4", "moe_experts_fp4_quant_act", "moe_experts_quant_act", "moe_experts_act_quant",
+                  "sparse_attention_fp8", "engram_lookup"]
 REPO = Path(__file__).resolve().parents[3]
 NATIVE = "deepinfer_core.ops.native"  # the module of the torch bodies below the kernels
 

@@ -1,7 +1,9 @@
 """The Triton FP4 grouped MoE (``triton_ops.moe_experts_fp4``; ``DEEPINFER_NVIDIA_FP4_TRITON=0`` turns it off)
 called directly on the GPU at DeepSeek-V4-Flash shapes (hidden 4096, moe_inter 2048, 256 experts top-6;
 1, 64 and 300 tokens: 16- and 64-row blocks), against the core's native body on the same GPU in float32
-on the same (rounded) tokens, and its capture in a CUDA graph.
+on the same (rounded) tokens, and its capture in a CUDA graph; and DeepSeek-V4.1's ops on the same kernels
+(activations quantised per 32 channels, FP4 and float experts) at V4.1 widths (hidden 5120, moe_inter
+2304, 384 experts top-6).
 
 Weights: random e2m1 codes in both nibbles with ue8m0 scales (w13 2^-9, w2 2^-7, times 2^-1 .. 2^1 per row
 and per 32-input group), so that the outputs are O(1) as the suite's tolerances assume.
@@ -129,5 +131,113 @@ def test_fp4_moe_captures_in_a_cuda_graph(experts, device):
     torch.cuda.synchronize()
     again = step()
     for got, want in zip(captured, again):
+        assert torch.equal(got, want)
+    assert not torch.equal(captured[0], eager[0])
+
+
+# --- DeepSeek-V4.1: activations quantised per 32 channels ------------------------------------------
+V41_HIDDEN, V41_INTER, V41_EXPERTS, V41_BLOCK = 5120, 2304, 384, 32
+#: experts of the float-weight op (bfloat16 experts at V4.1 widths: 71 MB each)
+V41_FLOAT_EXPERTS = 32
+
+
+def _v41_fp4(g: torch.Generator, device, experts: int, n: int, k: int, base: int):
+    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device, generator=g)
+    row = torch.randint(-1, 2, (experts, n, 1), dtype=torch.int16, device=device, generator=g)
+    group = torch.randint(-1, 2, (experts, n, k // 32), dtype=torch.int16, device=device, generator=g)
+    return packed, (127 + base + row + group).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+@pytest.fixture(scope="module")
+def v41_experts(device):
+    """w13, s13, w2, s2 of 384 V4.1-Flash experts (6.8 GB)."""
+    g = torch.Generator(device=device).manual_seed(41)
+    w13, s13 = _v41_fp4(g, device, V41_EXPERTS, 2 * V41_INTER, V41_HIDDEN, W13_BASE)
+    w2, s2 = _v41_fp4(g, device, V41_EXPERTS, V41_HIDDEN, V41_INTER, W2_BASE)
+    return w13, s13, w2, s2
+
+
+def _v41_routing(tokens: int, seed: int, experts: int, device):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, V41_HIDDEN, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(tokens)])
+    ids[0, :2] = -1
+    if tokens > 2:
+        ids[2] = -1
+    weights = torch.rand(tokens, TOP_K, generator=g) + 0.2
+    return x.to(device), ids.to(device), weights.to(device)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_v41_quant_act_experts_at_v41_shapes(tokens, v41_experts, device):
+    """``moe_experts_fp4_quant_act`` (FP4 experts) and ``moe_experts_quant_act`` (the first 32 experts
+    dequantised to the dtype) with V4.1's 32-channel activation groups: the float32 native body on the same
+    (rounded) tokens within the quant_act rule, and in bfloat16 the native body in bfloat16 on all but 1%."""
+    from deepinfer_nvidia_sm100 import triton_ops
+
+    from deepinfer_core.quant.fp4 import dequantize_fp4_block
+
+    w13, s13, w2, s2 = v41_experts
+    x, ids, weights = _v41_routing(tokens, tokens, V41_EXPERTS, device)
+    few = V41_FLOAT_EXPERTS
+    _, few_ids, _ = _v41_routing(tokens, tokens, few, device)
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        w13f = dequantize_fp4_block(w13[:few], s13[:few].float(), dtype)
+        w2f = dequantize_fp4_block(w2[:few], s2[:few].float(), dtype)
+        calls = {
+            "moe_experts_fp4_quant_act": ((w13, s13, w2, s2, ids), (w13, s13, w2, s2, ids)),
+            "moe_experts_quant_act": ((w13f, w2f, few_ids), (w13f.float(), w2f.float(), few_ids)),
+        }
+        for op, (kernel_args, ref_args) in calls.items():
+            name = f"{op} {tokens} tokens {dtype}"
+            want = getattr(native, op)(xd.float(), *ref_args, weights, SWIGLU_LIMIT, V41_BLOCK)
+            assert 0.5 < want.abs().max().item() < 40, name  # outputs O(1): the tolerances mean what they say
+            got = getattr(triton_ops, op)(xd, *kernel_args, weights, SWIGLU_LIMIT, V41_BLOCK)
+            assert got.dtype == dtype and got.shape == x.shape, name
+            if tokens > 2:
+                assert torch.equal(got[2], torch.zeros_like(got[2])), name
+            _check_requant(got.cpu(), want.cpu(), dtype, name)
+            if dtype != torch.float32:
+                same = getattr(native, op)(xd, *kernel_args, weights, SWIGLU_LIMIT, V41_BLOCK)
+                differing = (got != same).double().mean().item()
+                assert differing <= 0.01, f"{name}: {differing:.2%} differ from the native body in {dtype}"
+
+
+def test_v41_quant_act_experts_capture_in_a_cuda_graph(v41_experts, device):
+    """Both V4.1 ops captured and replayed on new tokens and routing: eager's bits, no host wait."""
+    from deepinfer_nvidia_sm100 import triton_ops
+
+    w13, s13, w2, s2 = v41_experts
+    few = V41_FLOAT_EXPERTS
+    g = torch.Generator(device=device).manual_seed(3)
+    w13f = torch.randn(few, 2 * V41_INTER, V41_HIDDEN, device=device, generator=g).bfloat16() * 0.02
+    w2f = torch.randn(few, V41_HIDDEN, V41_INTER, device=device, generator=g).bfloat16() * 0.02
+    x, ids, weights = _v41_routing(64, 1, V41_EXPERTS, device)
+    x = x.bfloat16()
+    few_ids = torch.where(ids >= 0, ids % few, ids)
+
+    def step():
+        return [triton_ops.moe_experts_fp4_quant_act(x, w13, s13, w2, s2, ids, weights, SWIGLU_LIMIT, V41_BLOCK),
+                triton_ops.moe_experts_quant_act(x, w13f, w2f, few_ids, weights, SWIGLU_LIMIT, V41_BLOCK)]
+
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x2, ids2, weights2 = _v41_routing(64, 2, V41_EXPERTS, device)
+    x.copy_(x2.bfloat16())
+    ids.copy_(ids2)
+    few_ids.copy_(torch.where(ids2 >= 0, ids2 % few, ids2))
+    weights.copy_(weights2)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, step()):
         assert torch.equal(got, want)
     assert not torch.equal(captured[0], eager[0])
