@@ -1,6 +1,6 @@
 """Triton kernels of the manifold-constrained hyper-connections (mHC): one program per token does the
 RMS factor, the pre/post/comb maps with the whole Sinkhorn loop in registers, and the collapse, where
-plain torch launches some 90 small kernels per call."""
+plain torch launches some 90 small kernels per call; DeepSeek-V4.1's collapse by a given ``pre`` alone."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ import triton.language as tl
 @triton.jit
 def hc_pre_kernel(
     streams_ptr, stride_st, stride_sn, mixes_ptr, stride_mt, base_ptr, scale_ptr,
-    post_ptr, comb_ptr, out_ptr, stride_ot,
+    pre_ptr, post_ptr, comb_ptr, out_ptr, stride_ot,
     N, D, D_SLICE, iters, hc_eps, norm_eps,
-    HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD: tl.constexpr, COLLAPSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``mixes`` holds fn . flatten(streams) (not yet RMS-normalised: the factor is applied here).
     HEAD: the final collapse (``pre`` only, one scale). Program (t, j) collapses channels
     [j * D_SLICE, (j + 1) * D_SLICE) of token t; each computes the RMS factor and ``pre`` over the whole
-    row, the same values, and program j = 0 writes ``post`` and ``comb``."""
+    row, the same values, and program j = 0 writes ``post`` and ``comb``. COLLAPSE off (DeepSeek-V4.1's
+    ``hc_mixes``, one program a token): ``pre`` stored beside them instead of the collapse."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_N)
@@ -36,6 +37,8 @@ def hc_pre_kernel(
     pre = tl.sigmoid(m_pre * tl.load(scale_ptr) + tl.load(base_ptr + offs_n, mask=n_mask, other=0.0)) + hc_eps
     if not HEAD:
         if j == 0:
+            if not COLLAPSE:
+                tl.store(pre_ptr + t * N + offs_n, pre, mask=n_mask)
             m_post = tl.load(mixes + N + offs_n, mask=n_mask, other=0.0) * inv
             post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + offs_n, mask=n_mask,
                                                                                 other=0.0))
@@ -53,14 +56,34 @@ def hc_pre_kernel(
                 comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
                 comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
             tl.store(comb_ptr + t * N * N + jk, comb, mask=jk_mask)
-    out = out_ptr + t * stride_ot
-    d_hi = tl.minimum(j * D_SLICE + D_SLICE, D)
-    for d0 in range(j * D_SLICE, d_hi, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        m = n_mask[:, None] & (offs_d < d_hi)[None, :]
-        x = tl.load(row + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-        collapsed = tl.sum(pre[:, None] * x, axis=0)
-        tl.store(out + offs_d, collapsed.to(out_ptr.dtype.element_ty), mask=offs_d < d_hi)
+    if COLLAPSE:
+        out = out_ptr + t * stride_ot
+        d_hi = tl.minimum(j * D_SLICE + D_SLICE, D)
+        for d0 in range(j * D_SLICE, d_hi, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            m = n_mask[:, None] & (offs_d < d_hi)[None, :]
+            x = tl.load(row + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+            collapsed = tl.sum(pre[:, None] * x, axis=0)
+            tl.store(out + offs_d, collapsed.to(out_ptr.dtype.element_ty), mask=offs_d < d_hi)
+
+
+@triton.jit
+def hc_collapse_kernel(
+    streams_ptr, stride_st, stride_sn, pre_ptr, stride_pt, out_ptr, stride_ot, N, D,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``out[t] = sum_i pre[t, i] * streams[t, i]`` in float32: program (t, j) on channels
+    [j * BLOCK_D, (j + 1) * BLOCK_D) of token t, the n streams summed in registers."""
+    t = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    pre = tl.load(pre_ptr + t * stride_pt + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    x = tl.load(streams_ptr + t * stride_st + offs_n[:, None] * stride_sn + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    collapsed = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(out_ptr + t * stride_ot + offs_d, collapsed.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit

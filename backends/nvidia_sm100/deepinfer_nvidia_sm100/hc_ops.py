@@ -1,4 +1,5 @@
-"""Launchers of the mHC Triton kernels (``hc_pre``, ``hc_post``, ``hc_head``), catalogue signatures.
+"""Launchers of the mHC Triton kernels (``hc_pre``, ``hc_post``, ``hc_head``, DeepSeek-V4.1's ``hc_mixes`` and
+``hc_collapse``), catalogue signatures.
 
 The mixing projection fn . flatten(streams) is one float32 GEMM; everything after it is one kernel.
 Streams in :data:`~.triton_ops.KERNEL_DTYPES` only (the registration's predicate declines other model
@@ -31,6 +32,21 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return a @ weight.T
 
 
+def _launch(streams, mixes, base, scale, iters, hc_eps, norm_eps, head: bool, pre, post, comb, out, slices: int):
+    """``hc_pre_kernel`` over contiguous ``streams`` [T, n, D] (T > 0) and their mixes; ``out`` None: no
+    collapse, ``pre`` stored instead (one program a token)."""
+    tokens, n, d = streams.shape
+    block_d = min(_pow2(d), BLOCK_D)
+    d_slice = _cdiv(_cdiv(d, slices), block_d) * block_d
+    collapse = out is not None
+    out = out if collapse else pre
+    _kernels().hc_pre_kernel[(tokens, _cdiv(d, d_slice))](
+        streams, streams.stride(0), streams.stride(1), mixes, mixes.stride(0), base.float().contiguous(),
+        scale.float().contiguous(), pre, post, comb, out, out.stride(0), n, d, d_slice, int(iters), float(hc_eps),
+        float(norm_eps), HEAD=head, COLLAPSE=collapse, BLOCK_N=max(_pow2(n), 2), BLOCK_D=block_d, num_warps=4,
+    )
+
+
 def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, mm=_matmul, mixes=None,
               slices: int | None = None):
     """``slices``: programs per token (default: one per BLOCK_D channels below SPLIT_BELOW_TOKENS
@@ -45,15 +61,9 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, mm=
     out = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
     if tokens == 0:
         return post, comb, out
-    block_d = min(_pow2(d), BLOCK_D)
     if slices is None:
-        slices = _cdiv(d, block_d) if tokens < SPLIT_BELOW_TOKENS else 1
-    d_slice = _cdiv(_cdiv(d, slices), block_d) * block_d
-    _kernels().hc_pre_kernel[(tokens, _cdiv(d, d_slice))](
-        streams, streams.stride(0), streams.stride(1), mixes, mixes.stride(0), base.float().contiguous(),
-        scale.float().contiguous(), post, comb, out, out.stride(0), n, d, d_slice, int(iters), float(hc_eps),
-        float(norm_eps), HEAD=head, BLOCK_N=max(_pow2(n), 2), BLOCK_D=block_d, num_warps=4,
-    )
+        slices = _cdiv(d, min(_pow2(d), BLOCK_D)) if tokens < SPLIT_BELOW_TOKENS else 1
+    _launch(streams, mixes, base, scale, iters, hc_eps, norm_eps, head, post, post, comb, out, slices)
     return post, comb, out
 
 
@@ -71,6 +81,35 @@ def hc_head(streams, fn, base, scale, hc_eps, norm_eps, *, mm=_matmul):
     return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, head=True, mm=mm)[2]
 
 
+def hc_mixes(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, *, mm=_matmul):
+    """DeepSeek-V4.1's ``hc_mixes``: ``hc_pre``'s mixing GEMM and kernel, one program a token storing
+    ``pre`` beside ``post`` and ``comb`` instead of the collapse (float32 all three)."""
+    tokens, n, d = streams.shape
+    streams = streams.contiguous()
+    pre = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
+    post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
+    comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
+    if tokens:
+        mixes = mm(streams.reshape(tokens, n * d).float(), fn.float()).contiguous()
+        _launch(streams, mixes, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, pre, post, comb, None, 1)
+    return pre, post, comb
+
+
+def hc_collapse(streams, pre):
+    """sum_i pre[t, i] * streams[t, i] in float32: one program per token and BLOCK_D channels."""
+    tokens, n, d = streams.shape
+    out = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
+    if tokens == 0 or d == 0:
+        return out
+    streams, pre = _rows(streams), _rows(pre)
+    block_d = min(_pow2(d), BLOCK_D)
+    _kernels().hc_collapse_kernel[(tokens, _cdiv(d, block_d))](
+        streams, streams.stride(0), streams.stride(1), pre, pre.stride(0), out, out.stride(0), n, d,
+        BLOCK_N=max(_pow2(n), 2), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
 def hc_post(block_out, streams, post, comb):
     tokens, n, d = streams.shape
     if tokens == 0:
@@ -86,4 +125,4 @@ def hc_post(block_out, streams, post, comb):
     return out
 
 
-ALL_OPS = {"hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head}
+ALL_OPS = {"hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head, "hc_collapse": hc_collapse}

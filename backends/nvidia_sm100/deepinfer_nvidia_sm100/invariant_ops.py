@@ -3,7 +3,7 @@
 Registered with ``batch_invariant=True`` and chosen only in batch-invariant mode. What makes a row's
 result independent of its batch, op by op:
 
-* ``linear``, ``grouped_linear``, the mixing GEMMs of ``hc_pre`` / ``hc_head``: one Triton GEMM whose
+* ``linear``, ``grouped_linear``, the mixing GEMMs of ``hc_pre`` / ``hc_head`` / ``hc_mixes``: one Triton GEMM whose
   tiles (:func:`gemm_tiles`) depend on the dtype and the weight's N alone, never on M, with the whole
   K loop in one program (no split-K) in ascending order. cuBLAS, which the default mode uses, picks
   its kernel (and split-K) by M.
@@ -19,9 +19,11 @@ result independent of its batch, op by op:
   is turned off (``keep_extra``).
 * ``indexer_topk`` (which the catalogue marks invariant) and ``indexer_scores``: the scores kernel with its
   candidate tile fixed at :data:`INDEXER_BLOCK_C` instead of chosen by the batch's widest candidate list.
-* ``hc_mixes`` (DeepSeek-V4.1's single-pass mHC): the mixing projection and the sum of the squares that
-  normalises it as GEMMs above (the squares against a column of ones), then elementwise torch with the
-  n x n softmax and Sinkhorn sums added term by term (torch's reductions pick their layout by the shape).
+* ``hc_mixes`` (DeepSeek-V4.1's single-pass mHC): the mixing projection as the GEMM above, then
+  ``hc_pre``'s kernel, one program a token (RMS factor over the token's row in blocks set by its width,
+  pre/post/comb and the Sinkhorn loop in registers), storing ``pre`` instead of collapsing. torch's
+  elementwise functions would not do on the CPU: their vectorised bulk and scalar remainder disagree in
+  the last bit (``sigmoid``), and which of a token's values fall in the remainder depends on the batch.
 * ``linear_fp8``, ``linear_fp8_ue8m0``, ``moe_experts_fp8``, ``moe_experts_fp4``,
   ``moe_experts_act_quant``, ``moe_experts_quant_act``, ``moe_experts_fp4_quant_act``: the core's native
   bodies (per-row activation quantisation, weights dequantised exactly, experts in ascending id order)
@@ -30,8 +32,9 @@ result independent of its batch, op by op:
 * ``sparse_attention_fp8``: the native body (the read rows decoded exactly, per row) with the
   attention above.
 
-``rms_norm``, ``rotary_emb``, ``compress_windows`` and ``hc_post`` keep the default kernels, which
-are invariant by construction (see :data:`INVARIANT_BY_CONSTRUCTION`).
+``rms_norm``, ``rotary_emb``, ``compress_windows``, ``hc_post`` and ``hc_collapse`` keep the default kernels,
+which are invariant by construction (see :data:`INVARIANT_BY_CONSTRUCTION`); ``candidate_blocks`` and
+``fp4_kv_sim`` the core's native bodies (see :data:`NATIVE_BY_CONSTRUCTION`).
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ INDEXER_BLOCK_C = 64
 
 #: default Triton kernels that are batch-invariant as they are: one program per row (token, window),
 #: reductions only along that row with blocks set by the feature width, no cross-row work
-INVARIANT_BY_CONSTRUCTION = frozenset({"rms_norm", "rotary_emb", "compress_windows", "hc_post"})
+INVARIANT_BY_CONSTRUCTION = frozenset({"rms_norm", "rotary_emb", "compress_windows", "hc_post", "hc_collapse"})
+#: native bodies that are batch-invariant as they are, on any device: within a row only maxima, comparisons,
+#: a stable sort and correctly rounded elementwise arithmetic (per block of that row's columns), no sum
+NATIVE_BY_CONSTRUCTION = frozenset({"candidate_blocks", "fp4_kv_sim"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -196,50 +202,9 @@ def indexer_scores(
     return triton_ops.indexer_scores(q, weights, keys, candidates, scale, block_c=INDEXER_BLOCK_C)
 
 
-def _sum_terms(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x.sum(dim, keepdim=True)`` added term by term in index order (elementwise kernels only)."""
-    terms = x.unbind(dim)
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total.unsqueeze(dim)
-
-
-def hc_mixes(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """native.hc_mixes with every reduction invariant: fn . flatten(streams) and the squares' sum by the
-    GEMM above (rows normalised after the projection, as DeepSeek's model does), the rest elementwise."""
-    tokens, n, d = streams.shape
-    flat = streams.reshape(tokens, n * d).float().contiguous()
-    squares = linear(flat * flat, flat.new_ones((1, n * d)))
-    mixes = linear(flat, fn.float()) * torch.rsqrt(squares / (n * d) + norm_eps)
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    s = scale.float()
-    pre = torch.sigmoid(pre_w * s[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * s[1] + post_b)
-    logits = comb_w.reshape(tokens, n, n) * s[2] + comb_b.view(n, n)
-    top = logits[..., :1]
-    for j in range(1, n):
-        top = torch.maximum(top, logits[..., j : j + 1])
-    comb = torch.exp(logits - top)
-    comb = comb / _sum_terms(comb, -1) + hc_eps
-    comb = comb / (_sum_terms(comb, -2) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (_sum_terms(comb, -1) + hc_eps)
-        comb = comb / (_sum_terms(comb, -2) + hc_eps)
-    return pre, post, comb
-
-
 hc_pre = partial(hc_ops.hc_pre, mm=_mixing_mm)
 hc_head = partial(hc_ops.hc_head, mm=_mixing_mm)
+hc_mixes = partial(hc_ops.hc_mixes, mm=_mixing_mm)
 linear_fp8 = partial(native.linear_fp8, linear=linear)
 moe_experts_fp8 = partial(native.moe_experts_fp8, linear=linear, swiglu=swiglu)
 moe_experts_fp4 = partial(native.moe_experts_fp4, linear=linear, swiglu=swiglu)

@@ -11,7 +11,7 @@ them with a priority above :data:`LIBRARY` (e.g. 10).
 Batch-invariant mode (``BuildContext.batch_invariant``) resolves the ops the catalogue does not mark
 invariant only to implementations declared invariant: :mod:`.invariant_ops` registers them at
 :data:`INVARIANT` (above the libraries, whose kernels make no such promise), and the default Triton
-kernels that are invariant as they are keep serving, declared so.
+kernels and native bodies that are invariant as they are keep serving, declared so.
 """
 
 from __future__ import annotations
@@ -84,7 +84,10 @@ def _adapter_applies(adapter: Any) -> Callable[[BuildContext], bool]:
 def register_all(registry: OpRegistry) -> None:
     from deepinfer_nvidia_sm100 import engram_ops, external, fp8_ops, hc_ops, invariant_ops, triton_ops
 
-    native.register(registry, priority=TORCH)
+    native.register(registry, priority=TORCH, skip=invariant_ops.NATIVE_BY_CONSTRUCTION)
+    for op in sorted(invariant_ops.NATIVE_BY_CONSTRUCTION):  # per-row bodies: declared invariant
+        registry.register(op, native.NATIVE_OPS[op], priority=TORCH, batch_invariant=True,
+                          syncs_host=op in native.SYNCS_HOST)
     for op, fn in {**triton_ops.ALL_OPS, **hc_ops.ALL_OPS}.items():
         registry.register(op, fn, priority=TRITON, predicate=triton_applies,
                           batch_invariant=op in invariant_ops.INVARIANT_BY_CONSTRUCTION)
