@@ -801,13 +801,19 @@ def _experts_quant_act(x: torch.Tensor, w13_of: Callable, w2_of: Callable, num_e
     acc = acc_dtype(x.dtype)
     xq = fake_quant_act_ue8m0(x, block).to(acc)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    for expert, pairs in expert_pairs(topk_ids, num_experts):
-        token_idx = pairs // k
-        gate_up = linear(xq[token_idx], w13_of(expert, acc))
+    groups = list(expert_pairs(topk_ids, num_experts))
+    if not groups:
+        return out.to(x.dtype)
+    hs = []
+    for expert, pairs in groups:
+        gate_up = linear(xq[pairs // k], w13_of(expert, acc))
         h = swiglu(gate_up.to(x.dtype).to(acc), swiglu_limit) * topk_weights.reshape(-1)[pairs, None].to(acc)
-        hq = fake_quant_act_ue8m0(h.to(x.dtype), block).to(acc)
-        y = linear(hq, w2_of(expert, acc)).to(x.dtype)
-        out.index_add_(0, token_idx, y.to(acc))
+        hs.append(h.to(x.dtype))
+    # the quantisation is per row: every expert's rows in one call
+    hq = fake_quant_act_ue8m0(torch.cat(hs), block).to(acc).split([len(pairs) for _, pairs in groups])
+    for (expert, pairs), h in zip(groups, hq):
+        y = linear(h, w2_of(expert, acc)).to(x.dtype)
+        out.index_add_(0, pairs // k, y.to(acc))
     return out.to(x.dtype)
 
 

@@ -135,12 +135,22 @@ def fake_quant_act_ue8m0(x: torch.Tensor, block: int = 128, qmax: float = E4M3_M
     k = x.shape[-1]
     groups_n = -(-k // block)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
-    padded[..., :k] = x
-    groups = padded.view(*x.shape[:-1], groups_n, block)
+    groups = _groups_of(x, block, acc)
     scale = pow2_scale(groups.abs().amax(dim=-1, keepdim=True), qmax, eps).to(acc)
     q = (groups / scale).clamp(-qmax, qmax).to(torch.float8_e4m3fn).to(acc)
     return (q * scale).view(*x.shape[:-1], groups_n * block)[..., :k].to(x.dtype)
+
+
+def _groups_of(x: torch.Tensor, block: int, acc: torch.dtype) -> torch.Tensor:
+    """``x`` in ``acc`` as [..., ceil(K / block), block], the last group padded with zeros (a copy only
+    where K is not a multiple of ``block``)."""
+    k = x.shape[-1]
+    groups_n = -(-k // block)
+    if k == groups_n * block:
+        return x.to(acc).reshape(*x.shape[:-1], groups_n, block)
+    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
+    padded[..., :k] = x
+    return padded.view(*x.shape[:-1], groups_n, block)
 
 
 def fake_quant_act_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
@@ -150,9 +160,7 @@ def fake_quant_act_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     k = x.shape[-1]
     groups_n = -(-k // block)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
-    padded[..., :k] = x
-    groups = padded.view(*x.shape[:-1], groups_n, block)
+    groups = _groups_of(x, block, acc)
     scale = pow2_scale(groups.abs().amax(dim=-1, keepdim=True), FP4_MAX, FP4_AMAX_EPS).to(acc)
     codes = _nearest_e2m1_codes(groups / scale)
     values = _e2m1_table(x.device, acc)[codes.long()]
@@ -171,9 +179,7 @@ def fake_quant_fp4_e4m3_scale(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     k = x.shape[-1]
     groups_n = -(-k // block)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    padded = torch.zeros((*x.shape[:-1], groups_n * block), dtype=acc, device=x.device)
-    padded[..., :k] = x
-    groups = padded.view(*x.shape[:-1], groups_n, block)
+    groups = _groups_of(x, block, acc)
     amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_E4M3_AMAX_EPS)
     scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).to(acc)
     codes = _nearest_e2m1_codes((groups / scale).clamp(-FP4_MAX, FP4_MAX))
