@@ -30,12 +30,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # the imported heap (torch, transformers, every test module: hundreds of thousands of objects) lives as long
+    # as the process: freeze it, so that the full collections after each engine test (llm_factory's) and the
+    # collector's own walk only what the tests allocate (as ``deepinfer serve`` does after startup)
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def collect_cycles_after_each_module() -> Iterator[None]:
     """Free what a test file's engines and models left in reference cycles before the next file runs: the
-    collector's own full passes come too rarely for objects that hold gigabytes of tensors."""
+    collector's own full passes come too rarely for objects that hold gigabytes of tensors. What survives
+    (modules imported on first use, session fixtures, caches) is frozen with the rest of the long-lived heap."""
     yield
     gc.collect()
+    gc.freeze()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
