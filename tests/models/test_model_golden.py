@@ -128,7 +128,8 @@ def test_matches_transformers_cached_decoding(tiny_checkpoints):
 # --- engine against itself -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7])
+# 1: token by token; 7: chunks ending mid-window and mid-compression-window; 3 (slow): more of the same
+@pytest.mark.parametrize("chunk", [1, pytest.param(3, marks=pytest.mark.slow), 7])
 @pytest.mark.parametrize("config", list(ALL_CONFIGS))
 def test_incremental_equals_full_forward(tiny_checkpoints, config, chunk):
     model = _model(tiny_checkpoints, config)
