@@ -67,7 +67,9 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# default (slow): the plain oracle, which each other variant runs under its chunking, preemption or prefix hits
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v == "default" else v
+                                     for v in VARIANTS])
 def test_oracle_drafts_greedy_equal(variant, tiny_path, make_llm):
     """Accepted and rejected drafts at every offset of the block: the caches the rejected tokens wrote are
     put back, so the next step computes as if only the accepted ones had run."""
