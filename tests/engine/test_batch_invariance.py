@@ -385,9 +385,11 @@ def _assert_identical(results) -> None:
                                torch.tensor([b[t] for t in keys], dtype=torch.float64)), (where, step, a, b)
 
 
-@pytest.mark.parametrize("name", ["tiny", "v41"])
-def test_alone_vs_inside_random_batches_is_bit_identical(tiny_path, make_llm, name):
-    results, engine = run_alone_vs_batched(make_llm, tiny_path(name), batch_invariant=True, num_prompts=4, seed=0)
+# v41 (about 6x tiny's step time) with two targets: one fresh, one whose prefix comes from the cache
+@pytest.mark.parametrize("name, num_prompts", [("tiny", 4), ("v41", 2)])
+def test_alone_vs_inside_random_batches_is_bit_identical(tiny_path, make_llm, name, num_prompts):
+    results, engine = run_alone_vs_batched(make_llm, tiny_path(name), batch_invariant=True, num_prompts=num_prompts,
+                                           seed=0)
     _assert_identical(results)
     # the machinery under test was in play
     assert engine.scheduler.num_preemptions > 0
