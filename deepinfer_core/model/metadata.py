@@ -143,7 +143,9 @@ class ForwardBatch:
 
     def ngram_ids(self) -> torch.Tensor:
         """[T, n] token ids (or BEFORE_START / DEAD) at positions p, p-1, ..., p-n+1 of every token."""
-        tail = torch.tensor([BEFORE_START, DEAD], dtype=self.input_ids.dtype, device=self.input_ids.device)
+        # filled on the device: no host copy, so a CUDA graph may capture it
+        tail = torch.full((2,), BEFORE_START, dtype=self.input_ids.dtype, device=self.input_ids.device)
+        tail[1:].fill_(DEAD)
         return torch.cat([self.input_ids, self.ngram_tokens, tail])[self.ngram_index]
 
     def window_rows(self) -> torch.Tensor:

@@ -73,7 +73,14 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    """:data:`E2M1_VALUES` built on ``device`` from the codes' bits (sign, 2 exponent bits, 1 mantissa bit):
+    no host data, so a CUDA graph may capture it."""
+    codes = torch.arange(16, device=device)
+    exponent, mantissa = (codes >> 1) & 3, (codes & 1).to(dtype)
+    subnormal = mantissa * 0.5
+    normal = torch.exp2((exponent - 1).to(dtype)) * (1 + subnormal)
+    magnitude = torch.where(exponent == 0, subnormal, normal)
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

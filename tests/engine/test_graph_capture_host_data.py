@@ -1,0 +1,60 @@
+"""What a CUDA graph captures may not build tensors from host data: a capture refuses any copy from
+pageable host memory (``torch.tensor(list, device=...)`` is one), and a replay would not see new host
+values anyway. Here a platform runs every capture's forward under a dispatch mode that records each array
+lifted from host data (``aten.lift_fresh``), for both generations' embedded models and for the
+verification widths of speculative decoding. (Found on an H100: V4.1's n-gram history and the FP4 value
+table were built from Python lists on the device, so V4.1 could not capture its decode graphs.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deepinfer_core.default_model import default_model_path, v4_model_path
+from deepinfer_core.entrypoints.llm import LLM
+from deepinfer_core.platform import Platform
+from deepinfer_core.worker.graph_runner import GraphRunner
+
+
+class _HostData(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.lifted = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # a Python scalar written into a tensor is lifted as a 0-dim host tensor: its value is baked into the
+        # capture (as CUDA graphs do), so only lifted arrays count
+        if func is torch.ops.aten.lift_fresh.default and args[0].dim() > 0:
+            self.lifted += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CheckingPlatform(Platform):
+    """Runs each capture's forward once, eagerly, counting the tensors lifted from host data per key."""
+
+    supports_graphs = True
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.lifted: dict = {}
+
+    def capture_graphs(self, keys, forward):
+        for key in keys:
+            with torch.inference_mode(), _HostData() as mode:
+                forward(key)
+            self.lifted[key] = mode.lifted
+        return {}
+
+
+@pytest.mark.parametrize("path", [default_model_path, v4_model_path], ids=["v41", "v4"])
+@pytest.mark.parametrize("query_lens", [(1,), (1, 3)], ids=["decode", "verify3"])
+def test_captured_forwards_lift_no_host_data(path, query_lens):
+    llm = LLM(str(path()), backend="cpu_ref", dtype="float32", max_num_seqs=4, max_model_len=256)
+    engine = llm.llm_engine
+    platform = _CheckingPlatform(engine.device)
+    GraphRunner(engine.model, engine.cache, [1, 4], 256, engine.args.block_size, platform=platform,
+                query_lens=query_lens)
+    assert platform.lifted and len({key[2] for key in platform.lifted}) == len(query_lens)
+    assert not any(platform.lifted.values()), {k: n for k, n in platform.lifted.items() if n}
