@@ -32,7 +32,8 @@ class _HostData(TorchDispatchMode):
 
 
 class _CheckingPlatform(Platform):
-    """Runs each capture's forward once, eagerly, counting the tensors lifted from host data per key."""
+    """Runs each capture's forward once, eagerly, counting the arrays lifted from host data per key (summed
+    over the captures of a key)."""
 
     supports_graphs = True
 
@@ -44,7 +45,7 @@ class _CheckingPlatform(Platform):
         for key in keys:
             with torch.inference_mode(), _HostData() as mode:
                 forward(key)
-            self.lifted[key] = mode.lifted
+            self.lifted[key] = self.lifted.get(key, 0) + mode.lifted
         return {}
 
 
@@ -58,3 +59,19 @@ def test_captured_forwards_lift_no_host_data(path, query_lens):
                 query_lens=query_lens)
     assert platform.lifted and len({key[2] for key in platform.lifted}) == len(query_lens)
     assert not any(platform.lifted.values()), {k: n for k, n in platform.lifted.items() if n}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_captured_dspark_drafting_lifts_no_host_data(k):
+    """The DSpark drafting graphs (ring seeding and the pass over the stages, and the layouts derived on the
+    device) of the embedded V4.1."""
+    from deepinfer_core.spec_decode.dspark_graph import DSparkGraphs
+
+    spec = {"method": "dspark", "num_speculative_tokens": k}
+    llm = LLM(str(default_model_path()), backend="cpu_ref", dtype="float32", max_num_seqs=4, max_model_len=256,
+              speculative_config=spec)
+    engine = llm.llm_engine
+    platform = _CheckingPlatform(engine.device)
+    DSparkGraphs(engine.model, engine.cache, [1, 4], k, platform=platform)
+    assert sorted(platform.lifted) == [1, 4]
+    assert not any(platform.lifted.values()), platform.lifted
