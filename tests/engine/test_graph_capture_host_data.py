@@ -1,7 +1,8 @@
 """What a CUDA graph captures may not build tensors from host data: a capture refuses any copy from
 pageable host memory (``torch.tensor(list, device=...)`` is one), and a replay would not see new host
-values anyway. Here a platform runs every capture's forward under a dispatch mode that records each array
-lifted from host data (``aten.lift_fresh``), for both generations' embedded models and for the
+values anyway; nor may it read a device value on the host (``.item()``, ``nonzero``, boolean masks). Here a
+platform runs every capture's forward under a dispatch mode that records each array lifted from host data
+(``aten.lift_fresh``) and each op of :data:`_SYNCING`, for both generations' embedded models and for the
 verification widths of speculative decoding. (Found on an H100: V4.1's n-gram history and the FP4 value
 table were built from Python lists on the device, so V4.1 could not capture its decode graphs.)
 """
@@ -17,6 +18,11 @@ from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.platform import Platform
 from deepinfer_core.worker.graph_runner import GraphRunner
 
+#: ops whose output size or value the host must read from the device: a CUDA graph capture fails on them
+_SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+            torch.ops.aten.masked_select.default, torch.ops.aten.repeat_interleave.Tensor,
+            torch.ops.aten._unique2.default, torch.ops.aten.unique_consecutive.default}
+
 
 class _HostData(TorchDispatchMode):
     def __init__(self):
@@ -24,6 +30,8 @@ class _HostData(TorchDispatchMode):
         self.lifted = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SYNCING:
+            self.lifted += 1
         # a Python scalar written into a tensor is lifted as a 0-dim host tensor: its value is baked into the
         # capture (as CUDA graphs do), so only lifted arrays count
         if func is torch.ops.aten.lift_fresh.default and args[0].dim() > 0:
