@@ -4,7 +4,9 @@ The model is bench_long_context's (4 layers at V4-Flash widths, random weights, 
 timed with its experts in bf16, then with the same experts quantised to FP4 e2m1 with ue8m0 scales per 32
 inputs (as DeepSeek publishes them; ``quantize_fp4_block``), each through a freshly captured decode graph
 at ``--context`` tokens for every batch of ``--batches``; the op rows time ``moe_experts`` against
-``moe_experts_fp4`` of the backend's op table on one layer's experts (CUDA events). Step figures: the
+``moe_experts_fp4`` of the backend's op table on one layer's experts (CUDA events), W4A16 and with
+DeepSeek's numerics (V4: activations per 128, V4.1's ``moe_experts_fp4_quant_act``: per 32), each against
+the floor of reading the touched experts' FP4 bytes, measured in the same run. Step figures: the
 median wall time of build + load + replay + sync (``Harness.graph``) and the device time of load + replay
 (``Harness.graph_phases``).
 
@@ -49,21 +51,34 @@ def to_fp4(linear: Linear, chunk: int = 16) -> Linear:
 
 
 def op_rows(model, batches: list[int], warmup: int, iters: int) -> list[dict]:
-    """``moe_experts`` (bf16) vs ``moe_experts_fp4`` on layer 1's experts, ``batches`` tokens each."""
+    """On layer 1's experts, ``batches`` tokens each: ``moe_experts`` (bf16) against ``moe_experts_fp4`` in W4A16,
+    with DeepSeek-V4's activation quantisation (per 128) and ``moe_experts_fp4_quant_act`` with V4.1's (per
+    32); the floor is half the time of copying the FP4 bytes and scales of the experts the tokens touch
+    (a copy reads and writes each byte once), measured in the same run."""
     ex, ops, device = model.weights.layers[1].moe.experts, model.ops, model.device
     fp4 = (to_fp4(ex.w13), to_fp4(ex.w2))
     experts, top_k, d = ex.w13.weight.shape[0], model.cfg.num_experts_per_tok, model.cfg.hidden_size
+    per_expert = sum(t.numel() * t.element_size() // experts
+                     for lin in fp4 for t in (lin.weight, lin.scale))
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for m in batches:
         x = torch.randn(m, d, device=device, generator=g, dtype=model.dtype)
         ids = torch.stack([torch.randperm(experts, device=device, generator=g)[:top_k] for _ in range(m)])
         weights = torch.rand(m, top_k, device=device, generator=g) + 0.2
-        bf16 = partial(ops.moe_experts, x, ex.w13.weight, ex.w2.weight, ids, weights, 10.0)
-        four = partial(ops.moe_experts_fp4, x, fp4[0].weight, fp4[0].scale, fp4[1].weight, fp4[1].scale, ids,
-                       weights, 10.0, False)
-        rows.append({"tokens": m, "bf16_ms": time_ms(bf16, device, warmup, iters),
-                     "fp4_ms": time_ms(four, device, warmup, iters)})
+        packed = (fp4[0].weight, fp4[0].scale, fp4[1].weight, fp4[1].scale, ids, weights, 10.0)
+        calls = {
+            "bf16_ms": partial(ops.moe_experts, x, ex.w13.weight, ex.w2.weight, ids, weights, 10.0),
+            "fp4_ms": partial(ops.moe_experts_fp4, x, *packed, False),
+            "fp4_v4_numerics_ms": partial(ops.moe_experts_fp4, x, *packed, True),
+            "fp4_v41_numerics_ms": partial(ops.moe_experts_fp4_quant_act, x, *packed, 32),
+        }
+        row = {"tokens": m, "experts_touched": int(ids.unique().numel())}
+        row.update({name: time_ms(fn, device, warmup, iters) for name, fn in calls.items()})
+        src = torch.empty(row["experts_touched"] * per_expert, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        row["floor_ms"] = time_ms(partial(dst.copy_, src), device, warmup, iters) / 2
+        rows.append(row)
     return rows
 
 
@@ -119,9 +134,13 @@ def main(argv=None) -> dict:
     for r in rows:
         r["vs_bf16"] = r["step_ms"] / bf16[r["batch"]]["step_ms"]
     result["steps"] = rows
-    print(f"{'op: tokens':>12} {'bf16 ms':>9} {'fp4 ms':>9} {'fp4/bf16':>9}")
+    print(f"{'op: tokens':>12} {'experts':>7} {'bf16 ms':>9} {'fp4 ms':>9} {'V4 num.':>9} {'V4.1 num.':>9} "
+          f"{'floor ms':>9} {'fp4/bf16':>8} {'fp4/floor':>9} {'V4.1/floor':>10}")
     for r in result["ops"]:
-        print(f"{r['tokens']:>12} {r['bf16_ms']:>9.3f} {r['fp4_ms']:>9.3f} {r['fp4_ms'] / r['bf16_ms']:>9.2f}")
+        print(f"{r['tokens']:>12} {r['experts_touched']:>7} {r['bf16_ms']:>9.3f} {r['fp4_ms']:>9.3f} "
+              f"{r['fp4_v4_numerics_ms']:>9.3f} {r['fp4_v41_numerics_ms']:>9.3f} {r['floor_ms']:>9.4f} "
+              f"{r['fp4_ms'] / r['bf16_ms']:>8.2f} {r['fp4_ms'] / r['floor_ms']:>9.2f} "
+              f"{r['fp4_v41_numerics_ms'] / r['floor_ms']:>10.2f}")
     print(f"{'step: experts':>14} {'batch':>5} {'step ms':>9} {'device ms':>9} {'vs bf16':>8}")
     for r in rows:
         print(f"{r['experts']:>14} {r['batch']:>5} {r['step_ms']:>9.3f} {r['device_ms']:>9.3f} {r['vs_bf16']:>8.2f}")
