@@ -24,11 +24,13 @@ result independent of its batch, op by op:
   pre/post/comb and the Sinkhorn loop in registers), storing ``pre`` instead of collapsing. torch's
   elementwise functions would not do on the CPU: their vectorised bulk and scalar remainder disagree in
   the last bit (``sigmoid``), and which of a token's values fall in the remainder depends on the batch.
-* ``linear_fp8``, ``linear_fp8_ue8m0``, ``moe_experts_fp8``, ``moe_experts_fp4``,
-  ``moe_experts_act_quant``, ``moe_experts_quant_act``, ``moe_experts_fp4_quant_act``: the core's native
-  bodies (per-row activation quantisation, weights dequantised exactly, experts in ascending id order)
-  with the GEMM and SwiGLU above; correct but slow (float32 GEMMs on dequantised weights). The MoE ones
-  read expert counts back to the host, so their steps are not graph-captured.
+* ``moe_experts_fp4``, ``moe_experts_act_quant``, ``moe_experts_quant_act``, ``moe_experts_fp4_quant_act``:
+  the default FP4 MoE kernels (packed or float experts; activations quantised per row) with their M-block
+  fixed at :data:`MOE_BLOCK_M`, and the slots summed as ``moe_experts`` sums them; no host read-back.
+* ``linear_fp8``, ``linear_fp8_ue8m0``, ``moe_experts_fp8``: the core's native bodies (per-row activation
+  quantisation, weights dequantised exactly, experts in ascending id order) with the GEMM and SwiGLU
+  above; correct but slow (float32 GEMMs on dequantised weights). ``moe_experts_fp8`` reads expert counts
+  back to the host, so its steps are not graph-captured.
 * ``sparse_attention_fp8``: the native body (the read rows decoded exactly, per row) with the
   attention above.
 
@@ -164,12 +166,45 @@ def moe_experts(
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     lay = triton_ops.moe_layout(x, w13, topk_ids, topk_weights, block_m=MOE_BLOCK_M)
-    slots = triton_ops.moe_slots(x, w13, w2, lay, swiglu_limit)
-    tokens, k, d = lay.tokens, lay.k, lay.d
+    return _sum_slots(triton_ops.moe_slots(x, w13, w2, lay, swiglu_limit), lay, x)
+
+
+def _sum_slots(slots: torch.Tensor, lay: triton_ops.MoeLayout, x: torch.Tensor) -> torch.Tensor:
+    """[pairs, d] float32 slot outputs -> [tokens, d] in x.dtype, a token's k summed in slot order by one
+    program."""
     out = torch.empty_like(x)
-    block_d = min(_pow2(d), 1024)
-    _kernels().sum_slots_kernel[(tokens, _cdiv(d, block_d))](slots, out, k, d, BLOCK_D=block_d, num_warps=4)
+    block_d = min(_pow2(lay.d), 1024)
+    _kernels().sum_slots_kernel[(lay.tokens, _cdiv(lay.d, block_d))](slots, out, lay.k, lay.d, BLOCK_D=block_d,
+                                                                      num_warps=4)
     return out
+
+
+def _grouped(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, quant_act, block, packed):
+    """The FP4 MoE kernels (:func:`.triton_ops.grouped_moe_slots`) with their M-block fixed, then the slots
+    summed as :func:`moe_experts` sums them."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    slots, lay = triton_ops.grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                              swiglu_limit, quant_act, block, packed, block_m=MOE_BLOCK_M)
+    return _sum_slots(slots, lay, x)
+
+
+def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, quant_act):
+    return _grouped(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, quant_act, 128, True)
+
+
+def moe_experts_fp4_quant_act(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, block):
+    return _grouped(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, True,
+                    triton_ops._act_block(block), True)
+
+
+def moe_experts_quant_act(x, w13, w2, topk_ids, topk_weights, swiglu_limit, block):
+    return _grouped(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, triton_ops._act_block(block),
+                    False)
+
+
+def moe_experts_act_quant(x, w13, w2, topk_ids, topk_weights, swiglu_limit):
+    return _grouped(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, 128, False)
 
 
 def sparse_attention(
@@ -207,7 +242,6 @@ hc_head = partial(hc_ops.hc_head, mm=_mixing_mm)
 hc_mixes = partial(hc_ops.hc_mixes, mm=_mixing_mm)
 linear_fp8 = partial(native.linear_fp8, linear=linear)
 moe_experts_fp8 = partial(native.moe_experts_fp8, linear=linear, swiglu=swiglu)
-moe_experts_fp4 = partial(native.moe_experts_fp4, linear=linear, swiglu=swiglu)
 
 ALL_OPS = {
     "linear": linear,
@@ -226,15 +260,14 @@ ALL_OPS = {
 # FP8 KV entries: the read rows decoded exactly (per row), then the attention above
 ALL_OPS["sparse_attention_fp8"] = partial(native.sparse_attention_fp8, attention=sparse_attention)
 ALL_OPS["linear_fp8_ue8m0"] = partial(native.linear_fp8_ue8m0, linear=linear)
-ALL_OPS["moe_experts_act_quant"] = partial(native.moe_experts_act_quant, linear=linear, swiglu=swiglu)
+ALL_OPS["moe_experts_act_quant"] = moe_experts_act_quant
 # DeepSeek-V4.1
 ALL_OPS["indexer_scores"] = indexer_scores
 ALL_OPS["hc_mixes"] = hc_mixes
-ALL_OPS["moe_experts_quant_act"] = partial(native.moe_experts_quant_act, linear=linear, swiglu=swiglu)
-ALL_OPS["moe_experts_fp4_quant_act"] = partial(native.moe_experts_fp4_quant_act, linear=linear, swiglu=swiglu)
+ALL_OPS["moe_experts_quant_act"] = moe_experts_quant_act
+ALL_OPS["moe_experts_fp4_quant_act"] = moe_experts_fp4_quant_act
 #: kernels of this module that serve the default mode too: the routing's one program a token replaces
 #: torch's sort over the experts and its gathers (21 us for the sort alone at batch 1 on the H200)
 DEFAULT_OPS = {"moe_route": moe_route}
-#: the native loops over experts, which read the counts back to the host
-SYNCS_HOST = frozenset({"moe_experts_fp8", "moe_experts_fp4", "moe_experts_act_quant", "moe_experts_quant_act",
-                        "moe_experts_fp4_quant_act"})
+#: the native loop over experts, which reads the counts back to the host
+SYNCS_HOST = frozenset({"moe_experts_fp8"})

@@ -480,7 +480,17 @@ def _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu
     in a float dtype, the scales unused)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    lay = moe_layout(x, w13, topk_ids, topk_weights)
+    out, lay = grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit,
+                                 quant_act, act_block, packed)
+    return lay.combine(out, x.dtype)
+
+
+def grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float,
+                      quant_act: bool, act_block: int, packed: bool, block_m: int | None = None
+                      ) -> tuple[torch.Tensor, MoeLayout]:
+    """:func:`_grouped_moe`'s [pairs, d] float32 contributions before a token's k are summed, and the layout
+    (``block_m``: rows per block, default by the number of pairs)."""
+    lay = moe_layout(x, w13, topk_ids, topk_weights, block_m)
     block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
     x = _rows(x)
     if packed:
@@ -514,7 +524,7 @@ def _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu
         SCALE_E8M0=e8m0_2, QUANT_ACT=quant_act, ROUND=rnd, PACKED=packed,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
     )
-    return lay.combine(out, x.dtype)
+    return out, lay
 
 
 def moe_experts_fp4(
