@@ -20,14 +20,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
 MULTIPROCESS = ("tests/parallel/",)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # under ``--dist loadgroup`` a group runs on one worker: a file's module fixtures (references, lowered
-    # kernels, built engines) are then made once, not once on each worker its tests were spread over
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        group = "multiprocess" if item.nodeid.startswith(MULTIPROCESS) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def group_of(nodeid: str) -> str:
+    """The xdist group of a test: the multi-process tests together, every other test with its file's."""
+    return "multiprocess" if nodeid.startswith(MULTIPROCESS) else nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadgroup`` a group runs on one worker: a file's module fixtures (references, lowered
+    kernels, built engines) are then made once, not once on each worker its tests were spread over. xdist's own
+    loadgroup reads the group from a suffix its workers append to the node ids, which pytest 9.2's structured
+    node ids drop (pytest-xdist issue 1386): every test became a group of its own. This scheduler groups by the
+    node id itself."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return FileGroupScheduling(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
