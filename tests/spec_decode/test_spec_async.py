@@ -138,7 +138,8 @@ def test_oracle_drafts_async_greedy_equal(config, variant, schedule, tiny_path, 
         assert engine.scheduler.num_preemptions > 0 and engine.counts["drained"] > 0
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 6, 7])
+# 1 to 5: the prefill's token and every offset of the first verification; 6 and 7 (slow) offsets 0 and 1 again
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, *(pytest.param(m, marks=pytest.mark.slow) for m in (6, 7))])
 def test_max_tokens_inside_a_draft_async(max_tokens, tiny_path, make_llm, make_async):
     """All drafts right: the limit falls on every offset of a verification scheduled before the step
     before it ended (the worker drops the drafts past it)."""
