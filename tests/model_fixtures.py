@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from deepinfer_core.model.metadata import SeqSpan, build_forward_batch
 from deepinfer_core.models import load_model
 from deepinfer_core.models.deepseek_v4 import DeepseekV4Model
 from deepinfer_core.plugins import ALLOWLIST_ENV
@@ -132,3 +133,36 @@ def max_rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| divided by max |expected| (the logits' scale)."""
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def record_calls(model) -> set[str]:
+    """Wrap every op of ``model.ops``; the returned set fills with the names called."""
+    called: set[str] = set()
+
+    def wrap(name, fn):
+        def op(*args, **kwargs):
+            called.add(name)
+            return fn(*args, **kwargs)
+
+        return op
+
+    for name in model.ops.chosen:
+        setattr(model.ops, name, wrap(name, getattr(model.ops, name)))
+    return called
+
+
+def run_forward_and_mtp(model, length: int = 40) -> tuple[set[str], set[str]]:
+    """(ops the forward called, ops the drafter called) over ``length`` tokens, every window closing."""
+    called = record_calls(model)
+    ids = torch.randint(2, model.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner = SimpleRunner(model, 1, length + 1, block_size=16)
+    span = [SeqSpan(0, length, runner.table(0), runner.table(0), 0)]
+    batch = build_forward_batch(ids, span, model.compressor_specs(), 16, model.cfg.sliding_window,
+                                list(range(length)))
+    _, streams = model.forward(batch, runner.cache)
+    forward = set(called)
+    called.clear()
+    if model.has_mtp:
+        nxt = torch.tensor(ids[1:] + [2])
+        model.drafter.forward(batch, runner.cache, streams, nxt)
+    return forward, set(called)

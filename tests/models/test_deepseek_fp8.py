@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import engine_logits, no_kernel_packs, prompt
-from test_weights import run_forward_and_mtp
+from model_fixtures import engine_logits, no_kernel_packs, prompt, run_forward_and_mtp
 
 from deepinfer_core.models import load_model
 from deepinfer_core.models.deepseek_v4 import DeepseekV4Model
