@@ -73,3 +73,14 @@ def near_tie(logits: torch.Tensor, tol: float) -> bool:
     """Whether the two best of ``logits`` are within ``tol``."""
     top = logits.topk(2).values
     return bool(top[0] - top[1] <= tol)
+
+
+def run_without_host_sync(fn):
+    """``fn()`` after the device is idle, with CUDA's sync debug mode at "error": any wait for the device
+    inside it raises. Returns what ``fn`` returns."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

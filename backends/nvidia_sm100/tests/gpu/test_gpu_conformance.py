@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_support import BACKEND, gpu_marks
+from gpu_support import BACKEND, gpu_marks, run_without_host_sync
 
 from deepinfer_core.ops import native
 from deepinfer_core.ops.catalogue import CATALOGUE
@@ -138,11 +138,5 @@ def test_triton_ops_never_sync_with_the_host(device):
         calls.append((op, tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in case.args)))
     for op, args in calls:  # compile (and autotune nothing) outside the checked region
         triton_ops.ALL_OPS[op](*args)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for op, args in calls:
-            triton_ops.ALL_OPS[op](*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(lambda: [triton_ops.ALL_OPS[op](*args) for op, args in calls])
     torch.cuda.synchronize()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_support import gpu_marks
+from gpu_support import gpu_marks, run_without_host_sync
 
 from deepinfer_core.ops import native
 from deepinfer_core.testing.compare import Tolerance, assert_close, tolerance_for
@@ -34,11 +34,12 @@ SWIGLU_LIMIT = 10.0
 W13_BASE, W2_BASE = -9, -7
 
 
-def _fp4(g: torch.Generator, device, n: int, k: int, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp4(g: torch.Generator, device, n: int, k: int, base: int,
+         experts: int = EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed e2m1 uint8 [E, n, k/2] and ue8m0 scales [E, n, k/32], built on the device."""
-    packed = torch.randint(0, 256, (EXPERTS, n, k // 2), dtype=torch.uint8, device=device, generator=g)
-    row = torch.randint(-1, 2, (EXPERTS, n, 1), dtype=torch.int16, device=device, generator=g)
-    group = torch.randint(-1, 2, (EXPERTS, n, k // 32), dtype=torch.int16, device=device, generator=g)
+    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device, generator=g)
+    row = torch.randint(-1, 2, (experts, n, 1), dtype=torch.int16, device=device, generator=g)
+    group = torch.randint(-1, 2, (experts, n, k // 32), dtype=torch.int16, device=device, generator=g)
     scale = (127 + base + row + group).to(torch.uint8).view(torch.float8_e8m0fnu)
     return packed, scale
 
@@ -52,10 +53,10 @@ def experts(device):
     return w13, s13, w2, s2
 
 
-def _routing(tokens: int, seed: int, device):
+def _routing(tokens: int, seed: int, device, hidden: int = HIDDEN, experts: int = EXPERTS):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, HIDDEN, generator=g)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(tokens)])
     ids[0, :2] = -1  # experts of another rank
     if tokens > 2:
         ids[2] = -1
@@ -114,12 +115,7 @@ def test_fp4_moe_captures_in_a_cuda_graph(experts, device):
         return [triton_ops.moe_experts_fp4(x, w13, s13, w2, s2, ids, weights, SWIGLU_LIMIT, q) for q in (False, True)]
 
     eager = step()  # compiles outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -141,31 +137,13 @@ V41_HIDDEN, V41_INTER, V41_EXPERTS, V41_BLOCK = 5120, 2304, 384, 32
 V41_FLOAT_EXPERTS = 32
 
 
-def _v41_fp4(g: torch.Generator, device, experts: int, n: int, k: int, base: int):
-    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device, generator=g)
-    row = torch.randint(-1, 2, (experts, n, 1), dtype=torch.int16, device=device, generator=g)
-    group = torch.randint(-1, 2, (experts, n, k // 32), dtype=torch.int16, device=device, generator=g)
-    return packed, (127 + base + row + group).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
 @pytest.fixture(scope="module")
 def v41_experts(device):
     """w13, s13, w2, s2 of 384 V4.1-Flash experts (6.8 GB)."""
     g = torch.Generator(device=device).manual_seed(41)
-    w13, s13 = _v41_fp4(g, device, V41_EXPERTS, 2 * V41_INTER, V41_HIDDEN, W13_BASE)
-    w2, s2 = _v41_fp4(g, device, V41_EXPERTS, V41_HIDDEN, V41_INTER, W2_BASE)
+    w13, s13 = _fp4(g, device, 2 * V41_INTER, V41_HIDDEN, W13_BASE, V41_EXPERTS)
+    w2, s2 = _fp4(g, device, V41_HIDDEN, V41_INTER, W2_BASE, V41_EXPERTS)
     return w13, s13, w2, s2
-
-
-def _v41_routing(tokens: int, seed: int, experts: int, device):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, V41_HIDDEN, generator=g)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(tokens)])
-    ids[0, :2] = -1
-    if tokens > 2:
-        ids[2] = -1
-    weights = torch.rand(tokens, TOP_K, generator=g) + 0.2
-    return x.to(device), ids.to(device), weights.to(device)
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 300])
@@ -178,9 +156,9 @@ def test_v41_quant_act_experts_at_v41_shapes(tokens, v41_experts, device):
     from deepinfer_core.quant.fp4 import dequantize_fp4_block
 
     w13, s13, w2, s2 = v41_experts
-    x, ids, weights = _v41_routing(tokens, tokens, V41_EXPERTS, device)
+    x, ids, weights = _routing(tokens, tokens, device, V41_HIDDEN, V41_EXPERTS)
     few = V41_FLOAT_EXPERTS
-    _, few_ids, _ = _v41_routing(tokens, tokens, few, device)
+    _, few_ids, _ = _routing(tokens, tokens, device, V41_HIDDEN, few)
     for dtype in (torch.bfloat16, torch.float32):
         xd = x.to(dtype)
         w13f = dequantize_fp4_block(w13[:few], s13[:few].float(), dtype)
@@ -213,7 +191,7 @@ def test_v41_quant_act_experts_capture_in_a_cuda_graph(v41_experts, device):
     g = torch.Generator(device=device).manual_seed(3)
     w13f = torch.randn(few, 2 * V41_INTER, V41_HIDDEN, device=device, generator=g).bfloat16() * 0.02
     w2f = torch.randn(few, V41_HIDDEN, V41_INTER, device=device, generator=g).bfloat16() * 0.02
-    x, ids, weights = _v41_routing(64, 1, V41_EXPERTS, device)
+    x, ids, weights = _routing(64, 1, device, V41_HIDDEN, V41_EXPERTS)
     x = x.bfloat16()
     few_ids = torch.where(ids >= 0, ids % few, ids)
 
@@ -222,16 +200,11 @@ def test_v41_quant_act_experts_capture_in_a_cuda_graph(v41_experts, device):
                 triton_ops.moe_experts_quant_act(x, w13f, w2f, few_ids, weights, SWIGLU_LIMIT, V41_BLOCK)]
 
     eager = step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    x2, ids2, weights2 = _v41_routing(64, 2, V41_EXPERTS, device)
+    x2, ids2, weights2 = _routing(64, 2, device, V41_HIDDEN, V41_EXPERTS)
     x.copy_(x2.bfloat16())
     ids.copy_(ids2)
     few_ids.copy_(torch.where(ids2 >= 0, ids2 % few, ids2))
