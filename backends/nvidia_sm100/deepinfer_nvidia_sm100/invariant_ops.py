@@ -194,13 +194,11 @@ def moe_experts_fp4(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swi
 
 
 def moe_experts_fp4_quant_act(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, block):
-    return _grouped(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, True,
-                    triton_ops._act_block(block), True)
+    return _grouped(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, True, block, True)
 
 
 def moe_experts_quant_act(x, w13, w2, topk_ids, topk_weights, swiglu_limit, block):
-    return _grouped(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, triton_ops._act_block(block),
-                    False)
+    return _grouped(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, block, False)
 
 
 def moe_experts_act_quant(x, w13, w2, topk_ids, topk_weights, swiglu_limit):

@@ -466,14 +466,6 @@ def quantize_act_ue8m0(x2: torch.Tensor, block: int = 128, dtype: torch.dtype = 
     return q
 
 
-def _act_block(block: int) -> int:
-    """The activation group of DeepSeek's numerics as the kernels take it: one group per program's
-    channels, so a power of two the dots can tile (16 .. 128)."""
-    if block not in (16, 32, 64, 128):
-        raise ValueError(f"the Triton grouped MoE quantises activations per 16, 32, 64 or 128 channels, not {block}")
-    return block
-
-
 def _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float,
                  quant_act: bool, act_block: int, packed: bool) -> torch.Tensor:
     """The grouped MoE of :mod:`.fp4_moe_kernels` (``packed``: FP4 experts with their scales; else experts
@@ -501,6 +493,10 @@ def grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, s
         (s13, e8m0_13), (s2, e8m0_2) = (w13, False), (w2, False)
     kern, rnd, quant_act = _k_fp4(), _ROUND[x.dtype], bool(quant_act)
     if quant_act:
+        # one activation group per program's channels: a power of two the dots can tile
+        if act_block not in (16, 32, 64, 128):
+            raise ValueError(f"the Triton grouped MoE quantises activations per 16, 32, 64 or 128 channels, "
+                             f"not {act_block}")
         # FP4 weights times power-of-two scales are exact in bfloat16, as are the quantised activations;
         # float weights multiply in the model dtype
         a = quantize_act_ue8m0(x, act_block, torch.bfloat16 if packed else x.dtype)
@@ -561,7 +557,7 @@ def moe_experts_fp4_quant_act(
     """:func:`moe_experts_fp4` with DeepSeek's numerics, the activations quantised per ``block`` channels
     (DeepSeek-V4.1: 32)."""
     return _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit, True,
-                        _act_block(block), packed=True)
+                        block, packed=True)
 
 
 def moe_experts_quant_act(
@@ -575,7 +571,7 @@ def moe_experts_quant_act(
 ) -> torch.Tensor:
     """DeepSeek's numerics over experts held in a float dtype (the activations quantised per ``block``
     channels), through the FP4 MoE's kernels with the weights read as they are."""
-    return _grouped_moe(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, _act_block(block),
+    return _grouped_moe(x, w13, None, w2, None, topk_ids, topk_weights, swiglu_limit, True, block,
                         packed=False)
 
 
