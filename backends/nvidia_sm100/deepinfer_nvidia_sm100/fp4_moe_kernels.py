@@ -6,8 +6,8 @@ DeepSeek publishes them.
 Weights: FP4 e2m1, two per byte along the input dim (input ``2j`` in the low nibble of byte ``j``, ``2j+1``
 in the high one), one power-of-two scale per 32 inputs of a row, as ``float8_e8m0fnu`` bytes
 (``2**(byte - 127)``) or float32. A K step of ``BLOCK_K`` inputs loads ``BLOCK_K / 2`` bytes of each weight
-row and their scales, and decodes them in registers (:func:`e2m1_values`: sign, exponent and mantissa
-bits moved into a float32 bit pattern, no table) into two tiles: the even inputs (low nibbles) and the
+row and their scales, and decodes them in registers (:func:`e2m1_pair_values`: sign, exponent and mantissa
+bits moved into a float16 bit pattern, no table) into two tiles: the even inputs (low nibbles) and the
 odd inputs (high nibbles), each times its scale. The activations are loaded the same way, even and odd
 columns apart, so the step is two dots ``a_even . w_even + a_odd . w_odd`` and nothing is interleaved.
 e2m1 values times a power of two are exact in bfloat16 (2 significant bits), so the dot operands are the
@@ -35,13 +35,17 @@ from deepinfer_nvidia_sm100.fp8_kernels import round_e4m3
 
 
 @triton.jit
-def e2m1_values(code):
-    """e2m1 codes (int32, 0..15) -> their values in float32: bit 3 the sign, bits 2-1 the exponent, bit 0
-    the mantissa. A magnitude code m >= 2 is (1 + (m & 1) / 2) * 2^((m >> 1) - 1), whose float32 bits are
-    (m << 22) + (126 << 23) (exponent field (m >> 1) + 126, mantissa's top bit m & 1); m = 1 is 0.5."""
-    mag = code & 7
-    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def e2m1_pair_values(byte):
+    """Packed bytes (int32, 0..255) -> the values of their low and high e2m1 nibbles, in float32. A nibble's
+    sign goes to bit 15 of a float16 pattern and its 3 magnitude bits (2 of exponent, 1 of mantissa) to bits
+    11-9, the exponent's low bits and the mantissa's top bit: that float16 is the e2m1 value times 2^-14
+    (code 1, a float16 subnormal, included), and both conversions after are exact. Four integer ops a
+    nibble, no table and no select."""
+    lo = ((byte & 7) << 9) | ((byte & 8) << 12)
+    hi = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo * 16384.0, hi * 16384.0
 
 
 @triton.jit
@@ -83,16 +87,20 @@ def quant_e4m3_pow2(x, valid):
 @triton.jit
 def fp4_tile(w_ptr, s_ptr, rows, stride_wn, stride_sn, k0, offs_j, K, n_mask, SCALE_E8M0: tl.constexpr):
     """Inputs ``k0 + 2j`` (low nibbles) and ``k0 + 2j + 1`` (high nibbles) of the weight rows ``rows`` [BN],
-    j in ``offs_j`` [BKH]: two tiles [BKH, BN] of dequantised values in float32 (zero past K)."""
-    k_even = k0 + 2 * offs_j
-    mask = (k_even < K)[:, None] & n_mask[None, :]
-    packed = tl.load(w_ptr + rows[None, :] * stride_wn + (k_even // 2)[:, None], mask=mask, other=0).to(tl.int32)
-    s = tl.load(s_ptr + rows[None, :] * stride_sn + (k_even // 32)[:, None], mask=mask, other=0)
+    j in ``offs_j`` [BKH]: two tiles [BKH, BN] of dequantised values in float32 (zero past K, which is even:
+    a row holds K / 2 bytes). The byte offsets are written as ``k0 / 2 + j`` (``k0`` is a multiple of the
+    block) so that the compiler sees BKH contiguous bytes per row and coalesces the load along them; the
+    scales repeat over 16 bytes."""
+    byte = k0 // 2 + offs_j
+    mask = (byte < K // 2)[:, None] & n_mask[None, :]
+    packed = tl.load(w_ptr + rows[None, :] * stride_wn + byte[:, None], mask=mask, other=0).to(tl.int32)
+    s = tl.load(s_ptr + rows[None, :] * stride_sn + (k0 // 32 + offs_j // 16)[:, None], mask=mask, other=0)
     if SCALE_E8M0:
         scale = e8m0_values(s.to(tl.int32))
     else:
         scale = s.to(tl.float32)
-    return e2m1_values(packed & 15) * scale, e2m1_values((packed >> 4) & 15) * scale
+    lo, hi = e2m1_pair_values(packed)
+    return lo * scale, hi * scale
 
 
 @triton.jit
