@@ -466,6 +466,25 @@ def quantize_act_ue8m0(x2: torch.Tensor, block: int = 128, dtype: torch.dtype = 
     return q
 
 
+@dataclass(frozen=True)
+class Fp4Tiles:
+    """Launch shapes of the FP4 grouped MoE (W4A16; with quantised activations the gate/up kernel's columns
+    are one activation group): inputs per K step, then columns, warps and pipeline stages of the gate/up
+    kernel and of the down kernel. ``benchmarks/tune_moe_fp4.py`` times the alternatives."""
+
+    block_k: int = 64
+    up_n: int = 64
+    up_warps: int = 4
+    up_stages: int = 3
+    down_n: int = 64
+    down_warps: int = 4
+    down_stages: int = 3
+
+    def __post_init__(self):
+        if self.block_k not in (32, 64, 128, 256):  # whole 32-input scale groups per step
+            raise ValueError(f"Fp4Tiles.block_k must be 32, 64, 128 or 256, not {self.block_k}")
+
+
 def _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float,
                  quant_act: bool, act_block: int, packed: bool) -> torch.Tensor:
     """The grouped MoE of :mod:`.fp4_moe_kernels` (``packed``: FP4 experts with their scales; else experts
@@ -478,10 +497,11 @@ def _grouped_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu
 
 
 def grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit: float,
-                      quant_act: bool, act_block: int, packed: bool, block_m: int | None = None
-                      ) -> tuple[torch.Tensor, MoeLayout]:
+                      quant_act: bool, act_block: int, packed: bool, block_m: int | None = None,
+                      tiles: Fp4Tiles | None = None) -> tuple[torch.Tensor, MoeLayout]:
     """:func:`_grouped_moe`'s [pairs, d] float32 contributions before a token's k are summed, and the layout
-    (``block_m``: rows per block, default by the number of pairs)."""
+    (``block_m``: rows per block, default by the number of pairs; ``tiles``: the launch shapes, default
+    :class:`Fp4Tiles`'s, 32 inputs a step for float32 activations)."""
     lay = moe_layout(x, w13, topk_ids, topk_weights, block_m)
     block_m, rows, inter, d = lay.block_m, lay.rows, lay.inter, lay.d
     x = _rows(x)
@@ -492,6 +512,8 @@ def grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, s
         w13, w2 = _rows(w13), _rows(w2)
         (s13, e8m0_13), (s2, e8m0_2) = (w13, False), (w2, False)
     kern, rnd, quant_act = _k_fp4(), _ROUND[x.dtype], bool(quant_act)
+    if tiles is None:
+        tiles = Fp4Tiles(block_k=32) if x.dtype == torch.float32 and not quant_act else Fp4Tiles()
     if quant_act:
         # one activation group per program's channels: a power of two the dots can tile
         if act_block not in (16, 32, 64, 128):
@@ -500,25 +522,26 @@ def grouped_moe_slots(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, s
         # FP4 weights times power-of-two scales are exact in bfloat16, as are the quantised activations;
         # float weights multiply in the model dtype
         a = quantize_act_ue8m0(x, act_block, torch.bfloat16 if packed else x.dtype)
-        block_n, block_k, up_warps = act_block, 64, 8 if act_block == 128 else 4  # one group of h a program
+        up_n, up_warps = act_block, max(tiles.up_warps, 8 if act_block == 128 else 4)  # one group of h a program
     else:
-        a = x
-        block_n, block_k, up_warps = 64, 32 if x.dtype == torch.float32 else 64, 4
+        a, up_n, up_warps = x, tiles.up_n, tiles.up_warps
     prec = _prec(a.dtype)
     h = torch.empty((rows, inter), dtype=a.dtype, device=x.device)
     out = torch.zeros((lay.pairs, d), dtype=torch.float32, device=x.device)
-    kern.moe_fp4_gate_up_kernel[(rows // block_m, _cdiv(inter, block_n))](
+    kern.moe_fp4_gate_up_kernel[(rows // block_m, _cdiv(inter, up_n))](
         a, a.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         lay.sorted_pairs, lay.block_expert, lay.weights, h, h.stride(0), lay.pairs, lay.k, d, inter,
         float(swiglu_limit),
         SCALE_E8M0=e8m0_13, QUANT_ACT=quant_act, ROUND=rnd, PACKED=packed,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC=prec, num_warps=up_warps,
+        BLOCK_M=block_m, BLOCK_N=up_n, BLOCK_K=tiles.block_k, DOT_PREC=prec, num_warps=up_warps,
+        num_stages=tiles.up_stages,
     )
-    kern.moe_fp4_down_kernel[(rows // block_m, _cdiv(d, 64))](
+    kern.moe_fp4_down_kernel[(rows // block_m, _cdiv(d, tiles.down_n))](
         h, h.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         lay.sorted_pairs, lay.block_expert, lay.weights, out, out.stride(0), lay.pairs, d, inter,
         SCALE_E8M0=e8m0_2, QUANT_ACT=quant_act, ROUND=rnd, PACKED=packed,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DOT_PREC=prec, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=prec, num_warps=tiles.down_warps,
+        num_stages=tiles.down_stages,
     )
     return out, lay
 

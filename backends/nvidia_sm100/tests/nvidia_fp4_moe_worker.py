@@ -90,6 +90,18 @@ CASES += [("exact", dtype, True) for dtype in (torch.float32, torch.bfloat16)]
 QUANT_ACT_CASES = [(op, block, dtype) for op, block in (("moe_experts_fp4_quant_act", 32),
                                                        ("moe_experts_quant_act", 32), ("moe_experts_act_quant", 128))
                    for dtype in (torch.float32, torch.bfloat16)]
+#: launch shapes other than the default (``triton_ops.Fp4Tiles`` fields) the ``ragged`` case also runs with, in
+#: W4A16 float32 and with DeepSeek's numerics in bfloat16: K steps past the rows' ends, narrower columns
+TILE_VARIANTS = ({"block_k": 128}, {"block_k": 256, "down_n": 32}, {"up_n": 32, "up_warps": 8, "up_stages": 2})
+TILE_CASES = [(tiles, dtype, quant) for tiles in range(len(TILE_VARIANTS))
+              for dtype, quant in ((torch.float32, False), (torch.bfloat16, True))]
+
+
+def tile_case_id(tiles: int, dtype: torch.dtype, quant_act: bool) -> str:
+    label = ",".join(f"{k}={v}" for k, v in TILE_VARIANTS[tiles].items())
+    return f"{label}-{case_id('ragged', dtype, quant_act)}"
+
+
 #: the ops the worker records the op table's choice of
 TABLE_OPS = ("moe_experts_fp4", "moe_experts_fp4_quant_act", "moe_experts_quant_act", "moe_experts_act_quant")
 
@@ -130,6 +142,12 @@ def main(out_path: str) -> None:
     out: dict = {"moe": {}, "act": {}, "tables": {}}
     for name, dtype, quant in CASES:
         out["moe"][case_id(name, dtype, quant)] = triton_ops.moe_experts_fp4(*moe_case(name, dtype, quant))
+    out["tiles"] = {}
+    for tiles, dtype, quant in TILE_CASES:
+        x, w13, s13, w2, s2, ids, weights, limit, _ = moe_case("ragged", dtype, quant)
+        slots, lay = triton_ops.grouped_moe_slots(x, w13, s13, w2, s2, ids, weights, limit, quant, 128, True,
+                                                  tiles=triton_ops.Fp4Tiles(**TILE_VARIANTS[tiles]))
+        out["tiles"][tile_case_id(tiles, dtype, quant)] = lay.combine(slots, dtype)
     out["quant_act"] = {quant_act_id(*c): getattr(triton_ops, c[0])(*quant_act_case(*c)) for c in QUANT_ACT_CASES}
     for dtype in (torch.float32, torch.bfloat16):
         out["act"][str(dtype)] = triton_ops.quantize_act_ue8m0(act_rows(dtype))

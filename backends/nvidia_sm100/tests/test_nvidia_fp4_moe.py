@@ -33,11 +33,13 @@ from nvidia_fp4_moe_worker import (
     CASES,
     QUANT_ACT_CASES,
     TABLE_OPS,
+    TILE_CASES,
     act_rows,
     case_id,
     moe_case,
     quant_act_case,
     quant_act_id,
+    tile_case_id,
 )
 from nvidia_interpreter import check_served_by_default_and_switch, run_worker, triton_installed
 
@@ -79,8 +81,22 @@ def _cosine(got: torch.Tensor, want: torch.Tensor) -> float:
 @needs_triton
 @pytest.mark.parametrize("name, dtype, quant_act", CASES, ids=[case_id(*c) for c in CASES])
 def test_kernel_matches_the_native_body(name, dtype, quant_act, interpreted):
-    args = moe_case(name, dtype, quant_act)
-    got = interpreted["moe"][case_id(name, dtype, quant_act)]
+    check_against_native(moe_case(name, dtype, quant_act), interpreted["moe"][case_id(name, dtype, quant_act)],
+                         exact=name == "exact")
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles, dtype, quant_act", TILE_CASES, ids=[tile_case_id(*c) for c in TILE_CASES])
+def test_other_launch_shapes_match_the_native_body(tiles, dtype, quant_act, interpreted):
+    """The ``ragged`` case (hidden 96, intermediate 160) with 128- and 256-input K steps, which run past
+    the rows' ends, and narrower column blocks: the same tolerances as the default shapes."""
+    got = interpreted["tiles"][tile_case_id(tiles, dtype, quant_act)]
+    check_against_native(moe_case("ragged", dtype, quant_act), got)
+
+
+def check_against_native(args: tuple, got: torch.Tensor, exact: bool = False) -> None:
+    """``moe_experts_fp4(*args)`` by the kernel (``got``) against the native body, by the rules above."""
+    dtype, quant_act = args[0].dtype, args[-1]
     assert got.dtype == dtype and got.shape == args[0].shape
     ids = args[5]
     unrouted = (ids < 0).all(dim=1)
@@ -95,7 +111,7 @@ def test_kernel_matches_the_native_body(name, dtype, quant_act, interpreted):
     err = _normalised_error(got, want)
     if dtype == torch.float32:
         assert err.max().item() <= QUANT_F32_TOL, err.max().item()
-    elif name == "exact":
+    elif exact:
         assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"
     else:
         differing = (got != want).double().mean().item()
