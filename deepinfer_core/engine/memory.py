@@ -140,13 +140,17 @@ def profile_activation_bytes(model: Model, sched: SchedulerConfig, block_size: i
     table = [i % blocks for i in range(-(-longest // block_size))]
     specs, window = model.compressor_specs(), model.cfg.sliding_window
     ngram = getattr(model, "ngram_size", 0)  # an n-gram model's batches carry each span's history
-    history = [0] * (ngram - 1) if ngram else None
+
+
+    def history(context_len: int) -> list[int] | None:  # the tokens before a span at context_len, at most n-1
+        return [0] * min(ngram - 1, context_len) if ngram else None
+
     prefill = build_forward_batch([0] * tokens, [SeqSpan(longest - tokens, tokens, table, table, 0,
-                                                         history=history)],
+                                                         history=history(longest - tokens))],
                                   specs, block_size, window, None, device, ngram=ngram)
     seqs = min(sched.max_num_seqs, max(1, tokens // query_len))
-    decode = build_forward_batch([0] * seqs * query_len,
-                                 [SeqSpan(longest - query_len, query_len, table, table, 0, history=history)] * seqs,
+    decode_span = SeqSpan(longest - query_len, query_len, table, table, 0, history=history(longest - query_len))
+    decode = build_forward_batch([0] * seqs * query_len, [decode_span] * seqs,
                                  specs, block_size, window, list(range(seqs * query_len)), device, ngram=ngram)
     peak = platform.peak_memory_of(partial(model.forward, prefill, cache))
     peak += platform.peak_memory_of(partial(model.forward, decode, cache))

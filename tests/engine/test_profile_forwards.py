@@ -34,10 +34,12 @@ class RunningPlatform(Platform):
 
 @pytest.mark.parametrize("path", [default_model_path, v4_model_path], ids=["v41", "v4"])
 @pytest.mark.parametrize("query_len", [1, 4])
-def test_the_profiling_forwards_run(path, query_len):
+# 200: the budget is a long prompt's last chunk; 48: the whole prompt, from position 0, with no history
+@pytest.mark.parametrize("max_model_len", [200, 48])
+def test_the_profiling_forwards_run(path, query_len, max_model_len):
     model = load_model(path(), "cpu_ref", torch.float32, "cpu")
     platform = RunningPlatform(torch.device("cpu"))
-    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=200)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=max_model_len)
     extra = profile_activation_bytes(model, sched, 128, platform, query_len=query_len)
     assert platform.ran == 2
     assert extra >= 8 * sched.max_num_seqs * model.cfg.vocab_size * 4  # the sampler's buffers at least
