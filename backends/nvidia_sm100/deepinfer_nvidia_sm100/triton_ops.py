@@ -616,6 +616,7 @@ ALL_OPS = {
     "sparse_attention": sparse_attention,
     "compress_windows": compress_windows,
     "indexer_topk": indexer_topk,
+    "indexer_scores": indexer_scores,
     "moe_experts": moe_experts,
 }
 #: served by default; ``DEEPINFER_NVIDIA_FP4_TRITON=0`` leaves the op to the native body (:mod:`.registration`)

@@ -31,8 +31,8 @@ BACKEND = "nvidia_sm100"
 PROVIDER = f"deepinfer.backends:{BACKEND}"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 KERNEL_DTYPES = DTYPES[:3]
-TRITON_OPS = ["compress_windows", "hc_collapse", "hc_head", "hc_post", "hc_pre", "indexer_topk", "moe_experts",
-              "rms_norm", "rotary_emb", "sparse_attention"]
+TRITON_OPS = ["compress_windows", "hc_collapse", "hc_head", "hc_post", "hc_pre", "indexer_scores", "indexer_topk",
+              "moe_experts", "rms_norm", "rotary_emb", "sparse_attention"]
 #: Triton kernels serving by default too, tested in their own files (test_nvidia_fp4_moe.py, test_nvidia_fp8_kv.py,
 #: gpu/test_gpu_engram.py)
 FP4_FP8_KV_OPS = ["moe_experts_fp4", "moe_experts_fp4_quant_act", "moe_experts_quant_act", "moe_experts_act_quant",
