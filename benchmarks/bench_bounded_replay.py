@@ -98,21 +98,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --- the model --------------------------------------------------------------------------------------
 
-def model_config(a, longest: int):
-    """The V4.1 config of the preset, Engram left out (it runs in the early layers only, the same in every
-    mode; its tables at the release's size do not fit beside the weights), the v41 preset's drafter too."""
+def model_config(a, longest: int, drafter: bool = False):
+    """:func:`model_config_dict` as a config."""
     from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
+
+    return DeepseekV41Config.from_dict(model_config_dict(a, longest, drafter))
+
+
+def model_config_dict(a, longest: int, drafter: bool = False) -> dict:
+    """The V4.1 config of the preset, Engram left out (it runs in the early layers only, the same in every
+    mode; its tables at the release's size do not fit beside the weights), the v41 preset's drafter too
+    unless ``drafter``: then its DSpark stages stay, with ``a.experts`` routed experts (the release: 128, 3
+    active) and the last 3 layers as their targets. A config.json's contents."""
     from deepinfer_core.testing.tiny_v41 import tiny_v41_config
 
     if a.preset == "tiny":
-        return DeepseekV41Config.from_dict(tiny_v41_config(engram=False, max_position_embeddings=longest))
+        return tiny_v41_config(engram=False, max_position_embeddings=longest)
     raw = json.loads(RELEASE_CONFIG.read_text())
     text = dict(raw["text_config"])
     n = a.layers or text["num_hidden_layers"]
     text.update(n_routed_experts=a.experts, num_experts_per_tok=min(6, a.experts), engram_layer_ids=[],
-                engram_num_embeddings=[], num_nextn_predict_layers=0, dspark_block_size=0,
-                dspark_target_layer_ids=[], num_hidden_layers=n, compress_ratios=text["compress_ratios"][:n],
+                engram_num_embeddings=[], num_hidden_layers=n, compress_ratios=text["compress_ratios"][:n],
                 max_position_embeddings=max(longest, text["max_position_embeddings"]))
+    if drafter:
+        targets = len(text["dspark_target_layer_ids"])
+        text.update(dspark_target_layer_ids=list(range(n - targets, n)), dspark_n_routed_experts=a.experts,
+                    dspark_num_experts_per_tok=min(text["dspark_num_experts_per_tok"], a.experts))
+    else:
+        text.update(num_nextn_predict_layers=0, dspark_block_size=0, dspark_target_layer_ids=[])
     for key in ("kv_source_layer_ids", "index_source_layer_ids"):
         text[key] = [i for i in text[key] if i < n]
     if a.shrink > 1:  # the release's layer structure at a fraction of its widths
@@ -120,19 +133,22 @@ def model_config(a, longest: int):
                     "index_n_heads"):
             text[key] //= a.shrink
         text["vocab_size"] = 4096
+        text["dspark_noise_token_id"] = min(text["dspark_noise_token_id"], text["vocab_size"] - 1)
     if text["candidate_source_layer_id"] >= n:
         text["candidate_source_layer_id"] = -1
     raw = {k: v for k, v in raw.items() if k != "vision_config"}
-    return DeepseekV41Config.from_dict({**raw, "text_config": text})
+    return {**raw, "text_config": text}
 
 
-def random_params(cfg, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """Every parameter at a scale that keeps activations of order one, made on ``device``."""
+def random_params(cfg, dtype: torch.dtype, device: torch.device, seed: int,
+                  drafter: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (the drafter's too with ``drafter``) at a scale that keeps activations of order one,
+    made on ``device``."""
     from deepinfer_core.model.loader import expected_shapes, parameter_dtype
 
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for name, shape in expected_shapes(cfg, with_mtp=False).items():
+    for name, shape in expected_shapes(cfg, with_mtp=drafter).items():
         dt = parameter_dtype(cfg, name, dtype)
         x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32 if dt.is_floating_point else dt) \
             if dt.is_floating_point else torch.zeros(shape, dtype=dt, device=device)
@@ -150,12 +166,12 @@ def random_params(cfg, dtype: torch.dtype, device: torch.device, seed: int) -> d
     return out
 
 
-def build_model(a, cfg, dtype: torch.dtype, device: torch.device):
+def build_model(a, cfg, dtype: torch.dtype, device: torch.device, drafter: bool = False):
     from deepinfer_core.models.deepseek_v41 import ARCHITECTURE
     from deepinfer_core.models.deepseek_v41.model import DeepseekV41Model
     from deepinfer_core.plugins import build_op_table, load_backend
 
-    params = random_params(cfg, dtype, device, a.seed)
+    params = random_params(cfg, dtype, device, a.seed, drafter)
     if ARCHITECTURE.prepare_params is not None:
         ARCHITECTURE.prepare_params(cfg, params, dtype)
     weights = ARCHITECTURE.build_weights(cfg, params, load_backend(a.backend).hook)

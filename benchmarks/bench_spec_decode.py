@@ -315,7 +315,8 @@ def speed(args, engine_kw: dict) -> dict:
         modes += [(f"k={max(args.ks)} unchained", _spec(max(args.ks), method=args.method), {"unchained": True})]
     if args.modes:
         modes = [m for m in modes if m[0] == "off" or any(m[0].startswith(w) for w in args.modes)]
-    make = _random_llm_factory(args, engine_kw) if args.random else (
+    random_factory = _random_v41_llm_factory if args.method == "dspark" else _random_llm_factory
+    make = random_factory(args, engine_kw) if args.random else (
         lambda spec, **kw: LLM(args.model, speculative_config=spec, **engine_kw, **kw))
     sched = {"async_scheduling": True} if args.async_scheduling else {}
     # every engine lives through the run; their KV pools hold the benchmark's sequences, not the device
@@ -374,7 +375,40 @@ def _random_llm_factory(args, engine_kw: dict):
     return make
 
 
+def _random_v41_llm_factory(args, engine_kw: dict):
+    """Engines over one random DeepSeek-V4.1 with its DSpark stages, built once on the target device from
+    the release's config (``bench_bounded_replay.model_config_dict``): ``--layers`` decoder layers (the
+    release: 40), ``--experts`` routed experts in each layer and in the drafter (the release: 384 and 128;
+    a batch-1 step reads only the top-k's bytes either way), no Engram tables (101 GB each); ``--small``
+    divides the widths by 16 (a CPU smoke test). Its drafts are accepted at random (``--force-acceptance``)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_bounded_replay as bbr
+    import bench_gpu_decode as bgd
+
+    device = torch.device(engine_kw.get("device") or ("cuda" if args.backend != "cpu_ref" else "cpu"))
+    dtype = getattr(torch, engine_kw.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32"))
+    a = SimpleNamespace(preset="v41", layers=args.layers, experts=args.experts, shrink=16 if args.small else 1,
+                        backend=args.backend, seed=0)
+    longest = args.prompt_len + round(args.max_tokens * (1 + args.max_tokens_spread)) + 64
+    config = bbr.model_config_dict(a, longest, drafter=True)
+    cfg_dir = Path(tempfile.mkdtemp(prefix="bench-spec-v41-"))
+    (cfg_dir / "config.json").write_text(json.dumps(config))
+    model = bbr.build_model(a, bbr.model_config(a, longest, drafter=True), dtype, device, drafter=True)
+
+    def make(spec, **kw) -> LLM:
+        return LLM.from_engine(bgd.make_engine(model, cfg_dir, backend=args.backend, seed=0,
+                                               speculative_config=spec, **kw))
+
+    return make
+
+
 def _model_name(args) -> str:
+    if args.random and args.method == "dspark":
+        return (f"random V4.1-width{' / 16' if args.small else ''}, {args.layers} layers, {args.experts} routed "
+                "experts a layer and in the drafter, no Engram, DSpark")
     if args.random:
         return f"random {'tiny' if args.small else 'V4-Flash'}-width, {args.layers} layers + MTP"
     return args.model or "default"
@@ -425,9 +459,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", type=lambda v: v.split(","), default=None, metavar="NAME,...",
                     help="speed: only the modes whose names start so (\"off\" always runs: the baseline)")
     ap.add_argument("--random", action="store_true",
-                    help="speed mode on random weights at V4-Flash widths with an MTP block instead of a "
-                         "checkpoint (pair with --force-acceptance)")
-    ap.add_argument("--layers", type=int, default=4, help="--random: decoder layers (default 4)")
+                    help="speed mode on random weights instead of a checkpoint (pair with --force-acceptance): "
+                         "V4-Flash widths with an MTP block, or with --method dspark the release's V4.1 config "
+                         "with its DSpark stages")
+    ap.add_argument("--layers", type=int, default=4, help="--random: decoder layers (default 4; V4.1's: 40)")
+    ap.add_argument("--experts", type=int, default=8,
+                    help="--random --method dspark: routed experts of each layer and of the drafter (default 8)")
     ap.add_argument("--small", action="store_true", help="--random: tiny widths (a CPU smoke test)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="speed: every mode schedules step N+1 while step N runs (default: synchronous)")
@@ -459,9 +496,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--waves must be at least 1")
     if not 0 <= args.max_tokens_spread < 1:
         ap.error("--max-tokens-spread must be in [0, 1)")
-    if args.method == "dspark" and (args.random or not args.model):
-        ap.error("--method dspark runs a V4.1 checkpoint with DSpark stages: give --model (random V4.1-width "
-                 "weights are not built by this script yet)")
+    if args.method == "dspark" and not (args.random or args.model):
+        ap.error("--method dspark runs a V4.1 with DSpark stages: give --model (the embedded default has them) "
+                 "or --random (the release's config with random weights)")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_kw = _engine_kw(args, float64=args.mode == "acceptance")

@@ -273,3 +273,19 @@ def test_calibration_error_is_the_weighted_gap_per_bin(bsd):
     assert bsd.calibration_error(tests) == pytest.approx((0.45 * 2 + 0.2 * 2) / 4)
     assert bsd.calibration_error([(0.5, True), (0.5, False)]) == pytest.approx(0.0)
     assert bsd.calibration_error([]) is None
+
+
+def test_speed_mode_on_random_v41_with_dspark_stages(bsd):
+    """The release's V4.1 config (read from the reference folder) with random weights and its DSpark stages,
+    at a sixteenth of its widths: the drafts are DSpark's, every one accepted when forced."""
+    import bench_bounded_replay
+
+    if not bench_bounded_replay.RELEASE_CONFIG.exists():
+        pytest.skip(f"{bench_bounded_replay.RELEASE_CONFIG} not present")
+    report = bsd.main(["--mode", "speed", "--method", "dspark", "--random", "--small", "--layers", "4",
+                       "--experts", "4", "--ks", "2", "--batch-sizes", "2", "--max-tokens", "7", "--prompt-len", "12",
+                       "--force-acceptance", "1.0", "--threads", "1", "--no-warmup", "--modes", "k="])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"off", "k=2"}
+    assert rows["k=2"]["mean_acceptance_length"] == pytest.approx(3.0)  # 1 + 3 + 3 tokens: every draft kept
+    assert report["model"].startswith("random V4.1-width / 16, 4 layers, 4 routed experts")
