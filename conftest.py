@@ -5,7 +5,6 @@ pytest-xdist grouping: multi-process tests on one worker, every other file's tes
 from __future__ import annotations
 
 import gc
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,13 +12,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
-
-# Bytecode caches on, whatever the environment says (PYTHONDONTWRITEBYTECODE): the run starts hundreds of
-# Python processes (xdist workers, ranks, servers, kernel workers), each of which would otherwise compile
-# the package again, and pytest would rewrite every test module's asserts again on every run. This file is
-# read before xdist starts its workers, which inherit the environment.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 
 
 #: test folders whose tests start several processes (ranks) each: under ``pytest -n 2 --dist loadgroup`` they
