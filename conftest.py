@@ -40,13 +40,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
-        def _assign_work_unit(self, node) -> None:
-            # the multi-process group is the longest by far (its tests run one after another): it goes first,
-            # so the files the other worker takes meanwhile even out the end of the run
-            if "multiprocess" in self.workqueue:
-                self.workqueue.move_to_end("multiprocess", last=False)
-            super()._assign_work_unit(node)
-
     return FileGroupScheduling(config, log)
 
 
