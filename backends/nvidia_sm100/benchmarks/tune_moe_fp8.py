@@ -11,7 +11,6 @@ writes JSON:
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -30,31 +29,17 @@ DOWN = ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))  # (colu
 def main(argv=None) -> list[dict]:
     from deepinfer_nvidia_sm100 import fp8_ops, triton_ops
     from kernel_timing import cuda_time_ms
+    from moe_problem import moe_arguments, random_experts, token_batches
 
     from deepinfer_core.quant.fp8 import quantize_fp8_block
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="512,4096")
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--out", default="tune_moe_fp8.json")
+    ap = moe_arguments(__doc__, "512,4096", "tune_moe_fp8.json")
     ap.add_argument("--profile", action="store_true", help="print the kernels of one call instead of tuning")
     a = ap.parse_args(argv)
     device, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
-    e, d, inter = a.experts, a.hidden, a.inter
-    w13 = torch.randn(e, 2 * inter, d, device=device, generator=g, dtype=torch.bfloat16) * d**-0.5
-    w2 = torch.randn(e, d, inter, device=device, generator=g, dtype=torch.bfloat16) * inter**-0.5
-    q13, s13 = zip(*(quantize_fp8_block(w) for w in w13))
-    q2, s2 = zip(*(quantize_fp8_block(w) for w in w2))
-    q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
+    w13, w2, q13, s13, q2, s2 = random_experts(a, quantize_fp8_block, g, device)
     rows = []
-    for m in (int(t) for t in a.tokens.split(",")):
-        x = torch.randn(m, d, device=device, generator=g, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device=device, generator=g)[:a.top_k] for _ in range(m)])
-        weights = torch.rand(m, a.top_k, device=device, generator=g) + 0.2
+    for m, x, ids, weights in token_batches(a, g, device):
         args = (x, q13, s13, q2, s2, ids, weights, 10.0)
         if a.profile:
             profile_call(m, args)
