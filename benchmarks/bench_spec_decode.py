@@ -406,7 +406,7 @@ def _random_v41_llm_factory(args, engine_kw: dict):
 
 
 def _model_name(args) -> str:
-    if args.random and getattr(args, "method", "mtp") == "dspark":  # profile_spec_step: MTP only
+    if args.random and args.method == "dspark":
         return (f"random V4.1-width{' / 16' if args.small else ''}, {args.layers} layers, {args.experts} routed "
                 "experts a layer and in the drafter, no Engram, DSpark")
     if args.random:

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cprofile", default=None, metavar="DIR", help="also write a cProfile of each run here")
     ap.add_argument("--json-out", default=None, metavar="FILE")
+    ap.set_defaults(method="mtp")  # bench_spec_decode's drafter option: this profile drafts with MTP
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
