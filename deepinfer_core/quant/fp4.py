@@ -14,6 +14,8 @@ quantised the same way to E4M3 per 128 values (``scale = 2**ceil(log2(amax / 448
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP4_BLOCK = 32
@@ -72,9 +74,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y.reshape(x.shape) * k**-0.5).to(x.dtype)
 
 
-def _e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """:data:`E2M1_VALUES` built on ``device`` from the codes' bits (sign, 2 exponent bits, 1 mantissa bit):
-    no host data, so a CUDA graph may capture it."""
+def _build_e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     codes = torch.arange(16, device=device)
     exponent, mantissa = (codes >> 1) & 3, (codes & 1).to(dtype)
     subnormal = mantissa * 0.5
@@ -83,13 +83,40 @@ def _e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(codes >= 8, -magnitude, magnitude)
 
 
+def _build_e2m1_pair_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    byte = torch.arange(256, device=device)
+    table = _build_e2m1_table(device, dtype)
+    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)
+
+
+#: tables built on the CPU, by (builder, dtype): small constants, made once. Tables on other devices are
+#: built on every call from the codes' bits, with no host data, so that a CUDA graph may capture them.
+_CPU_TABLES: dict[tuple[Callable, torch.dtype], torch.Tensor] = {}
+
+
+def _table(builder: Callable[[torch.device | str, torch.dtype], torch.Tensor], device: torch.device | str,
+           dtype: torch.dtype) -> torch.Tensor:
+    if torch.device(device).type != "cpu":
+        return builder(device, dtype)
+    table = _CPU_TABLES.get((builder, dtype))
+    if table is None:
+        table = _CPU_TABLES[(builder, dtype)] = builder("cpu", dtype)
+    return table
+
+
+def _e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """:data:`E2M1_VALUES` [16] in ``dtype`` on ``device``, from the codes' bits (sign, 2 exponent bits,
+    1 mantissa bit)."""
+    return _table(_build_e2m1_table, device, dtype)
+
+
 def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 [..., K/2] (uint8, int8 or ``float4_e2m1fn_x2``) -> their values [..., K] in ``dtype``."""
     if packed.dtype != torch.uint8:
         packed = packed.view(torch.uint8)
-    table = _e2m1_table(packed.device, dtype)
-    low, high = table[(packed & 0x0F).long()], table[(packed >> 4).long()]
-    return torch.stack([low, high], dim=-1).flatten(-2)
+    # byte -> (value of its low nibble, value of its high nibble): one gather per byte
+    pairs = _table(_build_e2m1_pair_table, packed.device, dtype)
+    return pairs[packed.long()].flatten(-2)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
