@@ -259,10 +259,11 @@ class BlockManager:
             free, idle = set(pool.free), set(pool.lru)
             assert len(free) == len(pool.free), f"{pool.name} pool lists a block as free twice"
             assert not free & idle, f"{pool.name} pool lists a block both free and cached"
-            assert all(pool.ref[b] == 0 for b in free | idle), f"{pool.name} pool lists a referenced block as free"
+            # reference counts are never negative: any() of the counts is "some block is referenced"
+            assert not any(map(pool.ref.__getitem__, free | idle)), f"{pool.name} pool lists a referenced block as free"
             assert all(pool.hash_of[b] is not None for b in idle), f"{pool.name} pool caches an unhashed block"
             assert all(pool.hash_of[b] == h for h, b in pool.cached.items()), f"{pool.name} hash map is stale"
-            used = sum(1 for r in pool.ref if r > 0)
+            used = pool.size - pool.ref.count(0)
             assert len(free) + len(idle) + used == pool.size, f"{pool.name} pool leaked blocks"
 
     def all_free(self) -> bool:
