@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -85,8 +86,10 @@ def _scored_slots(rn: Callable, slots: torch.Tensor) -> tuple[torch.Tensor, torc
     return rn(*slots.shape), slots >= 0
 
 
+@functools.lru_cache(maxsize=None)
 def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
-    """Batch arguments of every op for ``rows`` rows, tiny-model shapes (I = 40: not a multiple of 16)."""
+    """Batch arguments of every op for ``rows`` rows, tiny-model shapes (I = 40: not a multiple of 16); made
+    once per (rows, dtype, seed): callers take copies (:func:`_case`)."""
     g = torch.Generator().manual_seed(seed)
 
     def rn(*shape, std=1.0):
@@ -199,11 +202,16 @@ def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _case(op: str, rows: int, dtype: torch.dtype) -> tuple:
+    """``op``'s arguments for ``rows`` rows, its tensors copied (an op may write into its arguments)."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in _cases(rows, dtype, seed=rows)[op])
+
+
 def row_differences(op: str, fn: Callable, dtype: torch.dtype, sizes=(2, 3, 5, 16, 17, 40)) -> list[tuple[int, int]]:
     """(batch size, row) pairs whose result in the batch is not bit-identical to the row alone."""
     bad = []
     for rows in sizes:
-        args = _cases(rows, dtype, seed=rows)[op]
+        args = _case(op, rows, dtype)
         full = fn(*args)
         full = full if isinstance(full, tuple) else (full,)
         for row in range(rows):
