@@ -12,6 +12,12 @@ placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`
 step's agreed graph size where the ranks run graphs), so that the ranks always meet in the same
 collectives.
 
+Rank processes start from a fork server (``forkserver``, Python 3.14's default on Linux) that has imported
+torch and the engine once: a rank forked from it starts in a fraction of the seconds a fresh interpreter
+takes (the server never runs a CPU op, so no OpenMP pool and no CUDA context is forked), with the
+front-end's environment at the time it starts. ``DEEPINFER_WORKER_MULTIPROC_METHOD=spawn`` starts each
+rank as a fresh interpreter instead (vLLM's ``VLLM_WORKER_MULTIPROC_METHOD``).
+
 Faults: a rank that dies is seen at once (its process sentinel); one that does not answer within the
 timeout, or answers with an error, fails the engine too. :class:`RankFailure` names the rank(s) and every
 process is ended (``shutdown``), none is left behind. Collectives on the group time out after
@@ -149,6 +155,8 @@ class RankCore:
 def _rank_main(rank: int, env: dict[str, str], args: Any, threads: int, conn: Connection) -> None:
     """A rank's process: build the engine core, then answer the front-end's commands until ``stop`` (or
     until the front-end is gone)."""
+    # the front-end's environment now, not the fork server's from when it started
+    os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front-end ends the ranks
     torch.set_num_threads(threads)
@@ -206,8 +214,28 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
+#: how rank processes start: "forkserver" (where the platform has it) or "spawn"
+MULTIPROC_METHOD_ENV = "DEEPINFER_WORKER_MULTIPROC_METHOD"
+#: what the fork server imports before it forks a rank
+_FORKSERVER_PRELOAD = ["deepinfer_core.parallel.dp_engine_core"]
+
+
+def rank_start_context() -> Any:
+    """The multiprocessing context that starts the ranks (``DEEPINFER_WORKER_MULTIPROC_METHOD``, default
+    ``forkserver`` where the platform has it, else ``spawn``)."""
+    available = [m for m in ("forkserver", "spawn") if m in mp.get_all_start_methods()]
+    method = os.environ.get(MULTIPROC_METHOD_ENV) or available[0]
+    if method not in available:
+        raise ValueError(f"{MULTIPROC_METHOD_ENV}={method!r}: rank processes start by one of "
+                         f"{', '.join(available)} on this platform")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the server runs
+    return ctx
+
+
 class RankProcesses:
-    """Spawns the ranks' processes (torch.multiprocessing, spawn) and exchanges commands with them."""
+    """Starts the ranks' processes (:func:`rank_start_context`) and exchanges commands with them."""
 
     def __init__(self, args: Any, world_size: int, device_of_rank: dict[int, int], timeout_s: float):
         self.world_size, self.timeout_s = world_size, float(timeout_s)
@@ -215,11 +243,11 @@ class RankProcesses:
         self.closed = False
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
-        ctx = mp.get_context("spawn")
+        ctx = rank_start_context()
         port = str(_free_port())
         threads = max(1, (os.cpu_count() or 1) // world_size)
         for rank in range(world_size):
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
                    "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(device_of_rank.get(rank, 0))}
             rank_args = dataclasses.replace(args, data_parallel_rank=rank)
             parent, child = ctx.Pipe()

@@ -9,9 +9,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from deepinfer_core.comm import TorchDistributedCommunicator
+from deepinfer_core.parallel.dp_engine_core import rank_start_context
 from deepinfer_core.parallel.ep import AllToAllDispatcher
 
 E, H, K = 8, 16, 3
@@ -66,7 +66,7 @@ def _free_port() -> int:
 
 
 def test_hook_make_ep_dispatcher_all_to_all_matches_one_process():
-    ctx = mp.get_context("spawn")
+    ctx = rank_start_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]

@@ -22,7 +22,6 @@ import engine_fixtures
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from engine_fixtures import greedy, make_prompt
 from model_fixtures import engine_logits, no_kernel_packs
 
@@ -31,6 +30,7 @@ from deepinfer_core.default_model import v4_model_path
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.models import load_model
 from deepinfer_core.parallel.batch_sync import AgreedShape, BatchCoordinator, StepShape, combine_shapes
+from deepinfer_core.parallel.dp_engine_core import rank_start_context
 from deepinfer_core.parallel.ep import AllToAllDispatcher, attach_expert_map, place_experts
 from deepinfer_core.parallel.expert_map import ExpertMap
 from deepinfer_core.testing.tiny_model import build_tiny_checkpoint
@@ -133,7 +133,7 @@ def test_two_ranks_exchange_at_a_fixed_capacity():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_start_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_exchange_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:

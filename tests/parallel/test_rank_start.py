@@ -1,0 +1,55 @@
+"""How rank processes start: from the fork server by default, as fresh interpreters with
+``DEEPINFER_WORKER_MULTIPROC_METHOD=spawn``; either way a rank sees the front-end's environment as it is
+when the engine is built (not the fork server's from when it started) and gives one process's tokens."""
+
+from __future__ import annotations
+
+import os
+
+import engine_fixtures
+import pytest
+from engine_fixtures import greedy, make_prompt
+
+from deepinfer_core.default_model import v4_model_path
+from deepinfer_core.entrypoints.llm import LLM
+from deepinfer_core.parallel.dp_engine_core import MULTIPROC_METHOD_ENV, rank_start_context
+
+one_torch_thread = engine_fixtures.one_torch_thread
+
+KW = dict(model=str(v4_model_path()), dtype="float32", max_num_batched_tokens=64)
+MARK = "DEEPINFER_TEST_RANK_START_MARK"
+
+
+def _environment_of_rank(engine, name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getppid()
+
+
+def test_the_method_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(MULTIPROC_METHOD_ENV, raising=False)
+    assert rank_start_context().get_start_method() == "forkserver"
+    monkeypatch.setenv(MULTIPROC_METHOD_ENV, "spawn")
+    assert rank_start_context().get_start_method() == "spawn"
+    monkeypatch.setenv(MULTIPROC_METHOD_ENV, "fork")  # forks this process's OpenMP pool and CUDA state
+    with pytest.raises(ValueError, match="DEEPINFER_WORKER_MULTIPROC_METHOD='fork'.*forkserver, spawn"):
+        rank_start_context()
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_see_the_environment_and_give_one_process_tokens(method, monkeypatch):
+    prompts = [make_prompt(n, seed=i, vocab_size=4096) for i, n in enumerate([3, 17, 9])]
+    expected = [o.outputs[0].token_ids for o in LLM(**KW).generate(prompts, greedy(6), use_tqdm=False)]
+    monkeypatch.setenv(MULTIPROC_METHOD_ENV, method)
+    rank_start_context()  # the fork server (if any) starts before the mark exists
+    monkeypatch.setenv(MARK, method)
+    llm = LLM(**KW, data_parallel_size=2, enable_expert_parallel=True, distributed_timeout_s=120)
+    try:
+        seen = llm.llm_engine.collective_rpc(_environment_of_rank, (MARK,))
+        assert [value for value, _ in seen] == [method, method]
+        if method == "spawn":  # a fresh interpreter per rank, started by this process
+            assert {parent for _, parent in seen} == {os.getpid()}
+        else:  # forked by the server, a child of this process
+            assert os.getpid() not in {parent for _, parent in seen}
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+        assert got == expected
+    finally:
+        llm.llm_engine.shutdown()
