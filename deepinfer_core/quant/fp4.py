@@ -14,8 +14,6 @@ quantised the same way to E4M3 per 128 values (``scale = 2**ceil(log2(amax / 448
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 FP4_BLOCK = 32
@@ -83,40 +81,35 @@ def _build_e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.T
     return torch.where(codes >= 8, -magnitude, magnitude)
 
 
-def _build_e2m1_pair_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    byte = torch.arange(256, device=device)
-    table = _build_e2m1_table(device, dtype)
-    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)
+#: CPU tables by dtype, made once: E2M1 values [16], and byte -> (value of its low nibble, value of its high
+#: nibble) [256, 2]. Other devices build the [16] table on every call, from the codes' bits with no host
+#: data, so that a CUDA graph may capture it.
+_CPU_TABLES: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-#: tables built on the CPU, by (builder, dtype): small constants, made once. Tables on other devices are
-#: built on every call from the codes' bits, with no host data, so that a CUDA graph may capture them.
-_CPU_TABLES: dict[tuple[Callable, torch.dtype], torch.Tensor] = {}
-
-
-def _table(builder: Callable[[torch.device | str, torch.dtype], torch.Tensor], device: torch.device | str,
-           dtype: torch.dtype) -> torch.Tensor:
-    if torch.device(device).type != "cpu":
-        return builder(device, dtype)
-    table = _CPU_TABLES.get((builder, dtype))
-    if table is None:
-        table = _CPU_TABLES[(builder, dtype)] = builder("cpu", dtype)
-    return table
+def _cpu_tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = _CPU_TABLES.get(dtype)
+    if tables is None:
+        table, byte = _build_e2m1_table("cpu", dtype), torch.arange(256)
+        tables = _CPU_TABLES[dtype] = (table, torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1))
+    return tables
 
 
 def _e2m1_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     """:data:`E2M1_VALUES` [16] in ``dtype`` on ``device``, from the codes' bits (sign, 2 exponent bits,
     1 mantissa bit)."""
-    return _table(_build_e2m1_table, device, dtype)
+    return _cpu_tables(dtype)[0] if torch.device(device).type == "cpu" else _build_e2m1_table(device, dtype)
 
 
 def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 [..., K/2] (uint8, int8 or ``float4_e2m1fn_x2``) -> their values [..., K] in ``dtype``."""
     if packed.dtype != torch.uint8:
         packed = packed.view(torch.uint8)
-    # byte -> (value of its low nibble, value of its high nibble): one gather per byte
-    pairs = _table(_build_e2m1_pair_table, packed.device, dtype)
-    return pairs[packed.long()].flatten(-2)
+    if packed.device.type == "cpu":  # one gather of both nibbles' values per byte
+        return _cpu_tables(dtype)[1][packed.long()].flatten(-2)
+    table = _build_e2m1_table(packed.device, dtype)
+    low, high = table[(packed & 0x0F).long()], table[(packed >> 4).long()]
+    return torch.stack([low, high], dim=-1).flatten(-2)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
