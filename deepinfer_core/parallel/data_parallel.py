@@ -53,10 +53,13 @@ class DataParallelEngine:
                              "expert-parallel ranks")
         if not args.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {args.distributed_timeout_s!r}")
-        self.topology, self.plan = place_ranks(load_backend(args.backend), pc)
+        backend = load_backend(args.backend)
+        self.topology, self.plan = place_ranks(backend, pc)
         self.tokenizer = get_tokenizer(path)
         self.num_ranks = pc.data_parallel_size
-        self.ranks = RankProcesses(args, self.num_ranks, self.plan.device_of_rank, args.distributed_timeout_s)
+        device_type = torch.device(args.device).type if args.device else backend.info.device_type
+        self.ranks = RankProcesses(args, self.num_ranks, self.plan.device_of_rank, args.distributed_timeout_s,
+                                   device_type)
         self._finalizer = weakref.finalize(self, self.ranks.shutdown)
         info = self.ranks.info
         self.rank_info = [info[r] for r in range(self.num_ranks)]

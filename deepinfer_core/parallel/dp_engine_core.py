@@ -12,11 +12,11 @@ placeholder step through the MoE collectives (:meth:`RankExecutor.execute_dummy`
 step's agreed graph size where the ranks run graphs), so that the ranks always meet in the same
 collectives.
 
-Rank processes start from a fork server (``forkserver``, Python 3.14's default on Linux) that has imported
-torch and the engine once: a rank forked from it starts in a fraction of the seconds a fresh interpreter
-takes (the server never runs a CPU op, so no OpenMP pool and no CUDA context is forked), with the
-front-end's environment at the time it starts. ``DEEPINFER_WORKER_MULTIPROC_METHOD=spawn`` starts each
-rank as a fresh interpreter instead (vLLM's ``VLLM_WORKER_MULTIPROC_METHOD``).
+CPU ranks start from a fork server (``forkserver``, Python 3.14's default on Linux) that has imported torch
+and the engine once: a rank forked from it starts in a fraction of the seconds a fresh interpreter takes
+(the server never runs a CPU op, so no OpenMP pool is forked), with the front-end's environment at the
+time it starts. Accelerator ranks, and every rank under ``DEEPINFER_WORKER_MULTIPROC_METHOD=spawn``
+(vLLM's ``VLLM_WORKER_MULTIPROC_METHOD``), start as fresh interpreters.
 
 Faults: a rank that dies is seen at once (its process sentinel); one that does not answer within the
 timeout, or answers with an error, fails the engine too. :class:`RankFailure` names the rank(s) and every
@@ -220,11 +220,12 @@ MULTIPROC_METHOD_ENV = "DEEPINFER_WORKER_MULTIPROC_METHOD"
 _FORKSERVER_PRELOAD = ["deepinfer_core.parallel.dp_engine_core"]
 
 
-def rank_start_context() -> Any:
-    """The multiprocessing context that starts the ranks (``DEEPINFER_WORKER_MULTIPROC_METHOD``, default
-    ``forkserver`` where the platform has it, else ``spawn``)."""
+def rank_start_context(device_type: str = "cpu") -> Any:
+    """The multiprocessing context that starts the ranks on ``device_type``
+    (``DEEPINFER_WORKER_MULTIPROC_METHOD``; default ``forkserver`` for CPU ranks where the platform has it,
+    ``spawn`` for accelerator ranks, whose start is the device's and the weights', not the imports')."""
     available = [m for m in ("forkserver", "spawn") if m in mp.get_all_start_methods()]
-    method = os.environ.get(MULTIPROC_METHOD_ENV) or available[0]
+    method = os.environ.get(MULTIPROC_METHOD_ENV) or (available[0] if device_type == "cpu" else "spawn")
     if method not in available:
         raise ValueError(f"{MULTIPROC_METHOD_ENV}={method!r}: rank processes start by one of "
                          f"{', '.join(available)} on this platform")
@@ -237,13 +238,14 @@ def rank_start_context() -> Any:
 class RankProcesses:
     """Starts the ranks' processes (:func:`rank_start_context`) and exchanges commands with them."""
 
-    def __init__(self, args: Any, world_size: int, device_of_rank: dict[int, int], timeout_s: float):
+    def __init__(self, args: Any, world_size: int, device_of_rank: dict[int, int], timeout_s: float,
+                 device_type: str = "cpu"):
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self.failure: RankFailure | None = None
         self.closed = False
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
-        ctx = rank_start_context()
+        ctx = rank_start_context(device_type)
         port = str(_free_port())
         threads = max(1, (os.cpu_count() or 1) // world_size)
         for rank in range(world_size):
