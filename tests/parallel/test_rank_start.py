@@ -35,7 +35,9 @@ def test_the_method_comes_from_the_environment(monkeypatch):
         rank_start_context()
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+# spawn (slow: two fresh interpreters, 14 s in the default run): the accelerator ranks' start, the one
+# every rank had before the fork server; forkserver pickles the same process object
+@pytest.mark.parametrize("method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_ranks_see_the_environment_of_the_engines_build(method, monkeypatch):
     """Spawned ranks also give one process's tokens (forked ones do in every other test of this folder)."""
     monkeypatch.setenv(MULTIPROC_METHOD_ENV, method)
