@@ -1,4 +1,4 @@
-"""Attention data parallel (two spawned rank processes, gloo) on the embedded tiny model, float32.
+"""Attention data parallel (two rank processes, gloo) on the embedded tiny model, float32.
 
 ``LLM(data_parallel_size=2, enable_expert_parallel=True)`` gives the single-process engine's greedy
 tokens for concurrent requests of different lengths, also with MTP speculation on the ranks;
