@@ -1,4 +1,4 @@
-"""Expert parallel + attention data parallel on the CPU (gloo, spawned rank processes): step-time overhead of
+"""Expert parallel + attention data parallel on the CPU (gloo, rank processes): step-time overhead of
 N ranks against one, EPLB balance on a skewed workload, and per-rank weight bytes against ``deepinfer plan``.
 
 1. Overhead: the same fixed mixed workload (prompts of 3..120 tokens, so chunked prefill, and 32..56 greedy

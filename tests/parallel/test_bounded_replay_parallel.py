@@ -1,4 +1,4 @@
-"""Bounded replay under expert parallel (gloo, two spawned ranks): the ranks stay in lock-step when one
+"""Bounded replay under expert parallel (gloo, two rank processes): the ranks stay in lock-step when one
 rank's chunk has no tail token (compact skips its late layers, yet meets the other rank in every late MoE
 collective) or nothing at all; greedy float32 tokens equal the single process's, for mask and compact."""
 

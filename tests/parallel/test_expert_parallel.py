@@ -3,7 +3,7 @@ combined back (``DeepseekV4Model.moe`` through the worker's EP dispatcher).
 
 In process: a one-rank dispatcher gives the very same logits as the local MoE (the combine sums a token's
 terms in the order the MoE op does); ``shard_experts`` keeps exactly a rank's slice. Across processes
-(gloo, two spawned ranks, attention data parallel + expert parallel): greedy float32 tokens on a tiny
+(gloo, two rank processes, attention data parallel + expert parallel): greedy float32 tokens on a tiny
 test checkpoint equal the single-process engine's for concurrent requests of mixed lengths, with chunked
 prefill and preemption, and one rank idle for many steps.
 """
