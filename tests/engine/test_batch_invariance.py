@@ -86,7 +86,7 @@ def _scored_slots(rn: Callable, slots: torch.Tensor) -> tuple[torch.Tensor, torc
     return rn(*slots.shape), slots >= 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cases(rows: int, dtype: torch.dtype, seed: int) -> dict[str, tuple]:
     """Batch arguments of every op for ``rows`` rows, tiny-model shapes (I = 40: not a multiple of 16); made
     once per (rows, dtype, seed): callers take copies (:func:`_case`)."""
