@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -459,7 +460,7 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     c = comb.numpy()  # the same memory: the operations below write comb
     e = c.dtype.type(eps)
     cols = c.sum(axis=1, keepdims=True)  # dim -2
-    rows = cols.reshape(c.shape[0], c.shape[1], 1).copy()
+    rows = np.empty((*c.shape[:2], 1), dtype=c.dtype)  # dim -1, written by each iteration
     cols += e
     c /= cols
     for _ in range(iters - 1):
