@@ -205,15 +205,17 @@ class ForwardBatch:
         return batch
 
 
-def compressed_candidates(batch: ForwardBatch, rate: int, block_size: int) -> torch.Tensor:
+def compressed_candidates(batch: ForwardBatch, rate: int, block_size: int,
+                          tokens: slice = slice(None)) -> torch.Tensor:
     """[T, E] compressed-pool rows each query may attend, on the batch's device (E =
     ``batch.entry_widths[rate]``): entry e of the query's own sequence for every e < (position + 1) // rate,
-    in entry order, then -1. Derived from the block tables, so no tensor of this size crosses from the host."""
+    in entry order, then -1. Derived from the block tables, so no tensor of this size crosses from the host.
+    ``tokens``: only those queries' rows (a long prefill chunk's lists are built a slice at a time)."""
     tables, width = batch.block_tables, batch.entry_widths[rate]
     entry = torch.arange(width, device=tables.device)
     blocks = (entry * rate // block_size).clamp(max=tables.shape[1] - 1)
-    rows = tables[batch.token_seq.unsqueeze(1), blocks.unsqueeze(0)]  # [T, E] physical blocks
-    unused = (rows < 0) | (entry >= ((batch.positions + 1) // rate).unsqueeze(1))
+    rows = tables[batch.token_seq[tokens].unsqueeze(1), blocks.unsqueeze(0)]  # [T, E] physical blocks
+    unused = (rows < 0) | (entry >= ((batch.positions[tokens] + 1) // rate).unsqueeze(1))
     per_block = block_size // rate
     return rows.mul_(per_block).add_(entry % per_block).masked_fill_(unused, -1)  # one [T, E] index tensor
 

@@ -124,6 +124,26 @@ def test_deepseek_numerics_follow_model_py_with_its_quantisation(tiny, schedule)
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
 
 
+@pytest.mark.parametrize("numerics, dtype", [("unquantised", torch.float64), ("deepseek", torch.float32)])
+@pytest.mark.parametrize("slice_elements", [1, 100])
+def test_a_long_chunk_is_ranked_a_slice_of_queries_at_a_time(tiny, numerics, dtype, slice_elements):
+    """The indexer of a chunk with more [queries x candidates] than ``indexer_slice_elements`` ranks a slice
+    of queries at a time (each one's lists built alone, packed keys decoded once): the same logits, bit for
+    bit, as one pass, whole and in chunks of 7, down to slices of one query."""
+    whole = load_model(tiny, dtype=dtype, numerics=numerics)
+    sliced = load_model(tiny, dtype=dtype, numerics=numerics)
+    sliced.indexer_slice_elements = slice_elements
+    passes = {"whole": 0, "sliced": 0}
+    for name, model in ("whole", whole), ("sliced", sliced):
+        def rank(*args, _rank=model.rank, _name=name):
+            passes[_name] += 1
+            return _rank(*args)
+        model.rank = rank
+    for schedule in SCHEDULES["whole"], SCHEDULES["chunks_7"]:
+        assert torch.equal(engine_logits(sliced, schedule), engine_logits(whole, schedule))
+    assert passes["sliced"] > 2 * passes["whole"], passes
+
+
 def test_the_cache_holds_packed_entries_equal_to_the_dense_values(tiny):
     """Under deepseek numerics the pools hold the release's packed rows (528 B window entries, 288 B
     compressed entries, 68 B index keys: 890 B of global KV per token at the release's widths; here 66,

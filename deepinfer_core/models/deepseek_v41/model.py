@@ -311,10 +311,8 @@ class DeepseekV41Model:
             extra_pool = cache.comp_kv[layer]
             if a.compressor is not None:
                 self.compress(a, layer, h, batch, cache)
-            if rate not in step.candidates:
-                step.candidates[rate] = compressed_candidates(batch, rate, cache.block_size)
             if a.indexer is not None:
-                step.topk[layer] = self.indexer(a, layer, h, q_res, cache, rope, step.candidates[rate], step)
+                step.topk[layer] = self.indexer(a, layer, h, q_res, batch, cache, rope, step)
             extra_idx = step.topk[cfg.index_source(layer)]
         window_pool, window_idx = self.load(window_pool, batch.window_rows(), "window", cfg.head_dim)
         if extra_pool is not None:
@@ -364,26 +362,60 @@ class DeepseekV41Model:
         ring_gate[meta.ring_write] = gate[meta.ring_write_src]
         return latent
 
-    def indexer(self, a: Attention, layer: int, h, q_res, cache: ModelCache, rope, candidates: torch.Tensor,
+    #: the most [queries x candidates] elements one pass of the indexer holds: every step of it is per query,
+    #: so a long prefill chunk is ranked a slice of queries at a time (a 128K-token context's ratio-1 lists
+    #: for an 8K chunk would take 8 GiB as one int64 tensor)
+    indexer_slice_elements = 1 << 25
+
+    def indexer(self, a: Attention, layer: int, h, q_res, batch: ForwardBatch, cache: ModelCache, rope,
                 step: _Step) -> torch.Tensor:
         """The pool rows this index source's queries attend: its scores over the compressed candidates,
         inside the candidate blocks where a candidate source precedes it, top ``index_topk``."""
         ops, cfg = self.ops, self.cfg
-        ix = a.indexer
+        ix, rate = a.indexer, cfg.compress_rate(layer)
         cos, sin = rope["compress"]
-        heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        q = self.qlinear(q_res, ix.wq_b).view(h.shape[0], heads, dim)
+        heads, dim, n_tok = cfg.index_n_heads, cfg.index_head_dim, h.shape[0]
+        q = self.qlinear(q_res, ix.wq_b).view(n_tok, heads, dim)
         q = self.quant(ops.rotary_emb(q, cos, sin, False), "index")
         weights = self.linear(h, ix.weights_proj) * (dim**-0.5 * heads**-0.5)
-        keys, rows = self.load(cache.index_keys[layer], candidates, "index", dim)
+        per_slice = max(1, self.indexer_slice_elements // max(batch.entry_widths[rate], 1))
+        if n_tok <= per_slice:
+            if rate not in step.candidates:
+                step.candidates[rate] = compressed_candidates(batch, rate, cache.block_size)
+            candidates = step.candidates[rate]
+            keys, rows = self.load(cache.index_keys[layer], candidates, "index", dim)
+            blocks, topk = self.rank(layer, q, weights, keys, rows, candidates, step.blocks)
+            step.blocks = step.blocks if blocks is None else blocks
+            return topk
+        keys = cache.index_keys[layer]
+        if keys.dtype == torch.uint8:  # packed: decoded once for every slice
+            keys = ops.kv_fp4_unpack(keys, "index", dim).to(self.dtype)
+        blocks, topk = [], []
+        for start in range(0, n_tok, per_slice):
+            t = slice(start, start + per_slice)
+            candidates = compressed_candidates(batch, rate, cache.block_size, t)
+            part = self.rank(layer, q[t], weights[t], keys, candidates, candidates,
+                             None if step.blocks is None else step.blocks[t])
+            blocks.append(part[0])
+            topk.append(part[1])
+        if blocks[0] is not None:
+            step.blocks = torch.cat(blocks)
+        return torch.cat(topk)
+
+    def rank(self, layer: int, q, weights, keys, rows, candidates: torch.Tensor, blocks: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One slice of an index source's queries: (their candidate-block mask where ``layer`` is the
+        candidate source, else None; their top-k). ``blocks``: the candidate source's mask of these rows."""
+        ops, cfg = self.ops, self.cfg
         scores = ops.indexer_scores(q, weights, keys, rows, 1.0)
         valid = candidates >= 0
+        kept = None
         if layer == cfg.candidate_source_layer_id:
-            step.blocks = ops.candidate_blocks(scores, valid, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            kept = ops.candidate_blocks(scores, valid, cfg.candidate_block_size, cfg.candidate_topk_blocks)
         elif cfg.uses_candidates(layer):
-            valid = valid & step.blocks
+            valid = valid & blocks
             scores = scores.masked_fill(~valid, float("-inf"))
-        return select_topk(scores, valid, candidates, cfg.index_topk)
+        return kept, select_topk(scores, valid, candidates, cfg.index_topk)
 
     # --- Engram ----------------------------------------------------------------------------------
 
