@@ -31,6 +31,44 @@ class Graph(Protocol):
     def replay(self) -> None: ...
 
 
+class SideStream:
+    """Work started ahead of the layers that read it (``run``), and joined where it is read (``join``). On a
+    host device it runs at once, in program order."""
+
+    def run(self, fn: Callable[[], torch.Tensor]) -> Any:
+        """Start ``fn`` (its inputs: anything queued so far); a handle for :meth:`join`."""
+        return fn()
+
+    def join(self, handle: Any) -> torch.Tensor:
+        """The result of a :meth:`run`, ready for work queued from now on."""
+        return handle
+
+
+class _DeviceSideStream(SideStream):
+    """A second stream of the device: ``run`` forks from the current stream, ``join`` waits for that one run
+    only (an event), so each result is awaited where it is read. Fork and join are stream dependencies, so
+    a graph captures the overlap (every run is joined before the forward ends)."""
+
+    def __init__(self, module: Any, device: torch.device):
+        self.module, self.stream = module, module.Stream(device)
+
+    def run(self, fn: Callable[[], torch.Tensor]) -> Any:
+        mod = self.module
+        current = mod.current_stream()
+        self.stream.wait_stream(current)
+        with mod.stream(self.stream):
+            out = fn()
+            done = mod.Event()
+            done.record()
+        out.record_stream(current)  # freed by the current stream: the block waits for its reads there
+        return out, done
+
+    def join(self, handle: Any) -> torch.Tensor:
+        out, done = handle
+        self.module.current_stream().wait_event(done)
+        return out
+
+
 class Platform:
     """A host device: everything runs in program order on the CPU."""
 
@@ -59,6 +97,10 @@ class Platform:
     def upload(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (a host tensor) on the device, copied without blocking the host where possible."""
         return flat.to(self.device)
+
+    def side_stream(self) -> SideStream:
+        """Where a model starts reads that later layers consume (Engram rows), overlapping the layers between."""
+        return SideStream()
 
     def peak_memory_of(self, fn: Callable[[], Any]) -> int:
         """Device bytes ``fn`` allocates at its peak beyond what is allocated now (0: not measured)."""
@@ -116,6 +158,9 @@ class AcceleratorPlatform(Platform):
 
     def upload(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.pin_memory().to(self.device, non_blocking=True)
+
+    def side_stream(self) -> SideStream:
+        return _DeviceSideStream(self.module, self.device)
 
     def peak_memory_of(self, fn: Callable[[], Any]) -> int:
         mod = self.module

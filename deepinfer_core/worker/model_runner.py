@@ -53,6 +53,8 @@ class ModelRunner:
                  platform: Platform | None = None, graph_runner: Any = None):
         self.model, self.cache, self.block_size, self.sampler = model, cache, block_size, sampler
         self.platform = platform or Platform(model.device)
+        if hasattr(model, "side_stream"):
+            model.side_stream = self.platform.side_stream()
         self.graph_runner = graph_runner  # None: always eager
         self.requests: dict[int, CachedRequestState] = {}
         self._prev_rows: dict[int, int] = {}  # seq id -> row of the previous step's samples

@@ -29,6 +29,7 @@ from deepinfer_core.model.mapped import residence
 from deepinfer_core.models import load_model
 from deepinfer_core.models.deepseek_v41.engram_placement import table_names
 from deepinfer_core.parallel.memory_plan import engram_placement_for
+from deepinfer_core.platform import SideStream
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_v41 import build_tiny_v41, tiny_v41_config
 
@@ -67,6 +68,45 @@ def test_the_three_placements_give_bit_identical_logits(tiny):
         if block.engram is not None:
             block.engram.table.weight.copy_(block.engram.table.weight.roll(1, 0))
     assert not torch.equal(logits(model), runs["device"])
+
+
+class RecordingSideStream(SideStream):
+    """Runs in program order, recording when each lookup starts and is joined."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def run(self, fn):
+        self.events.append("run")
+        return super().run(fn)
+
+    def join(self, handle):
+        self.events.append("join")
+        return super().join(handle)
+
+
+def test_each_engram_lookup_starts_with_the_step_and_is_joined_in_its_layer(tiny):
+    """Both tables' rows are started before layer 0 (on the model runner's side stream on a device) and each
+    is awaited only in its own Engram layer, so the reads overlap the layers before it; the logits are the
+    same as looking each up in its layer."""
+    model = load_model(tiny, engram_placement="host")
+    inline = logits(model)
+    events = []
+    model.side_stream = RecordingSideStream(events)
+    block = model.block
+
+    def recording_block(w, layer, *args):
+        events.append(layer)
+        return block(w, layer, *args)
+
+    model.block = recording_block
+    assert torch.equal(logits(model), inline)
+    layers = model.cfg.engram_layer_ids
+    step = events[:events.index(model.cfg.num_hidden_layers - 1) + 1]
+    expected = ["run"] * len(layers)
+    for layer in range(model.cfg.num_hidden_layers):
+        expected += ["join"] * (layer in layers) + [layer]
+    assert step == expected, (step, layers)
 
 
 def test_file_tables_are_views_of_the_checkpoint_and_host_tables_are_not(tiny):

@@ -41,6 +41,7 @@ from deepinfer_core.models.deepseek_v41.weights import Attention, Block, Compres
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.native import acc_dtype, select_topk
 from deepinfer_core.parallel.ep import dummy_moe
+from deepinfer_core.platform import SideStream
 
 NUMERICS = ("deepseek", "unquantised")
 #: activations and window KV: E4M3 per this many values; index keys/queries FP4 per this many
@@ -191,6 +192,7 @@ class DeepseekV41Model:
         pre[:, 0] = 1.0  # block 0's attention takes stream 0
         rope = {kind: self.rope(kind, batch.positions, self.dtype) for kind in ("main", "compress")}
         hashes = self.engram_rows(batch, image_mask) if self.engram_hash is not None else None
+        ahead = self.engram_ahead(hashes)
         step = _Step()
         step.image_mask = image_mask
         targets = []
@@ -203,8 +205,9 @@ class DeepseekV41Model:
                 here, streams, pre, step = late.batch, late.narrow(streams), late.narrow(pre), step.narrowed(late)
                 rope = {kind: (late.narrow(cos), late.narrow(sin)) for kind, (cos, sin) in rope.items()}
             if block.engram is not None:
-                streams = self.engram(block.engram, streams, hashes[:, cfg.engram_layer_ids.index(layer)],
-                                      image_mask)
+                looked_up = (self.side_stream.join(ahead[layer]) if layer in ahead else
+                             self.look_up(block.engram, hashes[:, cfg.engram_layer_ids.index(layer)]))
+                streams = self.engram(block.engram, streams, looked_up, image_mask)
             if layer in cfg.dspark_target_layer_ids:  # the drafter reads a target layer's input
                 targets.append((streams if early is None else late.widen(streams, early[0])).mean(dim=1))
             if early is not None and late.empty:  # no tail token in this chunk: only expert parallel's collectives
@@ -433,12 +436,18 @@ class DeepseekV41Model:
             history = history.masked_fill(torch.cat([image_mask, rest])[batch.ngram_index], DEAD)
         return self.ops.engram_hash(history, *self.engram_hash.op_args())
 
-    def engram(self, e: Engram, streams: torch.Tensor, rows: torch.Tensor,
-               image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``streams + gate * value`` per stream: the rows' values projected to one key per stream and one
-        shared value, each stream gated by its normalised match with its key; image tokens' streams pass
-        through."""
-        cfg, n, d = self.cfg, self.cfg.hc_mult, self.cfg.hidden_size
+    def engram_ahead(self, hashes: torch.Tensor | None) -> dict[int, Any]:
+        """Every Engram layer's table rows, started on :attr:`side_stream` at the start of the step, so the
+        reads (host memory over unified addressing, a file mapping) overlap the layers before each Engram
+        layer. A table sharded over the ranks is read in its layer: its lookup is a collective."""
+        if hashes is None or self.engram_lookup is not None:
+            return {}
+        layers = self.weights.layers
+        return {layer: self.side_stream.run(lambda e=layers[layer].engram, rows=hashes[:, i]: self.look_up(e, rows))
+                for i, layer in enumerate(self.cfg.engram_layer_ids)}
+
+    def look_up(self, e: Engram, rows: torch.Tensor) -> torch.Tensor:
+        """[T, columns * head_dim] values of the table rows ``rows`` [T, columns] (dequantised)."""
         table = e.table
         if table.scale is None:
             looked_up = self.ops.embedding(rows.reshape(-1), table.weight).reshape(rows.shape[0], -1)
@@ -446,12 +455,22 @@ class DeepseekV41Model:
             looked_up = self.engram_lookup(e, rows)
         else:
             looked_up = self.ops.engram_lookup(rows, table.weight, table.scale, 0)
-        looked_up = looked_up.to(self.dtype)
+        return looked_up.to(self.dtype)
+
+    def engram(self, e: Engram, streams: torch.Tensor, looked_up: torch.Tensor,
+               image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``streams + gate * value`` per stream: the looked-up rows (:meth:`look_up`) projected to one key
+        per stream and one shared value, each stream gated by its normalised match with its key; image
+        tokens' streams pass through."""
+        cfg, n, d = self.cfg, self.cfg.hc_mult, self.cfg.hidden_size
         kv = self.qlinear(looked_up, e.wkv)
         key, value = kv.split([n * d, d], dim=-1)
         out = self.ops.engram_gate(streams, key.reshape(-1, n, d), value, e.q_weight, e.k_weight,
                                    cfg.rms_norm_eps)
         return out if image_mask is None else torch.where(image_mask[:, None, None], streams, out)
+
+    #: where :meth:`engram_ahead` starts the lookups (the model runner gives its platform's side stream)
+    side_stream = SideStream()
 
     #: the lookup collective of a table sharded over the ranks (:mod:`.engram_placement`), None otherwise
     engram_lookup = None
