@@ -60,7 +60,8 @@ class _DeviceSideStream(SideStream):
             out = fn()
             done = mod.Event()
             done.record()
-        out.record_stream(current)  # freed by the current stream: the block waits for its reads there
+        if out.device.type != "cpu":  # freed by the current stream: the block waits for its reads there
+            out.record_stream(current)
         return out, done
 
     def join(self, handle: Any) -> torch.Tensor:
