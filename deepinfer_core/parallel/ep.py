@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -193,6 +194,12 @@ def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[index]`` along the first dim, through a byte view (FP8/FP4 dtypes have no indexing kernels)."""
     rows = t.contiguous().view(t.shape[0], -1).view(torch.uint8)
     return rows[index.to(t.device)].view(t.dtype).view(len(index), *t.shape[1:])
+
+
+def graph_collectives(model) -> list[Any]:
+    """The model's collectives with a fixed-shape mode (``graph_shapes()``, ``graph_safe``) that a decode
+    graph's forward runs in: its expert dispatcher and the lookup of Engram tables sharded over the ranks."""
+    return [c for c in (getattr(model, "ep", None), getattr(model, "engram_lookup", None)) if c is not None]
 
 
 @torch.inference_mode()

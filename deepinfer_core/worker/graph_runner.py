@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ from deepinfer_core.model.metadata import (
 )
 from deepinfer_core.models.interface import Model
 from deepinfer_core.parallel.batch_sync import BatchCoordinator, StepShape
+from deepinfer_core.parallel.ep import graph_collectives
 from deepinfer_core.parallel.eplb import padding_uncounted
 from deepinfer_core.platform import Graph, Platform
 
@@ -283,9 +284,11 @@ class GraphRunner:
 
     def _forward(self, batch: ForwardBatch, query_len: int, shared: bool):
         pre = self.prologue(batch, query_len, shared) if self.prologue is not None else None
-        ep = getattr(self.model, "ep", None)
-        with ep.graph_shapes() if ep is not None else nullcontext(), padding_uncounted(self.model, batch):
-            logits, streams = self.model.forward(batch, self.cache)
+        with ExitStack() as fixed:
+            for collective in graph_collectives(self.model):
+                fixed.enter_context(collective.graph_shapes())
+            with padding_uncounted(self.model, batch):
+                logits, streams = self.model.forward(batch, self.cache)
         return logits, streams if self.keep_streams else None, pre
 
     def _shared_forward(self, key: tuple[int, int, int]):

@@ -23,6 +23,7 @@ from deepinfer_core.parallel.ep import (
     drafter_experts,
     drafter_stacks,
     dummy_moe_step,
+    graph_collectives,
     place_experts,
     place_stacks,
 )
@@ -178,9 +179,8 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
     graphs = None
     if not args.enforce_eager and platform.supports_graphs:
         syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_packed))
-        ep = getattr(model, "ep", None)
-        if ep is not None and not getattr(ep, "graph_safe", False):
-            syncing = syncing + [f"{type(ep).__name__}'s dispatch and combine"]
+        syncing = syncing + [f"{type(c).__name__}'s collectives" for c in graph_collectives(model)
+                             if not getattr(c, "graph_safe", False)]
         if syncing:
             logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
         else:

@@ -11,32 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_reads import HostReads
 
 from deepinfer_core.default_model import default_model_path, v4_model_path
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.platform import Platform
 from deepinfer_core.worker.graph_runner import GraphRunner
-
-#: ops whose output size or value the host must read from the device: a CUDA graph capture fails on them
-_SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-            torch.ops.aten.masked_select.default, torch.ops.aten.repeat_interleave.Tensor,
-            torch.ops.aten._unique2.default, torch.ops.aten.unique_consecutive.default}
-
-
-class _HostData(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.lifted = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _SYNCING:
-            self.lifted += 1
-        # a Python scalar written into a tensor is lifted as a 0-dim host tensor: its value is baked into the
-        # capture (as CUDA graphs do), so only lifted arrays count
-        if func is torch.ops.aten.lift_fresh.default and args[0].dim() > 0:
-            self.lifted += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _CheckingPlatform(Platform):
@@ -51,7 +31,7 @@ class _CheckingPlatform(Platform):
 
     def capture_graphs(self, keys, forward):
         for key in keys:
-            with torch.inference_mode(), _HostData() as mode:
+            with torch.inference_mode(), HostReads() as mode:
                 forward(key)
             self.lifted[key] = self.lifted.get(key, 0) + mode.lifted
         return {}

@@ -25,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -153,21 +155,37 @@ class ShardedEngramLookup:
     """The lookup collective of tables whose rows are sharded over the ranks of ``group``: every rank's ids
     are gathered, each rank looks its rows up for all of them (``engram_lookup`` with its ``row_start``: the
     others' rows come back all bits clear), and ``all_to_all`` returns each rank the lookups of its own ids,
-    summed as int32 bit patterns (one owner a row, zeros elsewhere: exact). The ranks may carry different
-    token counts (attention data parallel): one host read of the counts a layer, so not graph-safe."""
+    summed as int32 bit patterns (one owner a row, zeros elsewhere: exact). Eagerly the ranks may carry
+    different token counts (attention data parallel): their counts are gathered and read on the host first.
+    Inside :meth:`graph_shapes` (a decode graph's forward, which every rank runs at the same padded count)
+    nothing is read back, so a graph captures it."""
+
+    fixed_shapes = False  # inside graph_shapes(): every rank looks up as many tokens as this one
+    graph_safe = True  # its fixed-shape mode reads nothing back to the host
 
     def __init__(self, ops: Any, group: Any, row_start: dict[int, int]):
         self.ops, self.group, self.row_start = ops, group, row_start  # id(table weight) -> its first row
+
+    @contextmanager
+    def graph_shapes(self) -> Iterator[None]:
+        """Every rank at this rank's token count while in the block (see the class)."""
+        before, self.fixed_shapes = self.fixed_shapes, True
+        try:
+            yield
+        finally:
+            self.fixed_shapes = before
 
     def __call__(self, engram: Any, rows: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         world = dist.get_world_size(self.group)
         cols, width = rows.shape[1], engram.table.weight.shape[1]
-        count = torch.tensor([rows.shape[0]], dtype=torch.long, device=rows.device)
-        counts = [torch.zeros_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=self.group)
-        most = int(torch.cat(counts).max())
+        most = rows.shape[0]
+        if not self.fixed_shapes:
+            count = torch.tensor([rows.shape[0]], dtype=torch.long, device=rows.device)
+            counts = [torch.zeros_like(count) for _ in range(world)]
+            dist.all_gather(counts, count, group=self.group)
+            most = int(torch.cat(counts).max())
         padded = torch.zeros((most, cols), dtype=rows.dtype, device=rows.device)
         padded[: rows.shape[0]] = rows
         gathered = [torch.empty_like(padded) for _ in range(world)]
