@@ -113,8 +113,11 @@ def acceptance(args, engine_kw: dict) -> dict:
 
 
 def force_acceptance(rate: float, seed: int = 0) -> None:
-    """Make verification accept each draft with probability ``rate`` (benchmark only: not lossless)."""
-    from deepinfer_core.spec_decode import rejection_sampler, verifier
+    """Make verification accept each draft with probability ``rate`` (benchmark only: not lossless), in
+    every verification path: sampled, all-greedy, and the greedy verification captured beside the decode
+    graphs (:mod:`~deepinfer_core.spec_decode.verify_graph`), where the draw is the device's default
+    generator (a capture takes no other)."""
+    from deepinfer_core.spec_decode import rejection_sampler, verifier, verify_graph
 
     gens: dict[torch.device, torch.Generator] = {}
     exact = rejection_sampler.rejection_sample
@@ -128,7 +131,8 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
         device = num_drafts.device
         if gens.get(device) is None:  # on the verification's device: a host draw would wait for the step
             gens[device] = torch.Generator(device).manual_seed(seed)
-        passed = torch.rand(s, k, generator=gens[device], device=device) < rate
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        passed = torch.rand(s, k, generator=None if capturing else gens[device], device=device) < rate
         passed &= torch.arange(k, device=num_drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
         n = passed.long().cumprod(dim=1).sum(dim=1)
         rows = torch.arange(k + 1, device=n.device).unsqueeze(0)
@@ -146,6 +150,7 @@ def force_acceptance(rate: float, seed: int = 0) -> None:
 
     verifier.rejection_sample = forced
     verifier.greedy_verify = forced_greedy  # the path of all-greedy batches
+    verify_graph.greedy_verify = forced_greedy  # and of chained steps' verification graphs
 
 
 def _trace_gate(llm) -> list[str] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_core.spec_decode import verifier
+from deepinfer_core.spec_decode import verifier, verify_graph
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -22,6 +22,7 @@ def bsd(monkeypatch):
 
     for name in ("rejection_sample", "greedy_verify"):  # force_acceptance replaces them
         monkeypatch.setattr(verifier, name, getattr(verifier, name))
+    monkeypatch.setattr(verify_graph, "greedy_verify", verify_graph.greedy_verify)
     return bench_spec_decode
 
 
@@ -35,6 +36,18 @@ def test_forced_acceptance_covers_greedy_verification(bsd, rate, accepted):
     assert out.num_accepted.tolist() == accepted
     for row, n, d in zip(out.output_token_ids.tolist(), accepted, drafts.tolist()):
         assert row[:n] == d[:n] and row[n] == 7 and all(t == -1 for t in row[n + 1:])
+
+
+def test_forced_acceptance_covers_the_verification_graphs(bsd):
+    """Chained steps verify greedily inside graphs (``greedy_verify_spans``): forced there too (found on an
+    H100: chained runs accepted 1.0 drafts a step at a forced 0.7, the unchained ones 2.7)."""
+    bsd.force_acceptance(1.0)
+    logits = torch.zeros(8, 10)
+    logits[:, 7] = 1.0  # the target's argmax is 7 everywhere: the drafts would all be rejected
+    input_ids = torch.tensor([9, 1, 2, 3, 9, 4, 5, 0])  # two spans of 4: a first token, then drafts
+    out, rejected = verify_graph.greedy_verify_spans(logits, input_ids, torch.tensor([3, 2]), 4, 8)
+    assert out.num_accepted.tolist() == [3, 2]
+    assert rejected.tolist() == [False] * 7 + [True]
 
 
 def test_speed_mode_on_random_weights_with_an_mtp_block(bsd, tmp_path):
