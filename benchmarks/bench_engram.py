@@ -15,11 +15,10 @@ attention projections (``wq_a``, ``wq_b``, ``wkv``, grouped ``wo_a``, ``wo_b``),
 routed experts the batch touches (``min(6 B, 384)`` of them, batched 64 at a time over 64 distinct ones), as
 bfloat16 GEMMs. It is not a real step: the sparse attention, mHC and norms are left out (shorter) and the
 weights are bfloat16 where the release has FP8 and FP4 (more bytes read: longer), so read the Engram share it
-gives as indicative; the engine's own step (benchmarks/bench_gpu_decode.py on the real checkpoint) is the
-measure to quote. The issue's goal: ``host`` adds at most 5% at batch 64.
+gives as indicative; ``bench_engram_step.py`` measures what the tables add to the engine's own V4.1 step.
+The issue's goal: ``host`` adds at most 5% at batch 64.
 
-Prints a table and writes JSON (``--out``). Needs CUDA and the nvidia_sm100 backend (its Triton kernel); it was
-written where no GPU was at hand and has not been run yet.
+Prints a table and writes JSON (``--out``). Needs CUDA and the nvidia_sm100 backend (its Triton kernel).
 """
 
 from __future__ import annotations
