@@ -25,6 +25,7 @@ JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -218,6 +219,7 @@ def main(argv=None) -> dict:
                              "steps_ms": times})
                 print(f"{placement:>6} batch {batch:>4}: {rows[-1]['step_ms']:.3f} ms a decode step")
             del engine, model
+            gc.collect()  # the next engine sizes its pools from the memory left free
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     base = {r["batch"]: r["step_ms"] for r in rows if r["placement"] == "none"}

@@ -23,6 +23,7 @@ dispatcher's kernels and the host cost a step, not the network. Prints a table a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -137,6 +138,7 @@ def main(argv=None) -> dict:
                 if mode == "ep graphs" and report["graphs"] == "uncaptured":
                     report["graph_counts"] = dict(engine.runner.graph_runner.counts)
                 del engine, model
+                gc.collect()  # the next engine sizes its pools from the memory left free
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         finally:
