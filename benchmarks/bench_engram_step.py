@@ -160,6 +160,11 @@ class Models:
                                 engram_hash=None if placement == "none" else self.hasher)
 
 
+def host_pools(device: torch.device) -> dict:
+    """On the CPU, KV pools of 256 MiB (the default 2 GiB take seconds to fill, for runs of a few steps)."""
+    return {"kv_cache_bytes": 1 << 28} if device.type == "cpu" else {}
+
+
 def residences(model) -> list[str]:
     """Where each Engram table's rows are."""
     from deepinfer_core.model.mapped import residence
@@ -210,7 +215,7 @@ def main(argv=None) -> dict:
         for placement in a.placements:
             model = models.model(placement)
             where[placement] = residences(model)
-            engine = bgd.make_engine(model, cfg_dir, backend=a.backend, seed=a.seed,
+            engine = bgd.make_engine(model, cfg_dir, backend=a.backend, seed=a.seed, **host_pools(device),
                                      max_num_seqs=max(a.batches), max_num_batched_tokens=max(
                                          max(a.batches) * a.prompt_len, 2048))
             for batch in a.batches:

@@ -124,6 +124,7 @@ def main(argv=None) -> dict:
                 # DeepEP's low-latency kernels take a bounded count of tokens a rank: prompts in chunks of it
                 chunk = {"max_num_batched_tokens": disp.max_tokens} if getattr(disp, "low_latency", False) else {}
                 engine = bgd.make_engine(model, rm.cfg_dir, backend=a.backend, seed=a.seed, max_num_seqs=sizes[-1],
+                                         **bes.host_pools(device),
                                          enforce_eager=mode != "plain", **({} if mode == "plain" else chunk))
                 if mode != "plain":
                     model.ep = disp
