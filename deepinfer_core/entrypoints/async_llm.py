@@ -315,9 +315,12 @@ class AsyncLLM:
         """Memory, prefix-cache and speculative decoding figures, read in the engine thread between steps."""
         stats: dict[str, float] = {}
         bm = getattr(self.engine, "block_manager", None)
-        pool = getattr(bm, "blocks", None)
-        if pool is not None and getattr(pool, "size", 0):
-            stats["kv_cache_usage"] = 1.0 - pool.num_free / pool.size
+        for name, attr in ("compressed", "blocks"), ("window", "window_blocks"), ("state", "slots"):
+            pool = getattr(bm, attr, None)
+            if pool is not None and getattr(pool, "size", 0):
+                stats[f"{name}_pool_usage"] = 1.0 - pool.num_free / pool.size
+        if "compressed_pool_usage" in stats:  # vLLM's figure: the paged KV blocks
+            stats["kv_cache_usage"] = stats["compressed_pool_usage"]
         prefix = getattr(self.engine, "prefix_cache_stats", None)
         if callable(prefix):
             try:

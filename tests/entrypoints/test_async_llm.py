@@ -210,3 +210,22 @@ def test_shut_down_front_refuses(engine):
     allm.shutdown()
     with pytest.raises(EngineDeadError):
         run(collect(allm, "p", 2, "late"))
+
+
+def test_stats_give_each_cache_pools_usage(engine):
+    """``stats`` (what /metrics reads) holds the used fraction of every pool of the engine's block manager:
+    compressed KV blocks (also vLLM's ``kv_cache_usage``), window blocks and state slots."""
+    from deepinfer_core.engine.block_manager import Pool
+
+    pools = {"blocks": Pool("compressed", 8), "window_blocks": Pool("window", 4), "slots": Pool("state", 5)}
+    for pool, n in zip(pools.values(), (2, 3, 1)):
+        for _ in range(n):
+            pool.allocate()
+    engine.block_manager = SimpleNamespace(**pools)
+    front = AsyncLLM(engine, idle_wait_s=0.05)
+    try:
+        front._update_stats()
+        assert front.stats == pytest.approx({"compressed_pool_usage": 0.25, "window_pool_usage": 0.75,
+                                             "state_pool_usage": 0.2, "kv_cache_usage": 0.25})
+    finally:
+        front.shutdown()

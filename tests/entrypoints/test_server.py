@@ -151,6 +151,9 @@ def test_models_health_version_metrics(server):
                  "deepinfer_prefix_cache_hit_rate", "deepinfer_generation_tokens_total"):
         assert name in text, name
     assert 'deepinfer_requests_total{code="200",route="/v1/completions"}' in text
+    for pool in ("compressed", "window", "state"):  # read from the engine's pools, not defaults
+        assert f'deepinfer_cache_pool_usage_ratio{{model_name="{MODEL}",pool="{pool}"}}' in text, pool
+        assert f"{pool}_pool_usage" in server.async_llm.stats, pool
     for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:kv_cache_usage_perc"):

@@ -59,6 +59,7 @@ SERVE_FLAGS = ["--batch-invariant", "--block-size", "32", "--max-num-seqs", "16"
 RSS_TOLERANCE_MIB = 48
 WARMUP_FRACTION = 0.25
 DRAIN_TIMEOUT_S = 30.0
+POOLS = ("compressed", "window", "state")  # the cache pools /metrics reports the usage of
 
 
 @dataclass
@@ -168,7 +169,7 @@ def drain(served: Served) -> tuple[dict[str, float], float]:
     while True:
         m = scrape(served)
         idle = (m["deepinfer_num_requests_running"] == 0 and m["deepinfer_num_requests_waiting"] == 0
-                and m["deepinfer_kv_cache_usage_ratio"] == 0.0)
+                and all(m[f"deepinfer_cache_pool_usage_ratio{{pool={p}}}"] == 0.0 for p in POOLS))
         if idle or time.monotonic() - start > DRAIN_TIMEOUT_S:
             return m, time.monotonic() - start
         time.sleep(0.1)
@@ -215,6 +216,9 @@ def check_soak(served: Served, clients: int, duration_s: float) -> None:
         f"requests left on the server after {drain_s:.0f} s\n{details}"
     assert metrics["deepinfer_kv_cache_usage_ratio"] == 0.0, \
         f"KV blocks still in use (leaked): usage {metrics['deepinfer_kv_cache_usage_ratio']}\n{details}"
+    for pool in POOLS:  # the window blocks and state slots are given back too
+        usage = metrics[f"deepinfer_cache_pool_usage_ratio{{pool={pool}}}"]
+        assert usage == 0.0, f"{pool} pool still in use (leaked): usage {usage}\n{details}"
     assert metrics["deepinfer_engine_step_failures"] == 0, details
     assert metrics["deepinfer_request_finished_total{finish_reason=error}"] == 0, details
     assert last - first <= RSS_TOLERANCE_MIB, \

@@ -91,6 +91,10 @@ class ServerMetrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, list(labels), registry=registry).labels(**labels).set_function(fn)
+        pools = Gauge("deepinfer_cache_pool_usage_ratio", "fraction of a cache pool in use (0 when idle): compressed "
+                      "KV blocks, sliding-window blocks, compressor state slots", [*labels, "pool"], registry=registry)
+        for pool in ("compressed", "window", "state"):
+            pools.labels(**labels, pool=pool).set_function(lambda p=pool: async_llm.stats.get(f"{p}_pool_usage", 0.0))
         vllm_gauges = {
             "vllm:num_requests_running": ("requests that have produced output and are not finished", running),
             "vllm:num_requests_waiting": ("requests queued that have produced no output yet", waiting),
