@@ -196,6 +196,22 @@ def decode_steps(engine, batch: int, a, vocab: int) -> list[float]:
     return times
 
 
+def run_placement(a, models: Models, placement: str, cfg_dir: Path, device: torch.device,
+                  where: dict[str, list[str]]) -> list[dict]:
+    """An engine over ``placement``'s model: a row per batch size (``where``: its tables' residence)."""
+    model = models.model(placement)
+    where[placement] = residences(model)
+    engine = bgd.make_engine(model, cfg_dir, backend=a.backend, seed=a.seed, **host_pools(device),
+                             max_num_seqs=max(a.batches), max_num_batched_tokens=max(max(a.batches) * a.prompt_len,
+                                                                                     2048))
+    rows = []
+    for batch in a.batches:
+        times = decode_steps(engine, batch, a, models.cfg.vocab_size)
+        rows.append({"placement": placement, "batch": batch, "step_ms": statistics.median(times), "steps_ms": times})
+        print(f"{placement:>6} batch {batch:>4}: {rows[-1]['step_ms']:.3f} ms a decode step")
+    return rows
+
+
 def main(argv=None) -> dict:
     from deepinfer_core.models.deepseek_v41.engram_placement import table_bytes
 
@@ -211,19 +227,13 @@ def main(argv=None) -> dict:
         models = Models(a, config, layout, Path(tmp) / "engram.safetensors", device, dtype)
         print(f"weights and tables in {time.perf_counter() - t0:.1f} s: {len(models.cfg.engram_layer_ids)} tables "
               f"of {list(models.cfg.engram_num_embeddings)} rows")
-        rows, where = [], {}
+        rows, where, failed = [], {}, {}
         for placement in a.placements:
-            model = models.model(placement)
-            where[placement] = residences(model)
-            engine = bgd.make_engine(model, cfg_dir, backend=a.backend, seed=a.seed, **host_pools(device),
-                                     max_num_seqs=max(a.batches), max_num_batched_tokens=max(
-                                         max(a.batches) * a.prompt_len, 2048))
-            for batch in a.batches:
-                times = decode_steps(engine, batch, a, models.cfg.vocab_size)
-                rows.append({"placement": placement, "batch": batch, "step_ms": statistics.median(times),
-                             "steps_ms": times})
-                print(f"{placement:>6} batch {batch:>4}: {rows[-1]['step_ms']:.3f} ms a decode step")
-            del engine, model
+            try:
+                rows += run_placement(a, models, placement, cfg_dir, device, where)
+            except Exception as exc:  # one placement's failure (e.g. a capture the engine refused) ends only it
+                failed[placement] = f"{type(exc).__name__}: {exc}"
+                print(f"{placement}: failed: {failed[placement]}")
             gc.collect()  # the next engine sizes its pools from the memory left free
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -237,7 +247,7 @@ def main(argv=None) -> dict:
               "engram_layers": list(models.cfg.engram_layer_ids),
               "table_rows": list(models.cfg.engram_num_embeddings),
               "table_bytes": table_bytes(models.cfg),
-              "residence": where, "steps": a.steps, "prompt_len": a.prompt_len, "rows": rows}
+              "residence": where, "failed": failed, "steps": a.steps, "prompt_len": a.prompt_len, "rows": rows}
     print(table(report))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))

@@ -28,6 +28,6 @@ def test_each_placement_is_timed_against_the_step_without_engram(tmp_path):
     assert [(r["placement"], r["batch"]) for r in report["rows"]] == [
         (p, b) for p in ("none", "host", "file") for b in (1, 3)]
     assert all(r["step_ms"] > 0 and "added_pct" in r and len(r["steps_ms"]) == 2 for r in report["rows"])
-    assert report["residence"]["none"] == []
+    assert report["residence"]["none"] == [] and report["failed"] == {}
     assert report["residence"]["host"] == ["anonymous"]
     assert all(where.endswith("engram.safetensors") for where in report["residence"]["file"])
