@@ -124,8 +124,9 @@ def test_deepseek_numerics_follow_model_py_with_its_quantisation(tiny, schedule)
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
 
 
-@pytest.mark.parametrize("numerics, dtype", [("unquantised", torch.float64), ("deepseek", torch.float32)])
-@pytest.mark.parametrize("slice_elements", [1, 100])
+# slices of one query under the packed keys of deepseek numerics; of several queries in float64
+@pytest.mark.parametrize("numerics, dtype, slice_elements", [("unquantised", torch.float64, 100),
+                                                             ("deepseek", torch.float32, 1)])
 def test_a_long_chunk_is_ranked_a_slice_of_queries_at_a_time(tiny, numerics, dtype, slice_elements):
     """The indexer of a chunk with more [queries x candidates] than ``indexer_slice_elements`` ranks a slice
     of queries at a time (each one's lists built alone, packed keys decoded once): the same logits, bit for
