@@ -133,8 +133,7 @@ class Models:
         small = dict(config, text_config=dict(config["text_config"], engram_num_embeddings=[1] * len(
             self.cfg.engram_layer_ids)))  # the tables come from the file: one row each here
         self.params = bbr.random_params(DeepseekV41Config.from_dict(small), dtype, device, a.seed)
-        for name in table_names(self.cfg):
-            del self.params[name]
+        self.stub_tables = {name: self.params.pop(name) for name in table_names(self.cfg)}  # for "none"
         if ARCHITECTURE.prepare_params is not None:
             ARCHITECTURE.prepare_params(self.cfg, self.params, dtype)
         self.entries = write_tables(table_file, self.cfg, a.seed)
@@ -148,9 +147,8 @@ class Models:
         params = dict(self.params)
         if placement != "none":
             params.update(place_tables(self.cfg, self.entries, placement, self.device))
-        else:  # tables of one row: the layers are dropped below
-            params.update({n: t[:1].to(self.device) for n, t in place_tables(self.cfg, self.entries, "file",
-                                                                             "cpu").items()})
+        else:  # float tables of one row: the layers are dropped below
+            params.update(self.stub_tables)
         weights = self.arch.build_weights(self.cfg, params, load_backend(self.a.backend).hook)
         ops = build_op_table(self.a.backend, dtype=self.dtype, device=self.device, model_config=self.cfg)
         if placement == "none":
@@ -160,11 +158,6 @@ class Models:
                                 engram_hash=None if placement == "none" else self.hasher)
 
 
-def host_pools(device: torch.device) -> dict:
-    """On the CPU, KV pools of 256 MiB (the default 2 GiB take seconds to fill, for runs of a few steps)."""
-    return {"kv_cache_bytes": 1 << 28} if device.type == "cpu" else {}
-
-
 def residences(model) -> list[str]:
     """Where each Engram table's rows are."""
     from deepinfer_core.model.mapped import residence
@@ -172,41 +165,17 @@ def residences(model) -> list[str]:
     return [residence(b.engram.table.weight) for b in model.weights.layers if b.engram is not None]
 
 
-def decode_steps(engine, batch: int, a, vocab: int) -> list[float]:
-    """Milliseconds of each timed decode step of ``batch`` greedy sequences (after every sequence's first
-    token and ``--warmup`` steps)."""
-    from deepinfer_core.sampling.params import SamplingParams
-
-    gen = torch.Generator().manual_seed(a.seed + batch)
-    n = a.warmup + a.steps + 1
-    params = SamplingParams(temperature=0.0, max_tokens=n + 1, min_tokens=n + 1, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{batch}-{i}", torch.randint(5, vocab, (a.prompt_len,), generator=gen).tolist(), params)
-    started: set[str] = set()
-    while len(started) < batch:
-        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    times = []
-    for i in range(a.warmup + a.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        if i >= a.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return times
-
-
 def run_placement(a, models: Models, placement: str, cfg_dir: Path, device: torch.device,
                   where: dict[str, list[str]]) -> list[dict]:
     """An engine over ``placement``'s model: a row per batch size (``where``: its tables' residence)."""
     model = models.model(placement)
     where[placement] = residences(model)
-    engine = bgd.make_engine(model, cfg_dir, backend=a.backend, seed=a.seed, **host_pools(device),
+    engine = bgd.make_engine(model, cfg_dir, backend=a.backend, seed=a.seed, **bgd.host_pools(device),
                              max_num_seqs=max(a.batches), max_num_batched_tokens=max(max(a.batches) * a.prompt_len,
                                                                                      2048))
     rows = []
     for batch in a.batches:
-        times = decode_steps(engine, batch, a, models.cfg.vocab_size)
+        times = bgd.decode_steps(engine, batch, a, models.cfg.vocab_size)
         rows.append({"placement": placement, "batch": batch, "step_ms": statistics.median(times), "steps_ms": times})
         print(f"{placement:>6} batch {batch:>4}: {rows[-1]['step_ms']:.3f} ms a decode step")
     return rows

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_engram_step as bes  # noqa: E402
 import bench_gpu_decode as bgd  # noqa: E402
 
 MODES = ("plain", "ep eager", "ep graphs")
@@ -124,7 +123,7 @@ def main(argv=None) -> dict:
                 # DeepEP's low-latency kernels take a bounded count of tokens a rank: prompts in chunks of it
                 chunk = {"max_num_batched_tokens": disp.max_tokens} if getattr(disp, "low_latency", False) else {}
                 engine = bgd.make_engine(model, rm.cfg_dir, backend=a.backend, seed=a.seed, max_num_seqs=sizes[-1],
-                                         **bes.host_pools(device),
+                                         **bgd.host_pools(device),
                                          enforce_eager=mode != "plain", **({} if mode == "plain" else chunk))
                 if mode != "plain":
                     model.ep = disp
@@ -133,7 +132,7 @@ def main(argv=None) -> dict:
                 tokens[mode] = greedy_tokens(engine, prompts, a.check_tokens)
                 steps[mode] = {}
                 for batch in sizes:
-                    times = bes.decode_steps(engine, batch, a, rm.cfg.vocab_size)
+                    times = bgd.decode_steps(engine, batch, a, rm.cfg.vocab_size)
                     steps[mode][batch] = statistics.median(times)
                     print(f"{mode:>9} batch {batch:>4}: {steps[mode][batch]:.3f} ms a decode step")
                 if mode == "ep graphs" and report["graphs"] == "uncaptured":

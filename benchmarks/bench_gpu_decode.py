@@ -284,6 +284,36 @@ def make_engine(model, cfg_dir, **engine_args):
         worker.load_model = orig_load
 
 
+def host_pools(device: torch.device) -> dict:
+    """On the CPU, KV pools of 256 MiB (the default 2 GiB take seconds to fill, for runs of a few steps)."""
+    return {"kv_cache_bytes": 1 << 28} if device.type == "cpu" else {}
+
+
+def decode_steps(engine, batch: int, a, vocab: int) -> list[float]:
+    """Milliseconds of each of ``a.steps`` decode steps of ``engine`` (synchronous: a step returns once the
+    device is done) over ``batch`` greedy sequences of ``a.prompt_len`` random tokens, timed after every
+    sequence's first token and ``a.warmup`` steps (``a.seed``: the prompts')."""
+    from deepinfer_core.sampling.params import SamplingParams
+
+    gen = torch.Generator().manual_seed(a.seed + batch)
+    n = a.warmup + a.steps + 1
+    params = SamplingParams(temperature=0.0, max_tokens=n + 1, min_tokens=n + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{batch}-{i}", torch.randint(5, vocab, (a.prompt_len,), generator=gen).tolist(), params)
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    times = []
+    for i in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        if i >= a.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
 @contextlib.contextmanager
 def record_routing(model, on_route):
     """Calls ``on_route(ids)`` with a copy of every ``moe_route`` result (not while a CUDA graph is captured)."""
