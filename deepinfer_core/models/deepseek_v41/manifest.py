@@ -8,7 +8,8 @@ Stored formats, by tensor role (the release's dtype counts are exactly these rul
   ``wkv``, ``wo_a`` (``convert.py`` dequantises it), ``wo_b``; the shared experts; the indexer's ``wq_b``;
   Engram's ``wkv``; the drafter's ``main_proj``. Engram's tables: e4m3 rows with one scale per 32 values.
 * Routed experts: FP4 e2m1 packed two a byte as int8 [out, in/2], one e8m0 scale per 32 inputs.
-* float32: ``hc_*``, ``attn_sink``, the router's ``bias`` and ``bias_vl``.
+* float32: ``hc_*``, ``attn_sink``, the router's ``bias`` and ``bias_vl``; the head is bf16 in the files and
+  kept in float32 on load, as the reference's ``ParallelHead``.
 * bf16: everything else (embedding, head, norms, router weights, compressor and indexer key
   projections, Engram's ``q_weight``/``k_weight``, the drafter's heads, the vision tower and aligner).
 
@@ -63,11 +64,12 @@ def manifest(cfg: DeepseekV41Config) -> CheckpointManifest:
 
     def add(name: str, shape: tuple[int, ...], block: tuple[int, int] = FP8_TILE, **kw) -> None:
         stored = stored_format(name)
-        rows.append(TensorSpec(name, shape, stored, fp32=stored == "fp32", block=block, **kw))
+        fp32 = kw.pop("fp32", stored == "fp32")
+        rows.append(TensorSpec(name, shape, stored, fp32=fp32, block=block, **kw))
 
     add("embed.weight", (v, d))
     add("norm.weight", (d,))
-    add("head.weight", (v, d))
+    add("head.weight", (v, d), fp32=True)  # bf16 in the files; the reference's head runs in float32
     for p, layer in block_prefixes(cfg):
         drafter = layer >= cfg.num_hidden_layers
         kw = {"drafter": drafter}

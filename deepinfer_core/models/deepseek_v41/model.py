@@ -222,9 +222,10 @@ class DeepseekV41Model:
         return self.logits(hidden), torch.cat(targets, dim=-1) if targets else streams
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head in float32 (float64 stays float64), as the reference keeps it."""
-        acc = acc_dtype(hidden.dtype)
-        return self.ops.linear(hidden.to(acc), self.weights.head.weight.to(acc))
+        """The head in float32 (float64 stays float64), as the reference keeps it: the weight is loaded in
+        that dtype (the manifest's ``fp32``), so no step converts it."""
+        acc, head = acc_dtype(hidden.dtype), self.weights.head.weight
+        return self.ops.linear(hidden.to(acc), head if head.dtype == acc else head.to(acc))
 
     def embed_image(self, image: ImageSpan) -> torch.Tensor:
         """[image.num_tokens, D]: what the positions of ``image``'s span read (:attr:`ForwardBatch.mm`)."""
