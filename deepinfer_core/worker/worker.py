@@ -181,6 +181,7 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
         syncing = model.ops.syncs_host(model.ops_in_use(kv_fp8=cache.kv_spec.is_packed))
         syncing = syncing + [f"{type(c).__name__}'s collectives" for c in graph_collectives(model)
                              if not getattr(c, "graph_safe", False)]
+        syncing = syncing + list(getattr(model, "host_waits", list)())
         if syncing:
             logger.warning("decode runs without graphs: %s wait(s) for the host", ", ".join(syncing))
         else:

@@ -10,12 +10,14 @@ What is proven here, on the CPU:
 - with ``file`` a table is never copied into anonymous memory: a fresh process loading a checkpoint whose
   Engram table holds ~420 MB grows its peak RSS (``VmHWM``) by a few MB where ``host`` and ``device`` grow it
   by the table and more, and its anonymous memory (``RssAnon``) stays flat through a step's lookups;
-- the memory plan's default placement, and the refusal of an unknown one.
+- the memory plan's default placement, and the refusal of an unknown one;
+- ``file`` tables on an accelerator keep decode out of graphs (the device cannot address the mapping).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +27,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.model.mapped import residence
 from deepinfer_core.models import load_model
 from deepinfer_core.models.deepseek_v41.engram_placement import table_names
 from deepinfer_core.parallel.memory_plan import engram_placement_for
-from deepinfer_core.platform import SideStream
+from deepinfer_core.platform import Platform, SideStream
 from deepinfer_core.testing.model_runner import SimpleRunner
 from deepinfer_core.testing.tiny_v41 import build_tiny_v41, tiny_v41_config
+from deepinfer_core.worker.worker import make_model_runner
 
 IDS = torch.randint(5, 3900, (30,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -219,3 +223,30 @@ def test_the_plan_shows_the_bytes_each_placement_puts_where():
     assert (rows["file"].device_bytes_per_rank, rows["file"].host_bytes_per_node) == (0, 0)
     assert [e.fits for e in rows.values()] == [False, True, True, True]
     assert "device sharded" not in {e.placement for e in engram_bytes(203 * gb, 1, 62 * gb, None)}
+
+
+class _GraphPlatform(Platform):
+    """A platform that would capture graphs: make_model_runner must decide against them before asking."""
+
+    supports_graphs = True
+
+
+def test_file_tables_keep_an_accelerator_decode_eager(tiny, caplog):
+    """A device cannot address a file's pageable mapping, so ``file`` tables are gathered on the host: the
+    model reports that wait and the runner is built without graphs (the capture would fail); ``host`` and
+    ``device`` tables, and any table on the CPU, wait for nothing."""
+    for placement in ("device", "host", "file"):
+        assert load_model(tiny, engram_placement=placement).host_waits() == []  # the CPU reads the mapping
+    llm = LLM(str(tiny), backend="cpu_ref", dtype="float32", max_num_seqs=2, max_model_len=64,
+              engram_placement="file")
+    worker = llm.llm_engine._worker
+    model = worker.model
+    model.device = torch.device("meta")  # stands for an accelerator: only the type is read
+    assert "file mapping" in model.host_waits()[0]
+    with caplog.at_level(logging.WARNING):
+        runner = make_model_runner(model, worker.cache, llm.llm_engine.sampler, worker.args,
+                                   worker.scheduler_config, worker.backend, _GraphPlatform(torch.device("cpu")))
+    assert runner.graph_runner is None
+    assert "decode runs without graphs" in caplog.text and "file mapping" in caplog.text
+    model.engram_placement = "host"
+    assert model.host_waits() == []

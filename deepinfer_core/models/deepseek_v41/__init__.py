@@ -40,6 +40,7 @@ def load_model(cfg: DeepseekV41Config, path: Path, ops: Any, dtype: torch.dtype,
     params = read_checkpoint(cfg, path, dtype, device, keep_fp8=False, show_progress=show_progress, experts=experts,
                              keep_fp4=numerics == "deepseek", numerics=numerics, exclude=tables)
     shard = _engram_shard(engram_shard) if tables else None
+    placement = None
     if tables:
         other = sum(t.numel() * t.element_size() for t in params.values())
         placement = engram_placement_.resolve_placement(cfg, engram_placement, device, other)
@@ -52,6 +53,7 @@ def load_model(cfg: DeepseekV41Config, path: Path, ops: Any, dtype: torch.dtype,
 
         engram_hash = engram_hasher(cfg, path, device)
     model = DeepseekV41Model(cfg, weights, ops, dtype, numerics=numerics, engram_hash=engram_hash)
+    model.engram_placement = placement if tables else None
     if shard is not None:
         starts = {id(weights.layers[layer].engram.table.weight): engram_placement_.shard_rows(rows, *shard).start
                   for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)}

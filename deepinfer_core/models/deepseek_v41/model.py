@@ -476,6 +476,17 @@ class DeepseekV41Model:
     #: the lookup collective of a table sharded over the ranks (:mod:`.engram_placement`), None otherwise
     engram_lookup = None
 
+    #: where the loader put the Engram tables (:mod:`.engram_placement`); None: no Engram, or built in memory
+    engram_placement: str | None = None
+
+    def host_waits(self) -> list[str]:
+        """What a step of this model waits on the host for, whatever the ops: a device cannot address a file's
+        pageable mapping, so ``engram_placement="file"`` tables are gathered on the host (no graph can hold
+        that)."""
+        if self.engram_placement == "file" and self.device.type != "cpu":
+            return ["the Engram lookups of tables read from the checkpoint's file mapping"]
+        return []
+
     # --- MoE -------------------------------------------------------------------------------------
 
     ep = None
