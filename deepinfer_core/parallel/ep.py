@@ -15,8 +15,6 @@ map and its own load; a drafter without (V4's MTP block) shares the target's dis
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +25,7 @@ from deepinfer_core.comm import Communicator
 from deepinfer_core.model.records import Experts, Linear, records
 from deepinfer_core.parallel.ep_padded import PaddedHandle, padded_combine, padded_dispatch, sum_in_expert_order
 from deepinfer_core.parallel.expert_map import ExpertMap
+from deepinfer_core.parallel.fixed_shapes import FixedShapeCollective
 
 
 @dataclass
@@ -39,7 +38,7 @@ class _Handle:
     topk_ids: torch.Tensor  # [T, k] global expert ids: a token's terms are summed in ascending id
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(FixedShapeCollective):
     """Each (token, k) pair travels to the rank of its expert and its weighted output comes back.
 
     Eagerly the rows sent are exactly the pairs (their counts exchanged first); inside :meth:`graph_shapes`
@@ -47,8 +46,6 @@ class AllToAllDispatcher:
 
     expert_map: ExpertMap | None = None  # EPLB: logical -> physical slots (None: a slot per logical expert)
     layer: int | None = None  # the MoE layer of the map being dispatched (None: an MTP layer)
-    fixed_shapes = False  # inside graph_shapes(): dispatch and combine at fixed, data-independent shapes
-    graph_safe = True  # its fixed-shape mode reads nothing back to the host
 
     def __init__(self, communicator: Communicator, num_experts: int, hidden_size: int):
         world = communicator.world_size
@@ -61,16 +58,6 @@ class AllToAllDispatcher:
     @property
     def local_experts(self) -> range:
         return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
-
-    @contextmanager
-    def graph_shapes(self) -> Iterator[None]:
-        """Dispatch and combine at fixed shapes while in the block: a decode graph's forward (captured or
-        replayed uncaptured), which every rank runs at the same token count in the same step."""
-        before, self.fixed_shapes = self.fixed_shapes, True
-        try:
-            yield
-        finally:
-            self.fixed_shapes = before
 
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))

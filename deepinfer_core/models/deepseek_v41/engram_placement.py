@@ -25,8 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,7 @@ import torch
 
 from deepinfer_core.model.errors import CheckpointError
 from deepinfer_core.model.mapped import file_view, node_shared
+from deepinfer_core.parallel.fixed_shapes import FixedShapeCollective
 from deepinfer_core.quant.fp4 import E8M0_DTYPE, e8m0_from_float
 
 logger = logging.getLogger(__name__)
@@ -151,7 +150,7 @@ def _host_copy(tag: str, source: torch.Tensor, device: torch.device, name: str) 
     return out
 
 
-class ShardedEngramLookup:
+class ShardedEngramLookup(FixedShapeCollective):
     """The lookup collective of tables whose rows are sharded over the ranks of ``group``: every rank's ids
     are gathered, each rank looks its rows up for all of them (``engram_lookup`` with its ``row_start``: the
     others' rows come back all bits clear), and ``all_to_all`` returns each rank the lookups of its own ids,
@@ -160,20 +159,8 @@ class ShardedEngramLookup:
     Inside :meth:`graph_shapes` (a decode graph's forward, which every rank runs at the same padded count)
     nothing is read back, so a graph captures it."""
 
-    fixed_shapes = False  # inside graph_shapes(): every rank looks up as many tokens as this one
-    graph_safe = True  # its fixed-shape mode reads nothing back to the host
-
     def __init__(self, ops: Any, group: Any, row_start: dict[int, int]):
         self.ops, self.group, self.row_start = ops, group, row_start  # id(table weight) -> its first row
-
-    @contextmanager
-    def graph_shapes(self) -> Iterator[None]:
-        """Every rank at this rank's token count while in the block (see the class)."""
-        before, self.fixed_shapes = self.fixed_shapes, True
-        try:
-            yield
-        finally:
-            self.fixed_shapes = before
 
     def __call__(self, engram: Any, rows: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
