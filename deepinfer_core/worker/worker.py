@@ -187,6 +187,10 @@ def make_model_runner(model: Model, cache: ModelCache, sampler: Sampler, args: A
         else:
             max_size = min(args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
                            scheduler_config.max_num_seqs)
+            # a collective with fixed buffers (DeepEP's low-latency mode) bounds a graph's tokens per rank
+            caps = [c.max_graph_tokens // max(spec_query_lens(spec)) for c in graph_collectives(model)
+                    if getattr(c, "max_graph_tokens", None)]
+            max_size = min([max_size, *caps])
             # no sequence outgrows the compressed pool: no graph needs a longer context bucket
             longest = min(scheduler_config.max_model_len, cache.num_blocks * cache.block_size)
             graphs = backend.hook.deepinfer_graph_runner(

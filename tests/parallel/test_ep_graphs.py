@@ -263,3 +263,34 @@ def test_mtp_speculation_on_ranks_with_graphs_equals_one_process():
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
     assert all(c["replays"] > 0 for c in counts)
     assert sum(c.get("placeholder replays", 0) for c in counts) > 0, counts
+
+
+class _BoundedDispatcher:
+    """A dispatcher whose fixed buffers hold ``max_graph_tokens`` tokens a rank (DeepEP's low-latency mode)."""
+
+    graph_safe = True
+    max_graph_tokens = 12
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp2"])
+def test_decode_graphs_are_captured_within_the_dispatchers_capacity(spec, monkeypatch):
+    """No graph is asked for more tokens a rank than the dispatcher's buffers hold: batch sizes stop at
+    max_graph_tokens / the longest query (12 tokens: 12 sequences plain, 4 verifying 1 + 2)."""
+    from types import SimpleNamespace
+
+    from deepinfer_core.platform import Platform
+    from deepinfer_core.worker.worker import make_model_runner
+
+    llm = LLM(str(v4_model_path()), backend="cpu_ref", dtype="float32", max_num_seqs=64, max_model_len=128,
+              **({"speculative_config": spec} if spec else {}))
+    worker = llm.llm_engine._worker
+    worker.model.ep = _BoundedDispatcher()
+    monkeypatch.setattr(worker.model.ops, "syncs_host", lambda ops: [])  # as a device backend's ops
+    asked: dict = {}
+    backend = SimpleNamespace(hook=SimpleNamespace(deepinfer_graph_runner=lambda **kw: asked.update(kw)))
+    platform = Platform(torch.device("cpu"))
+    platform.supports_graphs = True
+    make_model_runner(worker.model, worker.cache, llm.llm_engine.sampler, worker.args, worker.scheduler_config,
+                      backend, platform)
+    assert max(asked["capture_sizes"]) == (12 if spec is None else 4)
+    assert max(asked["capture_sizes"]) * max(asked["query_lens"]) <= _BoundedDispatcher.max_graph_tokens
