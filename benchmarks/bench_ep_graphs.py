@@ -1,16 +1,16 @@
 """Expert parallel's decode step, eager against CUDA graphs, on one rank: the MoE dispatch and combine
 inside the captured graphs.
 
-    DEEPINFER_DEEPEP_MODE=low_latency python benchmarks/bench_ep_graphs.py --backend nvidia_sm100 \\
+    python benchmarks/bench_ep_graphs.py --backend nvidia_sm100 \\
         --device cuda --batch-sizes 1,16,64 --out ep_graphs.json
 
 A random model at V4-Flash widths (``bench_gpu_decode.RandomModel``: ``--layers`` layers, 256 experts, top 6)
 served by three engines over the same weights, in one process that is a world of one rank:
 
 - ``plain``: no expert parallel (the reference for the tokens and the step);
-- ``ep eager``: the backend's expert dispatcher (``deepinfer_make_ep_dispatcher``: DeepEP, in low-latency
-  mode with ``DEEPINFER_DEEPEP_MODE=low_latency``, where ``deep_ep`` imports; else all_to_all) on every MoE
-  layer, eagerly;
+- ``ep eager``: the backend's expert dispatcher (``deepinfer_make_ep_dispatcher``: DeepEP where ``deep_ep``
+  imports, its ``DEEPINFER_DEEPEP_MODE``, ``auto`` by default: normal kernels eagerly, low-latency ones in
+  graphs; else all_to_all) on every MoE layer, eagerly;
 - ``ep graphs``: the same dispatcher inside the decode graphs (captured on a device that has them, else run
   uncaptured through the padded graph layouts); the dispatcher runs at fixed shapes there.
 
@@ -108,20 +108,21 @@ def main(argv=None) -> dict:
                             generator=torch.Generator().manual_seed(a.seed)).tolist()
     report = {"benchmark": "ep_graphs", "backend": a.backend, "device": str(device), "dtype": dtype_name,
               "torch": torch.__version__, "layers": a.layers, "experts": rm.cfg.n_routed_experts,
-              "deepep_mode": os.environ.get("DEEPINFER_DEEPEP_MODE", "normal"), "rows": [], "tokens_equal": {}}
+              "deepep_mode": os.environ.get("DEEPINFER_DEEPEP_MODE", "auto"), "rows": [], "tokens_equal": {}}
     with tempfile.TemporaryDirectory() as tmp:
         one_rank_world(device, Path(tmp) / "store")
         try:
             comm = hook.deepinfer_make_communicator(group=dist.group.WORLD, device=device)
             disp = hook.deepinfer_make_ep_dispatcher(communicator=comm, num_experts=rm.cfg.n_routed_experts,
                                                      hidden_size=rm.cfg.hidden_size)
-            report["dispatcher"] = type(disp).__name__ + (" (low latency)" if getattr(disp, "low_latency", 0) else "")
+            report["dispatcher"] = type(disp).__name__ + (f" ({disp.mode})" if hasattr(disp, "mode") else "")
             steps: dict[str, dict[int, float]] = {}
             tokens: dict[str, list[list[int]]] = {}
             for mode in MODES:
                 model = rm.deepinfer_model()
-                # DeepEP's low-latency kernels take a bounded count of tokens a rank: prompts in chunks of it
-                chunk = {"max_num_batched_tokens": disp.max_tokens} if getattr(disp, "low_latency", False) else {}
+                # DeepEP's low-latency kernels on every step take a bounded count of tokens a rank: prompts in
+                # chunks of it (auto mode runs prompts through the normal kernels)
+                chunk = {"max_num_batched_tokens": disp.max_tokens} if getattr(disp, "mode", "") == "low_latency" else {}
                 engine = bgd.make_engine(model, rm.cfg_dir, backend=a.backend, seed=a.seed, max_num_seqs=sizes[-1],
                                          **bgd.host_pools(device),
                                          enforce_eager=mode != "plain", **({} if mode == "plain" else chunk))

@@ -17,9 +17,12 @@ rows home), so the model's MoE runs unchanged:
 Activations must be bfloat16 (DeepEP's format); EPLB's slot map is applied as in the all-to-all
 dispatcher. ``deep_ep`` is imported only when a dispatcher is built.
 
-Decode graphs under expert parallel (``graph_safe``) need the low-latency mode: its shapes are fixed by
-``max_dispatch_tokens_per_rank``, so ``graph_shapes`` has nothing to switch; the normal mode reads counts
-back to the host, and an engine with it runs eagerly.
+Three modes, fixed for the engine's lifetime (every rank must run the same kernels in a layer):
+``"normal"`` (every step eagerly: an engine with it runs without decode graphs), ``"low_latency"`` (every
+step, graphs included; a step may carry at most ``max_dispatch_tokens_per_rank`` tokens a rank) and
+``"auto"`` (SGLang's: normal eagerly, low latency inside :meth:`graph_shapes`, the decode graphs' forward,
+which every rank enters for the same step; one buffer sized for both). Decode graphs are captured at most
+``max_graph_tokens`` tokens a rank.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from typing import Any
 import torch
 
 from deepinfer_core.parallel.expert_map import ExpertMap
+from deepinfer_core.parallel.fixed_shapes import FixedShapeCollective
+
+MODES = ("normal", "low_latency", "auto")
 
 
 def deep_ep_available() -> bool:
@@ -57,17 +63,18 @@ class _LowLatencyHandle:
     shape: tuple[int, int, int]  # local experts, rows per expert, hidden
 
 
-class DeepEPDispatcher:
-    """``deep_ep.Buffer`` over the communicator's (NCCL) group; ``low_latency`` picks the mode for the
-    engine's lifetime (every rank must run the same kernels in a layer)."""
+class DeepEPDispatcher(FixedShapeCollective):
+    """``deep_ep.Buffer`` over the communicator's (NCCL) group, in one of :data:`MODES` (see the module)."""
 
     expert_map: ExpertMap | None = None
     layer: int | None = None
 
-    def __init__(self, communicator: Any, num_experts: int, hidden_size: int, low_latency: bool = False,
+    def __init__(self, communicator: Any, num_experts: int, hidden_size: int, mode: str = "normal",
                  max_dispatch_tokens_per_rank: int = 128):
         import deep_ep
 
+        if mode not in MODES:
+            raise ValueError(f"unknown DeepEP mode {mode!r}; expected one of {MODES}")
         group = communicator.group
         if group is None:
             raise ValueError("DeepEP needs a torch.distributed process group")
@@ -77,41 +84,51 @@ class DeepEPDispatcher:
         self.comm, self.num_experts, self.hidden_size = communicator, num_experts, hidden_size
         self.world, self.rank = world, communicator.rank
         self.experts_per_rank = num_experts // world
-        self.low_latency, self.max_tokens = low_latency, max_dispatch_tokens_per_rank
+        self.mode, self.max_tokens = mode, max_dispatch_tokens_per_rank
         self.topk_idx_t = deep_ep.topk_idx_t
-        if low_latency:
-            rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_dispatch_tokens_per_rank, hidden_size, world,
-                                                                 num_experts)
-            self.buffer = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True,
-                                         num_qps_per_rank=self.experts_per_rank)
-            return
-        if world == 1:  # a normal-mode Buffer of one rank aborts the process (measured on an H200)
-            self.buffer = None
-            return
-        self.dispatch_config = deep_ep.Buffer.get_dispatch_config(world)
-        self.combine_config = deep_ep.Buffer.get_combine_config(world)
-        hidden_bytes = hidden_size * 2  # bfloat16
         nvl = rdma = 0
-        for config in (self.dispatch_config, self.combine_config):
-            nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, world), nvl)
-            rdma = max(config.get_rdma_buffer_size_hint(hidden_bytes, world), rdma)
-        self.buffer = deep_ep.Buffer(group, nvl, rdma)
+        # a normal-mode Buffer of one rank aborts the process (measured on an H200): one rank's pairs stay local
+        if mode != "low_latency" and world > 1:
+            self.dispatch_config = deep_ep.Buffer.get_dispatch_config(world)
+            self.combine_config = deep_ep.Buffer.get_combine_config(world)
+            hidden_bytes = hidden_size * 2  # bfloat16
+            for config in (self.dispatch_config, self.combine_config):
+                nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, world), nvl)
+                rdma = max(config.get_rdma_buffer_size_hint(hidden_bytes, world), rdma)
+        if mode == "normal":
+            self.buffer = deep_ep.Buffer(group, nvl, rdma) if world > 1 else None
+            return
+        rdma = max(rdma, deep_ep.Buffer.get_low_latency_rdma_size_hint(max_dispatch_tokens_per_rank, hidden_size,
+                                                                        world, num_experts))
+        self.buffer = deep_ep.Buffer(group, nvl, rdma, low_latency_mode=True, num_qps_per_rank=self.experts_per_rank)
 
     @property
     def local_experts(self) -> range:
         return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
 
     @property
+    def low_latency(self) -> bool:
+        """Whether a dispatch now runs the low-latency kernels."""
+        return self.mode == "low_latency" or (self.mode == "auto" and self.fixed_shapes)
+
+    @property
     def graph_safe(self) -> bool:
-        """Whether dispatch and combine can be captured in a decode graph (low-latency mode only)."""
-        return self.low_latency
+        """Whether dispatch and combine can be captured in a decode graph (not in normal mode)."""
+        return self.mode != "normal"
+
+    @property
+    def max_graph_tokens(self) -> int | None:
+        """The most tokens a rank's decode graph may carry (the low-latency buffers' capacity)."""
+        return None if self.mode == "normal" else self.max_tokens
 
     @contextmanager
     def graph_shapes(self) -> Iterator[None]:
-        """A decode graph's forward: the low-latency kernels' shapes are fixed already."""
-        if not self.low_latency:
-            raise RuntimeError("DeepEP's normal mode cannot run inside a graph (DEEPINFER_DEEPEP_MODE=low_latency)")
-        yield
+        """A decode graph's forward: the low-latency kernels (their shapes are fixed)."""
+        if self.mode == "normal":
+            raise RuntimeError("DeepEP's normal mode cannot run inside a graph (DEEPINFER_DEEPEP_MODE=auto or "
+                               "low_latency)")
+        with super().graph_shapes():
+            yield
 
     def _slots(self, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_map is None:
@@ -141,7 +158,8 @@ class DeepEPDispatcher:
     def _dispatch_low_latency(self, x, idx, weights):
         if x.shape[0] > self.max_tokens:  # a static shape: also checked when a graph is captured
             raise ValueError(f"DeepEP low-latency dispatch takes at most {self.max_tokens} tokens per rank, got "
-                             f"{x.shape[0]} (a smaller max_cudagraph_capture_size or token budget)")
+                             f"{x.shape[0]} (DEEPINFER_DEEPEP_MODE=auto runs eager steps in normal mode, or a "
+                             "smaller max_num_batched_tokens)")
         recv_x, _, handle, _, _ = self.buffer.low_latency_dispatch(
             x, idx, self.max_tokens, self.num_experts, use_fp8=False, async_finish=False, return_recv_hook=False)
         local, per_expert, hidden = recv_x.shape

@@ -189,19 +189,20 @@ def deepinfer_make_communicator(group, device):
 
 @hookimpl
 def deepinfer_make_ep_dispatcher(communicator, num_experts, hidden_size):
-    """DeepEP's Buffer over an NCCL group when ``deep_ep`` is importable (``DEEPINFER_DEEPEP_MODE``:
-    ``normal``, the default, or ``low_latency``; ``off`` keeps all_to_all), else all_to_all."""
+    """DeepEP's Buffer over an NCCL group when ``deep_ep`` is importable (``DEEPINFER_DEEPEP_MODE``: ``auto``,
+    the default, normal kernels eagerly and low-latency ones in decode graphs; ``normal``; ``low_latency``;
+    ``off`` keeps all_to_all), else all_to_all."""
     import os
 
     from deepinfer_core.parallel.ep import AllToAllDispatcher
     from deepinfer_nvidia_sm100.deepep import DeepEPDispatcher, deep_ep_available
 
-    mode = os.environ.get("DEEPINFER_DEEPEP_MODE", "normal")
+    mode = os.environ.get("DEEPINFER_DEEPEP_MODE", "auto")
     group = getattr(communicator, "group", None)
     torch, _ = _torch()
     on_cuda = torch is not None and torch.cuda.is_available() and group is not None
     if mode != "off" and on_cuda and deep_ep_available():
-        return DeepEPDispatcher(communicator, num_experts, hidden_size, low_latency=mode == "low_latency")
+        return DeepEPDispatcher(communicator, num_experts, hidden_size, mode=mode)
     return AllToAllDispatcher(communicator, num_experts, hidden_size)
 
 

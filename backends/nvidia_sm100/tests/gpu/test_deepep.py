@@ -1,7 +1,8 @@
 """DeepEP's Buffer behind the expert-parallel dispatcher protocol, on one GPU (world size 1: its
-multi-GPU run is a separate issue). Normal mode: the Buffer is built and dispatch/combine (local with
-one rank: DeepEP's intranode kernels need 2+) give the MoE of one process; low-latency mode: DeepEP's
-kernels run for real on one rank and give it too. Skipped where deep_ep is not importable."""
+multi-GPU run is a separate issue). Normal mode: dispatch/combine (local with one rank: DeepEP's
+intranode kernels need 2+) give the MoE of one process; low-latency mode: DeepEP's kernels run for real
+on one rank and give it too, captured in a CUDA graph as eagerly; auto mode (the default): normal eagerly,
+low latency inside ``graph_shapes``. Skipped where deep_ep is not importable."""
 
 from __future__ import annotations
 
@@ -63,24 +64,52 @@ def _round_trip(disp, x, ids, w) -> torch.Tensor:
     return disp.combine(y, handle).float()
 
 
-def test_hook_builds_deepep_and_normal_mode_matches_one_process(communicator):
+def test_hook_builds_deepep_in_auto_mode_normal_eagerly_low_latency_in_graphs(communicator):
+    """The default mode (SGLang's ``auto``): eager steps take the normal path (any token count), a decode
+    graph's forward the low-latency kernels; both give the MoE of one process."""
     from deepinfer_nvidia_sm100.deepep import DeepEPDispatcher
 
     from deepinfer_core.plugins import load_backend
 
     disp = load_backend("nvidia_sm100").hook.deepinfer_make_ep_dispatcher(
         communicator=communicator, num_experts=E, hidden_size=H)
-    assert isinstance(disp, DeepEPDispatcher) and not disp.low_latency and disp.local_experts == range(E)
+    assert isinstance(disp, DeepEPDispatcher) and disp.mode == "auto" and disp.local_experts == range(E)
+    assert not disp.low_latency and disp.graph_safe and disp.max_graph_tokens == 128
     x, ids, w = _routing()
     torch.testing.assert_close(_round_trip(disp, x, ids, w), _reference(x, ids, w), rtol=2e-2, atol=5e-2)
+    big = torch.randn(300, H, device="cuda").to(torch.bfloat16)  # past the low-latency capacity: normal mode
+    big_ids, big_w = torch.randint(0, E, (300, K), device="cuda"), torch.rand(300, K, device="cuda")
+    torch.testing.assert_close(_round_trip(disp, big, big_ids, big_w), _reference(big, big_ids, big_w),
+                               rtol=2e-2, atol=5e-2)
+    with disp.graph_shapes():
+        assert disp.low_latency
+        rows, local, weights, handle = disp.dispatch(x, ids, w)
+        assert rows.shape == (E * 128, H)  # the low-latency layout
+        got = disp.combine((weights.unsqueeze(1) * _expert(local, rows)).to(torch.bfloat16), handle).float()
+    torch.cuda.synchronize()
+    assert not disp.low_latency
+    torch.testing.assert_close(got, _reference(x, ids, w), rtol=2e-2, atol=5e-2)
     with pytest.raises(ValueError, match="bfloat16"):
         disp.dispatch(x.float(), ids, w)
+
+
+def test_normal_mode_runs_eagerly_only(communicator):
+    from deepinfer_nvidia_sm100.deepep import DeepEPDispatcher
+
+    disp = DeepEPDispatcher(communicator, E, H, mode="normal")
+    assert not disp.graph_safe and disp.max_graph_tokens is None
+    x, ids, w = _routing()
+    torch.testing.assert_close(_round_trip(disp, x, ids, w), _reference(x, ids, w), rtol=2e-2, atol=5e-2)
+    with pytest.raises(RuntimeError, match="cannot run inside a graph"), disp.graph_shapes():
+        pass
+    with pytest.raises(ValueError, match="unknown DeepEP mode"):
+        DeepEPDispatcher(communicator, E, H, mode="fast")
 
 
 def test_low_latency_mode_runs_deepep_kernels_on_one_rank(communicator):
     from deepinfer_nvidia_sm100.deepep import DeepEPDispatcher
 
-    disp = DeepEPDispatcher(communicator, E, H, low_latency=True, max_dispatch_tokens_per_rank=128)
+    disp = DeepEPDispatcher(communicator, E, H, mode="low_latency", max_dispatch_tokens_per_rank=128)
     x, ids, w = _routing()
     rows, local, weights, handle = disp.dispatch(x, ids, w)  # DeepEP holds at most two results at a time
     assert rows.shape == (E * 128, H) and bool((weights == 1).all())
@@ -95,7 +124,7 @@ def test_low_latency_round_trip_captured_in_a_cuda_graph_equals_eager(communicat
     routes in the same buffers: each replay equals the eager round trip on the same inputs."""
     from deepinfer_nvidia_sm100.deepep import DeepEPDispatcher
 
-    disp = DeepEPDispatcher(communicator, E, H, low_latency=True, max_dispatch_tokens_per_rank=128)
+    disp = DeepEPDispatcher(communicator, E, H, mode="low_latency", max_dispatch_tokens_per_rank=128)
     assert disp.graph_safe
     x, ids, w = _routing()
     static = (x.clone(), ids.clone(), w.clone())
