@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def one_rank_world(device: torch.device, store: Path) -> None:
+    if device.type == "cuda" and device.index is None:  # NCCL binds the group to one numbered device
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
                             world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
 
