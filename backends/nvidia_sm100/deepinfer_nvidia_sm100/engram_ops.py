@@ -26,8 +26,10 @@ from deepinfer_core.ops.native import engram_lookup as native_engram_lookup
 
 #: cudaHostRegisterMapped | cudaHostRegisterReadOnly
 _REGISTER_FLAGS = 0x02 | 0x08
-#: host addresses registered with the driver here (they stay registered while the process lives)
-_REGISTERED: set[int] = set()
+#: host tables registered with the driver here, by address, each held so that it stays mapped: its range
+#: stays registered while the process lives, and a range unmapped while registered makes a later mapping at
+#: that address fail (cudaErrorAlreadyMapped)
+_REGISTERED: dict[int, torch.Tensor] = {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,7 +66,7 @@ def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
                 err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), key[1], _REGISTER_FLAGS)
                 if int(err) != 0:
                     raise RuntimeError(f"cudaHostRegister of the shared Engram table ({where}) failed: {err}")
-                _REGISTERED.add(t.data_ptr())
+                _REGISTERED[t.data_ptr()] = t
         with torch.cuda.device(device):
             _ALIASES[key] = torch.as_tensor(_DeviceAlias(t), device=device)
     return _ALIASES[key]
