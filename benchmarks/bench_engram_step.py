@@ -188,6 +188,8 @@ def main(argv=None) -> dict:
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     config, layout = config_dict(a)
+    if a.dir:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         cfg_dir = Path(tmp) / "config"
         cfg_dir.mkdir()

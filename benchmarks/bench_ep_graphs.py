@@ -124,7 +124,8 @@ def main(argv=None) -> dict:
                 model = rm.deepinfer_model()
                 # DeepEP's low-latency kernels on every step take a bounded count of tokens a rank: prompts in
                 # chunks of it (auto mode runs prompts through the normal kernels)
-                chunk = {"max_num_batched_tokens": disp.max_tokens} if getattr(disp, "mode", "") == "low_latency" else {}
+                every_step_ll = getattr(disp, "mode", "") == "low_latency"
+                chunk = {"max_num_batched_tokens": disp.max_tokens} if every_step_ll else {}
                 engine = bgd.make_engine(model, rm.cfg_dir, backend=a.backend, seed=a.seed, max_num_seqs=sizes[-1],
                                          **bgd.host_pools(device),
                                          enforce_eager=mode != "plain", **({} if mode == "plain" else chunk))
