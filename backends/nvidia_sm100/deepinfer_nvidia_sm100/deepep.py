@@ -10,9 +10,10 @@ rows home), so the model's MoE runs unchanged:
   ``Buffer.combine`` (unweighted) sums the ranks' partial outputs home. DeepEP's intranode kernels exist
   for 2, 4 and 8 ranks: with one rank the pairs stay local (no kernel runs).
 * low-latency mode (decode; no host sync, the layout CUDA graphs need): ``low_latency_dispatch`` gives
-  ``[local experts, max tokens * ranks, hidden]`` with per-expert counts; every row is computed (rows past
-  the counts are never read back) and ``low_latency_combine`` reduces with the top-k weights, so the rows
-  go out with weight one. DeepEP supports a few hidden sizes here (2048, 4096, 7168, ...).
+  ``[local experts, max tokens * ranks, hidden]`` with per-expert counts; rows past the counts go out with
+  expert id -1, which the expert ops skip (their work follows the tokens received, not the layout), and
+  ``low_latency_combine`` reduces with the top-k weights, so the rows go out with weight one. DeepEP
+  supports a few hidden sizes here (2048, 4096, 7168, ...).
 
 Activations must be bfloat16 (DeepEP's format); EPLB's slot map is applied as in the all-to-all
 dispatcher. ``deep_ep`` is imported only when a dispatcher is built.
@@ -160,10 +161,13 @@ class DeepEPDispatcher(FixedShapeCollective):
             raise ValueError(f"DeepEP low-latency dispatch takes at most {self.max_tokens} tokens per rank, got "
                              f"{x.shape[0]} (DEEPINFER_DEEPEP_MODE=auto runs eager steps in normal mode, or a "
                              "smaller max_num_batched_tokens)")
-        recv_x, _, handle, _, _ = self.buffer.low_latency_dispatch(
+        recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
             x, idx, self.max_tokens, self.num_experts, use_fp8=False, async_finish=False, return_recv_hook=False)
         local, per_expert, hidden = recv_x.shape
-        ids = torch.arange(local, device=x.device).repeat_interleave(per_expert)
+        # rows past an expert's received count carry id -1: the expert ops skip them (combine never reads them)
+        row = torch.arange(per_expert, device=x.device)
+        expert = torch.arange(local, device=x.device).unsqueeze(1)
+        ids = torch.where(row < counts.unsqueeze(1), expert, -1).reshape(-1)
         ones = torch.ones(local * per_expert, dtype=torch.float32, device=x.device)  # combine weighs
         return (recv_x.view(local * per_expert, hidden), ids, ones,
                 _LowLatencyHandle(handle, idx, weights, (local, per_expert, hidden)))

@@ -113,6 +113,9 @@ def test_low_latency_mode_runs_deepep_kernels_on_one_rank(communicator):
     x, ids, w = _routing()
     rows, local, weights, handle = disp.dispatch(x, ids, w)  # DeepEP holds at most two results at a time
     assert rows.shape == (E * 128, H) and bool((weights == 1).all())
+    # rows past each expert's received count are marked -1 (the expert ops skip them): one row a pair
+    assert int((local >= 0).sum()) == T * K
+    assert torch.equal(torch.bincount(local[local >= 0], minlength=E), torch.bincount(ids.reshape(-1), minlength=E))
     y = (weights.unsqueeze(1) * _expert(local, rows)).to(torch.bfloat16)
     got = disp.combine(y, handle).float()
     torch.cuda.synchronize()
