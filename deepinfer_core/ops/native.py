@@ -30,6 +30,7 @@ from deepinfer_core.quant.fp4 import (
     fake_quant_act_fp4,
     fake_quant_act_ue8m0,
     fake_quant_fp4_e4m3_scale,
+    fp4_expert,
     hadamard,
 )
 from deepinfer_core.quant.fp8 import dequantize_act_fp8, dequantize_fp8_block, quantize_act_fp8
@@ -814,8 +815,7 @@ def moe_experts_fp4(
             y = linear(h, dequantize_fp4_block(w2[expert], w2_scale[expert], x.dtype))
             out.index_add_(0, token_idx, y * topk_weights.reshape(-1)[pairs, None].to(x.dtype))
         return out
-    return _experts_quant_act(x, lambda e, dt: dequantize_fp4_block(w13[e], w13_scale[e], dt),
-                              lambda e, dt: dequantize_fp4_block(w2[e], w2_scale[e], dt), w13.shape[0],
+    return _experts_quant_act(x, fp4_expert(w13, w13_scale), fp4_expert(w2, w2_scale), w13.shape[0],
                               topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu)
 
 
@@ -1053,8 +1053,7 @@ def moe_experts_fp4_quant_act(
     linear: Callable = F.linear,
     swiglu: Callable = swiglu,
 ) -> torch.Tensor:
-    return _experts_quant_act(x, lambda e, dt: dequantize_fp4_block(w13[e], w13_scale[e], dt),
-                              lambda e, dt: dequantize_fp4_block(w2[e], w2_scale[e], dt), w13.shape[0],
+    return _experts_quant_act(x, fp4_expert(w13, w13_scale), fp4_expert(w2, w2_scale), w13.shape[0],
                               topk_ids, topk_weights, swiglu_limit, linear=linear, swiglu=swiglu, block=block)
 
 

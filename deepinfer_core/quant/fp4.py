@@ -14,6 +14,8 @@ quantised the same way to E4M3 per 128 values (``scale = 2**ceil(log2(amax / 448
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP4_BLOCK = 32
@@ -151,6 +153,35 @@ def dequantize_fp4_block(packed: torch.Tensor, scale: torch.Tensor, dtype: torch
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     values = unpack_fp4(packed, acc)
     return (values * scale.to(acc).repeat_interleave(block, dim=-1)).to(dtype)
+
+
+#: a stack whose float32 copy would be larger is dequantised again on every call instead of kept
+EXPERT_CACHE_BYTES = 64 << 20
+
+
+def fp4_expert(packed: torch.Tensor, scale: torch.Tensor) -> Callable[[int, torch.dtype], torch.Tensor]:
+    """``(e, dtype) -> dequantize_fp4_block(packed[e], scale[e], dtype)``, each result kept while neither
+    tensor changes (their version counters: EPLB moves experts in place) for stacks up to
+    :data:`EXPERT_CACHE_BYTES` dequantised: a reference model's every step would unpack the same experts."""
+    def fresh(e: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp4_block(packed[e], scale[e], dtype)
+
+    if packed.numel() * 2 * 4 > EXPERT_CACHE_BYTES or packed.is_inference() or scale.is_inference():
+        return fresh
+    # kept on the stack itself (dropped with it): ((its version, its scales' version), {(e, dtype): weight})
+    version = (packed._version, scale._version)
+    held = getattr(packed, "_dequantized_experts", None)
+    if held is None or held[0] != version:
+        held = (version, {})
+        packed._dequantized_experts = held
+    kept = held[1]
+
+    def cached(e: int, dtype: torch.dtype) -> torch.Tensor:
+        if (e, dtype) not in kept:
+            kept[e, dtype] = fresh(e, dtype)
+        return kept[e, dtype]
+
+    return cached
 
 
 def fake_quant_act_ue8m0(x: torch.Tensor, block: int = 128, qmax: float = E4M3_MAX,
