@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from typing import Any
@@ -55,12 +56,39 @@ def _describe(ep: EntryPoint) -> str:
     return f"entry point {ep.name!r} ({ep.value}) of {where}"
 
 
+#: group -> (the import path's stamp when read, its entry points)
+_ENTRY_POINTS: dict[str, tuple[tuple, tuple[EntryPoint, ...]]] = {}
+
+
+def _path_stamp() -> tuple:
+    """The import path with each folder's modification time and entry count: installing or removing a
+    distribution adds or removes a ``*.dist-info`` entry in a folder of the path (the count changes even
+    within one tick of the file system's clock)."""
+    stamp = []
+    for entry in sys.path:
+        try:
+            stamp.append((entry, os.stat(entry or ".").st_mtime_ns, len(os.listdir(entry or "."))))
+        except OSError:  # a missing folder, or a zip archive
+            stamp.append((entry, None, None))
+    return tuple(stamp)
+
+
+def _entry_points(group: str) -> tuple[EntryPoint, ...]:
+    """``importlib.metadata.entry_points(group=group)``, read again only when the import path changed:
+    scanning every installed distribution's metadata costs about 10 ms, and an engine asks several times."""
+    stamp = _path_stamp()
+    held = _ENTRY_POINTS.get(group)
+    if held is None or held[0] != stamp:
+        held = _ENTRY_POINTS[group] = (stamp, tuple(entry_points(group=group)))
+    return held[1]
+
+
 def installed_backends() -> dict[str, EntryPoint]:
-    return {ep.name: ep for ep in entry_points(group=BACKEND_GROUP)}
+    return {ep.name: ep for ep in _entry_points(BACKEND_GROUP)}
 
 
 def installed_kernel_packs() -> dict[str, EntryPoint]:
-    return {ep.name: ep for ep in entry_points(group=KERNEL_GROUP)}
+    return {ep.name: ep for ep in _entry_points(KERNEL_GROUP)}
 
 
 def allowed_kernel_packs() -> dict[str, EntryPoint]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -50,6 +51,18 @@ def dists(tmp_path, monkeypatch):
 
 def only_packs(monkeypatch, *names: str) -> None:
     monkeypatch.setenv(plugins.ALLOWLIST_ENV, ",".join(names))
+
+
+def test_discovery_sees_each_distribution_installed_or_removed_after_a_lookup(dists):
+    """Entry points are read once per state of the import path: a distribution installed (or removed)
+    after a lookup, even in the same folder within one tick of its clock, is seen by the next."""
+    assert "late_one" not in plugins.installed_backends()
+    for n in ("one", "two"):
+        dists.add(f"deepinfer-late-{n}", {plugins.BACKEND_GROUP: {f"late_{n}": f"late_{n}_mod"}},
+                  {f"late_{n}_mod": backend_source(f"late_{n}")})
+        assert f"late_{n}" in plugins.installed_backends()
+    shutil.rmtree(dists.site / "deepinfer_late_two-1.0.dist-info")
+    assert "late_two" not in plugins.installed_backends() and "late_one" in plugins.installed_backends()
 
 
 # --- bad inputs ------------------------------------------------------------------------------------
