@@ -282,3 +282,22 @@ def test_cuda_matches_cpu(tiny_map):
     seq = random_tokens(rng, 300, len(token_map))
     history = torch.tensor(ngram_history(seq, 0, 300, 4, dead_span(300, [(40, 90)])))
     assert torch.equal(hasher.to("cuda")(history.cuda()).cpu(), hasher.to("cpu")(history))
+
+
+def test_the_token_map_is_kept_per_tokenizer_until_its_files_change(tmp_path, monkeypatch):
+    """An engine rebuilt on one checkpoint reuses the compressed token map; a changed tokenizer file is read
+    again (and a copy comes back: the kept map is never handed out to be modified)."""
+    from deepinfer_core.models.deepseek_v41 import engram
+    from deepinfer_core.testing.tiny_model import build_tokenizer
+
+    build_tokenizer(tmp_path, 300)
+    calls = []
+    real = engram.compressed_token_map
+    monkeypatch.setattr(engram, "compressed_token_map", lambda tok: calls.append(1) or real(tok))
+    engram._token_map.cache_clear()
+    first = engram.token_map_of(tmp_path)
+    first[0][0] = -5
+    assert engram.token_map_of(tmp_path)[0][0] != -5 and len(calls) == 1
+    build_tokenizer(tmp_path, 280)  # another vocabulary written over the files
+    again = engram.token_map_of(tmp_path)
+    assert len(calls) == 2 and len(again[0]) == 280
