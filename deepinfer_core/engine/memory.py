@@ -41,13 +41,14 @@ class PoolSizes:
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transformers", with_mtp: bool = True,
-                 num_experts: int | None = None) -> dict[str, int]:
+                 num_experts: int | None = None, drafter_experts: int | None = None) -> dict[str, int]:
     """Weight bytes of ``cfg``, the drafter's included with ``with_mtp``: ``stored`` as the checkpoint's files
     hold them (every expert); for a model holding ``num_experts`` routed-expert slots per MoE layer (all
-    its experts by default), ``loaded`` as FP8 mode keeps them (E4M3 and packed FP4 where the checkpoint
-    declares them) and ``dequantised`` every weight in ``dtype`` (float32 where the engine keeps float32,
-    what a float run holds) but the lookup tables, which every run keeps FP8. Each with its routed-expert
-    part (``*_experts``); ``loaded_tables``: those tables (DeepSeek-V4.1's Engram), part of both."""
+    its experts by default; ``drafter_experts`` slots of a drafter's own experts), ``loaded`` as FP8 mode
+    keeps them (E4M3 and packed FP4 where the checkpoint declares them) and ``dequantised`` every weight in
+    ``dtype`` (float32 where the engine keeps float32, what a float run holds) but the lookup tables, which
+    every run keeps FP8. Each with its routed-expert part (``*_experts``); ``loaded_tables``: those tables
+    (DeepSeek-V4.1's Engram), part of both."""
     keys = ("stored", "stored_experts", "loaded", "loaded_experts", "dequantised", "dequantised_experts",
             "loaded_tables")
     out = dict.fromkeys(keys, 0)
@@ -58,7 +59,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transfor
         out["stored_experts"] += b if EXPERT_FILE_NAME.match(name) else 0
     fp4 = quant_config(cfg).expert_dtype == "fp4"
     fp8 = fp8_weight_names(cfg, numerics) if quant_config(cfg).declared else set()
-    for name, shape in manifest.loaded_shapes(with_mtp, num_experts).items():
+    for name, shape in manifest.loaded_shapes(with_mtp, num_experts, drafter_experts).items():
         n, expert = math.prod(shape), manifest.rows[name].experts
         plain = n * manifest.parameter_dtype(name, dtype).itemsize
         if expert and fp4:

@@ -138,15 +138,22 @@ class CheckpointManifest:
             out[r.name] = (num_experts, *r.shape[1:]) if resized else r.shape
         return out
 
-    def loaded_shapes(self, with_drafter: bool = True, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
-        """Every parameter the model holds once loaded (after the architecture's re-layout), with its shape."""
+    def loaded_shapes(self, with_drafter: bool = True, num_experts: int | None = None,
+                      drafter_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Every parameter the model holds once loaded (after the architecture's re-layout), with its shape:
+        stacks of the target's expert count at ``num_experts`` slots, a drafter's stacks of another count
+        (DSpark's own experts) at ``drafter_experts`` (all by default)."""
         out = {}
         full = self.num_experts
         for r in self.rows.values():
             if not r.loaded or (r.drafter and not with_drafter):
                 continue
-            resized = r.experts and num_experts is not None and r.shape[0] == full
-            out[r.name] = (num_experts, *r.shape[1:]) if resized else r.shape
+            if r.experts and num_experts is not None and r.shape[0] == full:
+                out[r.name] = (num_experts, *r.shape[1:])
+            elif r.experts and r.drafter and drafter_experts is not None and r.shape[0] != full:
+                out[r.name] = (drafter_experts, *r.shape[1:])
+            else:
+                out[r.name] = r.shape
         return out
 
     def file_names(self, with_drafter: bool = True) -> dict[str, tuple[int, ...]]:

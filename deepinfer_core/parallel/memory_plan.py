@@ -89,17 +89,35 @@ def plan_memory(args: Any) -> list[RankMemory]:
     spec = resolve_kv_cache_spec(hook, cfg, cache, dtype, numerics)
     slots = pc.num_physical_experts(cfg.n_routed_experts) // pc.expert_parallel_size
     rank = plan_rank(cfg, dtype, spec, cache, sched, platform.memory_budget(cache), slots,
-                     has_drafter_weights(cfg, path))
+                     has_drafter_weights(cfg, path), drafter_slots(cfg, pc, args))
     _, plan = place_ranks(backend, pc)
     return [dataclasses.replace(rank, rank=r, device=plan.device_of_rank.get(r, 0))
             for r in range(pc.data_parallel_size)]
 
 
+def drafter_slots(cfg: ModelConfig, pc: Any, args: Any) -> int | None:
+    """The slots of its drafter's own experts (DSpark's stages) a rank keeps: its share under expert
+    parallel with speculative decoding (the worker then shards them as the target's); None (all of them)
+    otherwise, or where the drafter's count is the target's (sharded with the target's)."""
+    from deepinfer_core.spec_decode.config import SpeculativeConfig
+
+    moe_config = getattr(cfg, "drafter_moe_config", None)
+    if moe_config is None or pc.expert_parallel_size <= 1:
+        return None
+    if SpeculativeConfig.from_arg(getattr(args, "speculative_config", None)) is None:
+        return None
+    own = moe_config()[0]
+    return None if own == cfg.n_routed_experts else pc.num_physical_experts(own) // pc.expert_parallel_size
+
+
 def plan_rank(cfg: ModelConfig, dtype: torch.dtype, spec: KVCacheSpec, cache: CacheConfig, sched: SchedulerConfig,
-              budget: int, expert_slots: int, with_mtp: bool = True) -> RankMemory:
-    """What one rank (rank 0, device 0) holding ``expert_slots`` routed experts per MoE layer allocates
-    (float weights) with a KV budget of ``budget`` bytes, in the KV layout ``spec``."""
-    weights = weight_bytes(cfg, dtype, with_mtp=with_mtp, num_experts=expert_slots)
+              budget: int, expert_slots: int, with_mtp: bool = True, drafter_expert_slots: int | None = None
+              ) -> RankMemory:
+    """What one rank (rank 0, device 0) holding ``expert_slots`` routed experts per MoE layer (and
+    ``drafter_expert_slots`` of a drafter's own, all by default) allocates (float weights) with a KV budget
+    of ``budget`` bytes, in the KV layout ``spec``."""
+    weights = weight_bytes(cfg, dtype, with_mtp=with_mtp, num_experts=expert_slots,
+                           drafter_experts=drafter_expert_slots)
     sizes = plan_pools(cfg, cache, sched, dtype, budget, spec)
     kv = kv_bytes(cfg, cache.block_size, dtype, spec)
     dense = kv_bytes(cfg, cache.block_size, dtype, KVCacheSpec.default(cfg, cache.block_size, dtype))

@@ -1,6 +1,7 @@
 """Per-rank memory: what ``deepinfer plan`` predicts for a parallel layout is what every rank allocates
 (weight bytes, routed-expert bytes, KV pool bytes), for one process and for two expert-parallel ranks
-with redundant EPLB slots (each rank then holds 4 of the 8 physical slots of the 6 experts)."""
+with redundant EPLB slots (each rank then holds 4 of the 8 physical slots of the 6 experts), and for two
+expert-parallel ranks of the trained V4.1 drafting with DSpark (each holds half its drafter's own experts)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import engine_fixtures
 import pytest
 
-from deepinfer_core.default_model import v4_model_path
+from deepinfer_core.default_model import default_model_path, v4_model_path
 from deepinfer_core.engine.args import EngineArgs
 from deepinfer_core.entrypoints.cli import main
 from deepinfer_core.entrypoints.llm import LLM
@@ -53,3 +54,19 @@ def test_expert_parallel_ranks_allocate_what_the_plan_says(capsys):
 def test_plan_refuses_what_it_cannot_predict():
     with pytest.raises(ValueError, match="float weights"):
         plan_memory(EngineArgs(**KW, quantization="fp8"))
+
+
+def test_expert_parallel_ranks_with_dspark_hold_their_share_of_the_drafters_experts():
+    """DSpark's stages have experts of their own (the trained default: 4 against the target's 8): with
+    speculative decoding each expert-parallel rank keeps its share of those too, and the plan says so."""
+    kw = dict(model=str(default_model_path()), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
+              kv_cache_bytes=32 << 20, data_parallel_size=2, enable_expert_parallel=True,
+              speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    plan = plan_memory(EngineArgs(**kw))
+    alone = plan_memory(EngineArgs(**{**kw, "speculative_config": None}))
+    assert plan[0].expert_bytes < alone[0].expert_bytes  # half the drafter's experts, not all of them
+    llm = LLM(**kw, distributed_timeout_s=120)
+    try:
+        assert llm.llm_engine.rank_memory() == _predicted(plan)
+    finally:
+        llm.llm_engine.shutdown()
