@@ -313,16 +313,19 @@ def _check_shape(name: str, entry: _Entry, fmt: str, want: tuple[int, ...], scal
 
 
 def _plan(cfg: ModelConfig, manifest: CheckpointManifest, entries: dict[str, _Entry],
-          shapes: dict[str, tuple[int, ...]], experts: range, quant: QuantConfig
-          ) -> tuple[list[_Item], dict[str, set[str]]]:
+          shapes: dict[str, tuple[int, ...]], experts: range, quant: QuantConfig,
+          drafter_experts: range | None = None) -> tuple[list[_Item], dict[str, set[str]]]:
     """(items, stack name -> the formats of its experts in the file); raises on any tensor
     that is unknown, mis-shaped or mis-typed, and on any that is missing."""
     num_experts = manifest.num_experts
 
     def stack_experts(key: str) -> range:
-        """The experts of stack ``key`` to load: ``experts`` for the target's, all of a drafter's own size."""
+        """The experts of stack ``key`` to load: ``experts`` for the target's, ``drafter_experts`` (all by
+        default) of a drafter's own size."""
         full = manifest.rows[key].shape[0]
-        return experts if full == num_experts else range(full)
+        if full == num_experts:
+            return experts
+        return range(full) if drafter_experts is None else drafter_experts
 
     scales = {n.removesuffix(".scale") + ".weight": e for n, e in entries.items() if n.endswith(".scale")}
     items: list[_Item] = []
@@ -472,12 +475,15 @@ def read_checkpoint(
     keep_fp4: bool | None = None,
     numerics: str = "transformers",
     exclude: frozenset[str] = frozenset(),
+    drafter_experts: range | None = None,
 ) -> dict[str, torch.Tensor]:
     """Check every tensor's name, shape and dtype against the config (before reading any), then read them
     file by file straight onto ``device``, dequantising there (or keeping them quantised with
     ``keep_fp8``), stacking the routed experts; block scales come back as ``name + "_scale"``. A float or
     FP8 weight holding NaN or an infinity is a :class:`CheckpointError` naming it and its file. ``exclude``:
-    canonical names checked but not read (the architecture places them itself: V4.1's Engram tables)."""
+    canonical names checked but not read (the architecture places them itself: V4.1's Engram tables).
+    ``drafter_experts``: the experts to read of a drafter's own stacks (DSpark's; a contiguous range, all by
+    default)."""
     path = Path(path)
     manifest = manifest_of(cfg)
     entries = read_headers(path, manifest)
@@ -489,8 +495,14 @@ def read_checkpoint(
                          f"got {experts}")
     drafter = set(manifest.drafter_file_names())
     with_drafter = any(n in drafter for n in entries)
-    shapes = manifest.shapes(with_drafter, len(experts))
-    items, stack_fmt = _plan(cfg, manifest, entries, shapes, experts, quant)
+    own = min((r.shape[0] for r in manifest.rows.values() if r.experts and r.drafter and r.shape[0] != num_experts),
+              default=0)
+    if drafter_experts is not None and (drafter_experts.step != 1 or drafter_experts.start < 0
+                                        or drafter_experts.stop > own or not len(drafter_experts)):
+        raise ValueError(f"drafter_experts must be a non-empty contiguous range within 0..{own} (the drafter's "
+                         f"own experts), got {drafter_experts}")
+    shapes = manifest.shapes(with_drafter, len(experts), None if drafter_experts is None else len(drafter_experts))
+    items, stack_fmt = _plan(cfg, manifest, entries, shapes, experts, quant, drafter_experts)
 
     device = torch.device(device)
     dev = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"

@@ -126,35 +126,28 @@ class CheckpointManifest:
     def is_ignored(self, name: str) -> bool:
         return bool(self.ignored.search(name))
 
-    def shapes(self, with_drafter: bool = True, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+    def shapes(self, with_drafter: bool = True, num_experts: int | None = None,
+               drafter_experts: int | None = None) -> dict[str, tuple[int, ...]]:
         """Every parameter a checkpoint holds, with its shape (the target's routed-expert stacks of
-        ``num_experts``, all by default; a drafter's stacks of another size keep theirs)."""
-        out = {}
-        full = self.num_experts
-        for r in self.rows.values():
-            if not r.in_file or (r.drafter and not with_drafter):
-                continue
-            resized = r.experts and num_experts is not None and r.shape[0] == full
-            out[r.name] = (num_experts, *r.shape[1:]) if resized else r.shape
-        return out
+        ``num_experts``, all by default; a drafter's stacks of another size of ``drafter_experts``, all by
+        default)."""
+        return {r.name: self._resized(r, num_experts, drafter_experts) for r in self.rows.values()
+                if r.in_file and (with_drafter or not r.drafter)}
+
+    def _resized(self, r: TensorSpec, num_experts: int | None, drafter_experts: int | None) -> tuple[int, ...]:
+        if r.experts and num_experts is not None and r.shape[0] == self.num_experts:
+            return (num_experts, *r.shape[1:])
+        if r.experts and r.drafter and drafter_experts is not None and r.shape[0] != self.num_experts:
+            return (drafter_experts, *r.shape[1:])
+        return r.shape
 
     def loaded_shapes(self, with_drafter: bool = True, num_experts: int | None = None,
                       drafter_experts: int | None = None) -> dict[str, tuple[int, ...]]:
         """Every parameter the model holds once loaded (after the architecture's re-layout), with its shape:
         stacks of the target's expert count at ``num_experts`` slots, a drafter's stacks of another count
         (DSpark's own experts) at ``drafter_experts`` (all by default)."""
-        out = {}
-        full = self.num_experts
-        for r in self.rows.values():
-            if not r.loaded or (r.drafter and not with_drafter):
-                continue
-            if r.experts and num_experts is not None and r.shape[0] == full:
-                out[r.name] = (num_experts, *r.shape[1:])
-            elif r.experts and r.drafter and drafter_experts is not None and r.shape[0] != full:
-                out[r.name] = (drafter_experts, *r.shape[1:])
-            else:
-                out[r.name] = r.shape
-        return out
+        return {r.name: self._resized(r, num_experts, drafter_experts) for r in self.rows.values()
+                if r.loaded and (with_drafter or not r.drafter)}
 
     def file_names(self, with_drafter: bool = True) -> dict[str, tuple[int, ...]]:
         """The tensors a published checkpoint holds (experts one by one), with logical shapes; block

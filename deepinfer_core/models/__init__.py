@@ -30,6 +30,7 @@ def load_model(
     experts: range | None = None,
     engram_placement: str | None = None,
     engram_shard: bool = False,
+    drafter_experts: range | None = None,
 ) -> Model:
     """Read the config and weights in ``path`` and build the model its config.json names on ``backend``'s
     ops (their batch-invariant implementations with ``batch_invariant``). ``quantization="fp8"`` keeps
@@ -40,7 +41,8 @@ def load_model(
     ``"transformers"`` or ``"deepseek"``); by default ``"deepseek"`` for a checkpoint whose config.json
     carries ``quantization_config``, ``"transformers"`` otherwise. ``experts``: load only these routed
     experts (a contiguous range of ids; expert parallelism). ``engram_placement`` (``"device"``, ``"host"``,
-    ``"file"``; None: the memory plan's) and ``engram_shard``: where a model with Engram tables keeps them."""
+    ``"file"``; None: the memory plan's) and ``engram_shard``: where a model with Engram tables keeps them.
+    ``drafter_experts``: load only these of a drafter's own routed experts (DSpark's stages)."""
     from deepinfer_core.plugins import build_op_table, load_backend
 
     if quantization not in (None, "fp8"):
@@ -54,14 +56,16 @@ def load_model(
         raise ValueError(f"unknown numerics {numerics!r}; expected one of {arch.numerics}")
     ops = build_op_table(backend, dtype=dtype, device=device, model_config=cfg,
                          allow_reference_fallback=allow_reference_fallback, batch_invariant=batch_invariant)
-    engram = {}
+    extra = {}
     if engram_placement is not None or engram_shard:
         if not getattr(cfg, "has_engram", False):
             raise ValueError(f"engram_placement / engram_shard: {arch.name} at {path} has no Engram tables")
-        engram = {"engram_placement": engram_placement, "engram_shard": engram_shard}
+        extra = {"engram_placement": engram_placement, "engram_shard": engram_shard}
+    if drafter_experts is not None:
+        extra["drafter_experts"] = drafter_experts  # only architectures whose drafter has experts of its own
     return arch.load_model(cfg, path, ops, dtype, device, hook=load_backend(backend).hook,
                            quantization=quantization, numerics=numerics, experts=experts,
-                           show_progress=show_progress, **engram)
+                           show_progress=show_progress, **extra)
 
 
 __all__ = ["Architecture", "Model", "ModelConfig", "default_numerics", "load_model", "register_architecture",

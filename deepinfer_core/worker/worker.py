@@ -85,11 +85,12 @@ class Worker:
         emap = getattr(disp, "expert_map", None)
         slots = None if emap is None else emap.local_logical(self.rank)
         local = range(min(slots), max(slots) + 1) if slots else (disp.local_experts if disp is not None else None)
+        self.drafter_span = self._drafter_span()
         self.model = load_model(self.path, args.backend, self.dtype, self.device, args.allow_reference_fallback,
                                 batch_invariant=self.batch_invariant, quantization=args.quantization,
                                 numerics=getattr(args, "numerics", None), experts=local,
                                 engram_placement=getattr(args, "engram_placement", None),
-                                engram_shard=getattr(args, "engram_shard", False))
+                                engram_shard=getattr(args, "engram_shard", False), drafter_experts=self.drafter_span)
         # bounded replay: the engine's scheduler sets each prefill's floor; the model cuts its late layers there
         self.model.bounded_replay = resolve_bounded_replay(getattr(args, "bounded_replay", None), self.model_config)
         if disp is None:
@@ -104,11 +105,28 @@ class Worker:
         if emap is not None:
             self.eplb_state = EplbState(self.model, disp, self.parallel_config.eplb_config)
 
+    def _drafter_span(self) -> range | None:
+        """The drafter's own experts (DSpark's stages, another count than the target's) this rank reads: its
+        share under expert parallel with speculative decoding, where its slots are one contiguous span (no
+        EPLB); None: all of them (the drafter's own slots are chosen after loading)."""
+        pc, disp = self.parallel_config, self.ep_dispatcher
+        moe_config = getattr(self.model_config, "drafter_moe_config", None)
+        if disp is None or moe_config is None or pc.enable_eplb:
+            return None
+        if SpeculativeConfig.from_arg(getattr(self.args, "speculative_config", None)) is None:
+            return None
+        num = moe_config()[0]
+        if num == self.model_config.n_routed_experts or num % disp.world:
+            return None
+        per = num // disp.world
+        return range(disp.rank * per, (disp.rank + 1) * per)
+
     def _shard_drafter_experts(self, local: range) -> None:
         """A drafter whose MoE has experts of its own (DSpark's stages): their own dispatcher over their own
         count, this rank's slots of them kept, and with EPLB their own slot map and load recorder. The
-        loader read all of them, or the target's span ``local`` where the two counts are equal. Without
-        speculative decoding the drafter never runs: its experts are left as loaded."""
+        loader read this rank's span of them (:meth:`_drafter_span`), all of them, or the target's span
+        ``local`` where the two counts are equal. Without speculative decoding the drafter never runs: its
+        experts are left as loaded."""
         num = drafter_experts(self.model)
         if num is None or SpeculativeConfig.from_arg(getattr(self.args, "speculative_config", None)) is None:
             return
@@ -120,7 +138,13 @@ class Worker:
         else:
             slots = list(disp.local_experts)
         loaded = drafter_stacks(self.model)[0].w13.weight.shape[0]
-        first = 0 if loaded == num else local.start
+        if self.drafter_span is not None:
+            if list(self.drafter_span) != slots:
+                raise RuntimeError(f"rank {self.rank} read the drafter's experts {self.drafter_span} but its "
+                                   f"dispatcher gives it {slots}")
+            first = self.drafter_span.start
+        else:
+            first = 0 if loaded == num else local.start
         place_stacks(drafter_stacks(self.model), [e - first for e in slots], loaded)
         drafter.ep = disp
         if pc.enable_eplb:

@@ -15,6 +15,7 @@ from deepinfer_core.engine.args import EngineArgs
 from deepinfer_core.entrypoints.cli import main
 from deepinfer_core.entrypoints.llm import LLM
 from deepinfer_core.parallel.memory_plan import measured_memory, plan_memory
+from deepinfer_core.sampling.params import SamplingParams
 
 one_torch_thread = engine_fixtures.one_torch_thread
 
@@ -59,14 +60,19 @@ def test_plan_refuses_what_it_cannot_predict():
 def test_expert_parallel_ranks_with_dspark_hold_their_share_of_the_drafters_experts():
     """DSpark's stages have experts of their own (the trained default: 4 against the target's 8): with
     speculative decoding each expert-parallel rank keeps its share of those too, and the plan says so."""
-    kw = dict(model=str(default_model_path()), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
-              kv_cache_bytes=32 << 20, data_parallel_size=2, enable_expert_parallel=True,
-              speculative_config={"method": "dspark", "num_speculative_tokens": 2})
-    plan = plan_memory(EngineArgs(**kw))
-    alone = plan_memory(EngineArgs(**{**kw, "speculative_config": None}))
+    kw = dict(model=str(default_model_path()), dtype="float64", max_num_batched_tokens=64, max_num_seqs=4,
+              kv_cache_bytes=32 << 20, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    ep = dict(data_parallel_size=2, enable_expert_parallel=True)
+    plan = plan_memory(EngineArgs(**kw, **ep))
+    alone = plan_memory(EngineArgs(**{**kw, "speculative_config": None}, **ep))
     assert plan[0].expert_bytes < alone[0].expert_bytes  # half the drafter's experts, not all of them
-    llm = LLM(**kw, distributed_timeout_s=120)
+    prompts = [{"prompt_token_ids": list(range(40 + 7 * i, 70 + 7 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**kw, **ep, distributed_timeout_s=120)
     try:
         assert llm.llm_engine.rank_memory() == _predicted(plan)
+        # each rank read only its span of the drafter's experts and drafts as one process does
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     finally:
         llm.llm_engine.shutdown()

@@ -73,3 +73,22 @@ def test_drafts_equal_forward_spec(tiny, numerics, quant):  # noqa: F811
         assert torch.equal(ids_e, ids_r), step
         assert (logits_e - logits_r).abs().max() <= 1e-5 * logits_r.abs().max(), step
         assert (conf_e - conf_r).abs().max() <= 1e-5 * max(1.0, conf_r.abs().max()), step
+
+
+def test_a_rank_reads_only_its_share_of_the_drafters_own_experts(tiny):  # noqa: F811
+    """Expert parallel with DSpark: a rank's stages hold exactly its span of their own experts (4 in the
+    tiny checkpoint, against the target's 8), the rows of a whole load."""
+    from deepinfer_core.parallel.ep import drafter_stacks
+
+    whole = drafter_stacks(load_model(tiny, dtype=torch.float64))
+    part = drafter_stacks(load_model(tiny, dtype=torch.float64, drafter_experts=range(2, 4)))
+    assert len(part) == len(whole) > 0
+    for a, b in zip(part, whole, strict=True):
+        for name in ("w13", "w2"):
+            got, want = getattr(a, name), getattr(b, name)
+            assert got.weight.shape[0] == 2 and torch.equal(got.weight, want.weight[2:4])
+            if want.scale is not None:
+                assert torch.equal(got.scale, want.scale[2:4])
+    for bad in (range(3, 3), range(3, 5)):
+        with pytest.raises(ValueError, match="drafter_experts must be a non-empty contiguous range within 0..4"):
+            load_model(tiny, dtype=torch.float64, drafter_experts=bad)

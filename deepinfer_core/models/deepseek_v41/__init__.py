@@ -25,12 +25,13 @@ def default_numerics(cfg: DeepseekV41Config) -> str:
 
 def load_model(cfg: DeepseekV41Config, path: Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
                hook: Any, quantization: str | None, numerics: str, experts: range | None,
-               show_progress: bool, engram_placement: str | None = None, engram_shard: bool = False
-               ) -> DeepseekV41Model:
+               show_progress: bool, engram_placement: str | None = None, engram_shard: bool = False,
+               drafter_experts: range | None = None) -> DeepseekV41Model:
     """The weights in ``path`` on ``device`` as a model running ``ops``: packed FP4 routed experts stay packed
     under deepseek numerics, everything else is dequantised to ``dtype``; the Engram tables stay FP8 where
     ``engram_placement`` puts them (:mod:`.engram_placement`; None: the memory plan's choice), their rows
-    split over the ranks with ``engram_shard``."""
+    split over the ranks with ``engram_shard``; ``drafter_experts``: the DSpark stages' own experts to read
+    (expert parallel: a rank's share; all by default)."""
     from deepinfer_core.model.loader import manifest_of, read_checkpoint, read_headers
 
     if quantization is not None:
@@ -38,7 +39,8 @@ def load_model(cfg: DeepseekV41Config, path: Path, ops: Any, dtype: torch.dtype,
                                     "weights are dequantised on load (quantization=None)")
     tables = frozenset(engram_placement_.table_names(cfg)) if cfg.has_engram else frozenset()
     params = read_checkpoint(cfg, path, dtype, device, keep_fp8=False, show_progress=show_progress, experts=experts,
-                             keep_fp4=numerics == "deepseek", numerics=numerics, exclude=tables)
+                             keep_fp4=numerics == "deepseek", numerics=numerics, exclude=tables,
+                             drafter_experts=drafter_experts)
     shard = _engram_shard(engram_shard) if tables else None
     placement = None
     if tables:
