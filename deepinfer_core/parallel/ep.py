@@ -143,6 +143,19 @@ def place_stacks(stacks: list[Experts], rows: list[int], expected: int) -> None:
             setattr(ex, name, replace(lin, weight=take_rows(lin.weight, index), scale=scale))
 
 
+def own_drafter_experts(cfg: Any, args: Any) -> int | None:
+    """The routed experts of a drafter's own group that expert parallel shards over the ranks: DSpark's
+    stages (another count than the target's) with speculative decoding on; None without (a drafter that
+    never runs keeps its experts whole, one of the target's count is sharded with the target's)."""
+    from deepinfer_core.spec_decode.config import SpeculativeConfig
+
+    moe_config = getattr(cfg, "drafter_moe_config", None)
+    if moe_config is None or SpeculativeConfig.from_arg(getattr(args, "speculative_config", None)) is None:
+        return None
+    num = moe_config()[0]
+    return None if num == cfg.n_routed_experts else num
+
+
 def drafter_experts(model) -> int | None:
     """The routed experts of ``model``'s drafter's own group (None: no drafter, or one that shares the
     target's experts' dispatcher)."""

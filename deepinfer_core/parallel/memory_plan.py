@@ -96,18 +96,14 @@ def plan_memory(args: Any) -> list[RankMemory]:
 
 
 def drafter_slots(cfg: ModelConfig, pc: Any, args: Any) -> int | None:
-    """The slots of its drafter's own experts (DSpark's stages) a rank keeps: its share under expert
-    parallel with speculative decoding (the worker then shards them as the target's); None (all of them)
-    otherwise, or where the drafter's count is the target's (sharded with the target's)."""
-    from deepinfer_core.spec_decode.config import SpeculativeConfig
+    """The slots of its drafter's own experts a rank keeps under expert parallel (:func:`own_drafter_experts`:
+    the worker shards them as the target's); None: all of them."""
+    from deepinfer_core.parallel.ep import own_drafter_experts
 
-    moe_config = getattr(cfg, "drafter_moe_config", None)
-    if moe_config is None or pc.expert_parallel_size <= 1:
+    own = own_drafter_experts(cfg, args)
+    if own is None or pc.expert_parallel_size <= 1:
         return None
-    if SpeculativeConfig.from_arg(getattr(args, "speculative_config", None)) is None:
-        return None
-    own = moe_config()[0]
-    return None if own == cfg.n_routed_experts else pc.num_physical_experts(own) // pc.expert_parallel_size
+    return pc.num_physical_experts(own) // pc.expert_parallel_size
 
 
 def plan_rank(cfg: ModelConfig, dtype: torch.dtype, spec: KVCacheSpec, cache: CacheConfig, sched: SchedulerConfig,

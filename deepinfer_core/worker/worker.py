@@ -24,6 +24,7 @@ from deepinfer_core.parallel.ep import (
     drafter_stacks,
     dummy_moe_step,
     graph_collectives,
+    own_drafter_experts,
     place_experts,
     place_stacks,
 )
@@ -109,14 +110,8 @@ class Worker:
         """The drafter's own experts (DSpark's stages, another count than the target's) this rank reads: its
         share under expert parallel with speculative decoding, where its slots are one contiguous span (no
         EPLB); None: all of them (the drafter's own slots are chosen after loading)."""
-        pc, disp = self.parallel_config, self.ep_dispatcher
-        moe_config = getattr(self.model_config, "drafter_moe_config", None)
-        if disp is None or moe_config is None or pc.enable_eplb:
-            return None
-        if SpeculativeConfig.from_arg(getattr(self.args, "speculative_config", None)) is None:
-            return None
-        num = moe_config()[0]
-        if num == self.model_config.n_routed_experts or num % disp.world:
+        disp, num = self.ep_dispatcher, own_drafter_experts(self.model_config, self.args)
+        if disp is None or num is None or self.parallel_config.enable_eplb or num % disp.world:
             return None
         per = num // disp.world
         return range(disp.rank * per, (disp.rank + 1) * per)
