@@ -464,6 +464,11 @@ def _refuse_nonfinite(checks: list[tuple[_Item, torch.Tensor]]) -> None:
                               + (" ..." if len(bad) > 8 else ""))
 
 
+def _check_span(name: str, span: range, total: int, what: str = "") -> None:
+    if span.step != 1 or span.start < 0 or span.stop > total or not len(span):
+        raise ValueError(f"{name} must be a non-empty contiguous range within 0..{total}{what}, got {span}")
+
+
 def read_checkpoint(
     cfg: ModelConfig,
     path: Path,
@@ -490,17 +495,13 @@ def read_checkpoint(
     quant = quant_config(cfg)
     num_experts = manifest.num_experts
     experts = range(num_experts) if experts is None else experts
-    if experts.step != 1 or experts.start < 0 or experts.stop > num_experts or not len(experts):
-        raise ValueError(f"experts must be a non-empty contiguous range within 0..{num_experts}, "
-                         f"got {experts}")
+    _check_span("experts", experts, num_experts)
     drafter = set(manifest.drafter_file_names())
     with_drafter = any(n in drafter for n in entries)
-    own = min((r.shape[0] for r in manifest.rows.values() if r.experts and r.drafter and r.shape[0] != num_experts),
-              default=0)
-    if drafter_experts is not None and (drafter_experts.step != 1 or drafter_experts.start < 0
-                                        or drafter_experts.stop > own or not len(drafter_experts)):
-        raise ValueError(f"drafter_experts must be a non-empty contiguous range within 0..{own} (the drafter's "
-                         f"own experts), got {drafter_experts}")
+    if drafter_experts is not None:
+        own = min((r.shape[0] for r in manifest.rows.values()
+                   if r.experts and r.drafter and r.shape[0] != num_experts), default=0)
+        _check_span("drafter_experts", drafter_experts, own, " (the drafter's own experts)")
     shapes = manifest.shapes(with_drafter, len(experts), None if drafter_experts is None else len(drafter_experts))
     items, stack_fmt = _plan(cfg, manifest, entries, shapes, experts, quant, drafter_experts)
 
